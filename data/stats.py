@@ -1,0 +1,118 @@
+"""Summary statistics of a WORKLOAD table: structure, token percentiles per domain, prefix sharing.
+
+Prefix sharing is measured as ``unlimited_cache_hit_fraction``: the fraction of
+block references an unlimited prefix cache would hit. Requests are replayed in
+order; a request's block i is a hit only if blocks 0..i were all registered by
+earlier requests, and a request registers all its blocks after being counted.
+Order: when every request has an ``arrival_s``, by arrival then table order;
+otherwise (RL workloads released per step) by step, then turn, then table order,
+so every turn k+1 comes after its turn k and a step's turn-0 batch comes first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+PERCENTILES = (50, 90, 99)
+
+
+def workload_stats(table: pa.Table) -> dict[str, Any]:
+    """Counts, per-domain token percentiles and unlimited-cache prefix hits of a workload."""
+    turns_per_session = pc.value_counts(table.column("session_id")).field("counts").to_numpy()
+    hits, refs, first_shared = _prefix_hits(table)
+    n = table.num_rows
+    return {
+        "requests": n,
+        "steps": _distinct(table, "step"),
+        "groups": _distinct(table, "group_id"),
+        "sessions": _distinct(table, "session_id"),
+        "turns": float(turns_per_session.mean()) if n else 0.0,
+        "max_turns": int(turns_per_session.max()) if n else 0,
+        "block_references": refs,
+        "unique_blocks": len(pc.unique(pc.list_flatten(table.column("block_hashes")))),
+        "unlimited_cache_hit_fraction": hits / refs if refs else 0.0,
+        "first_block_shared_fraction": first_shared / n if n else 0.0,
+        "domains": {str(d): _domain_stats(table.filter(pc.equal(table.column("domain"), d)))
+                    for d in sorted(pc.unique(table.column("domain")).to_pylist())},
+    }
+
+
+def _distinct(table: pa.Table, column: str) -> int:
+    """Number of distinct values of a column."""
+    return len(pc.unique(table.column(column)))
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float]:
+    """p50/p90/p99 of an array (empty: zeros)."""
+    if values.size == 0:
+        return {f"p{q}": 0.0 for q in PERCENTILES}
+    return {f"p{q}": float(v) for q, v in zip(PERCENTILES, np.percentile(values, PERCENTILES))}
+
+
+def _domain_stats(table: pa.Table) -> dict[str, Any]:
+    """Request and session counts and token percentiles of one domain."""
+    return {
+        "requests": table.num_rows,
+        "sessions": _distinct(table, "session_id"),
+        "groups": _distinct(table, "group_id"),
+        "prompt_tokens": _percentiles(table.column("prompt_tokens").to_numpy()),
+        "output_tokens": _percentiles(table.column("output_tokens").to_numpy()),
+    }
+
+
+def _replay_order(table: pa.Table) -> np.ndarray:
+    """Row indices in replay order: by arrival when all are known, else by (step, turn, row)."""
+    rows = np.arange(table.num_rows)
+    arrival = table.column("arrival_s")
+    if arrival.null_count == 0:
+        return rows[np.lexsort((rows, arrival.to_numpy()))]
+    step = table.column("step").to_numpy()
+    turn = table.column("turn").to_numpy()
+    return rows[np.lexsort((rows, turn, step))]
+
+
+def _prefix_hits(table: pa.Table) -> tuple[int, int, int]:
+    """(hit block references, all block references, requests whose first block was a hit) for an unlimited cache."""
+    ordered = table.column("block_hashes").take(pa.array(_replay_order(table))).combine_chunks()
+    lengths = pc.list_value_length(ordered).fill_null(0).to_numpy()
+    hashes = pc.list_flatten(ordered).to_numpy()
+    total = int(hashes.size)
+    if total == 0:
+        return 0, 0, 0
+    owner = np.repeat(np.arange(lengths.size), lengths)  # request (in replay order) of each reference
+    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+    seen = owner[first][inverse] < owner  # registered by an earlier request
+    starts = np.cumsum(lengths) - lengths
+    position = np.arange(total) - starts[owner]
+    # Leading run of hits = position of the first miss in the request (its length if none).
+    first_miss = np.where(seen, lengths[owner], position)
+    nonempty = lengths > 0
+    leading = np.minimum.reduceat(first_miss, starts[nonempty])
+    return int(leading.sum()), total, int((leading > 0).sum())
+
+
+def render_stats(stats: dict[str, Any]) -> str:
+    """Plain-text report of :func:`workload_stats` output."""
+    lines = [
+        f"requests {stats['requests']}  steps {stats['steps']}  groups {stats['groups']}  "
+        f"sessions {stats['sessions']}  turns/session {stats['turns']:.2f} (max {stats['max_turns']})",
+        f"block references {stats['block_references']}  unique blocks {stats['unique_blocks']}  "
+        f"unlimited-cache hit fraction {stats['unlimited_cache_hit_fraction']:.3f}  "
+        f"first block shared {stats['first_block_shared_fraction']:.3f}",
+    ]
+    header = ["domain", "requests", "sessions", "groups"] + [
+        f"{kind}_p{q}" for kind in ("prompt", "output") for q in PERCENTILES
+    ]
+    body = [
+        [name, str(d["requests"]), str(d["sessions"]), str(d["groups"])]
+        + [f"{d[f'{kind}_tokens'][f'p{q}']:.0f}" for kind in ("prompt", "output") for q in PERCENTILES]
+        for name, d in stats["domains"].items()
+    ]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    for r in [header, *body]:
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""The hook's configuration, read from environment variables and checked eagerly.
+
+================================  =============================================
+variable                          meaning (default)
+================================  =============================================
+KVPILOT_POLICY                    policy registry name (``vllm-default``)
+KVPILOT_POLICY_OPTIONS            JSON object of keyword options for the policy
+KVPILOT_TELEMETRY_DIR             write Parquet telemetry there (off when unset)
+KVPILOT_DECISION_BUDGET_MS        per-step budget for policy calls (5 ms)
+KVPILOT_MAX_PINNED_FRACTION       cap on blocks pinned for retention (0.25)
+KVPILOT_REPLICA                   replica id written in telemetry rows (0)
+================================  =============================================
+
+:func:`load_config` raises :class:`HookConfigError` naming the variable and
+the bad value; the scheduler calls it first thing in its constructor, so a bad
+configuration fails at engine start-up, not deep inside a step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from policy.interface import DEFAULT_DECISION_BUDGET_S
+
+DEFAULT_MAX_PINNED_FRACTION = 0.25
+
+
+class HookConfigError(ValueError):
+    """A bad kvpilot hook configuration (raised at scheduler start-up)."""
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    policy: str = "vllm-default"
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    telemetry_dir: Optional[str] = None
+    decision_budget_s: float = DEFAULT_DECISION_BUDGET_S
+    max_pinned_fraction: float = DEFAULT_MAX_PINNED_FRACTION
+    replica: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, str) or not self.policy.strip():
+            raise HookConfigError("kvpilot: the policy name must be a non-empty string")
+        if not isinstance(self.policy_options, Mapping):
+            raise HookConfigError("kvpilot: policy options must be a mapping")
+        b = self.decision_budget_s
+        if not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
+            raise HookConfigError(f"kvpilot: the decision budget must be > 0 seconds, got {b!r}")
+        f = self.max_pinned_fraction
+        if not isinstance(f, (int, float)) or not (0.0 <= f <= 1.0):
+            raise HookConfigError(f"kvpilot: max pinned fraction must be in [0, 1], got {f!r}")
+        if not isinstance(self.replica, int) or self.replica < 0:
+            raise HookConfigError(f"kvpilot: replica must be an integer >= 0, got {self.replica!r}")
+
+
+def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise HookConfigError(f"kvpilot: {name}={raw!r} is not a number") from None
+
+
+def load_config(env: Optional[Mapping[str, str]] = None) -> HookConfig:
+    """Read and validate the hook configuration from ``env`` (``os.environ``)."""
+    env = os.environ if env is None else env
+    policy = (env.get("KVPILOT_POLICY") or "vllm-default").strip()
+
+    options: dict[str, Any] = {}
+    raw_opts = env.get("KVPILOT_POLICY_OPTIONS")
+    if raw_opts and raw_opts.strip():
+        try:
+            options = json.loads(raw_opts)
+        except json.JSONDecodeError as e:
+            raise HookConfigError(f"kvpilot: KVPILOT_POLICY_OPTIONS is not valid JSON ({e}): {raw_opts!r}") from None
+        if not isinstance(options, dict):
+            raise HookConfigError(f"kvpilot: KVPILOT_POLICY_OPTIONS must be a JSON object, got {raw_opts!r}")
+
+    tdir = env.get("KVPILOT_TELEMETRY_DIR") or None
+    budget_ms = _float_env(env, "KVPILOT_DECISION_BUDGET_MS", DEFAULT_DECISION_BUDGET_S * 1e3)
+    if not math.isfinite(budget_ms) or budget_ms <= 0:
+        raise HookConfigError(f"kvpilot: KVPILOT_DECISION_BUDGET_MS must be > 0, got {budget_ms!r}")
+    frac = _float_env(env, "KVPILOT_MAX_PINNED_FRACTION", DEFAULT_MAX_PINNED_FRACTION)
+    if not (0.0 <= frac <= 1.0):
+        raise HookConfigError(f"kvpilot: KVPILOT_MAX_PINNED_FRACTION must be in [0, 1], got {frac!r}")
+    raw_rep = env.get("KVPILOT_REPLICA")
+    replica = 0
+    if raw_rep and raw_rep.strip():
+        try:
+            replica = int(raw_rep)
+        except ValueError:
+            raise HookConfigError(f"kvpilot: KVPILOT_REPLICA={raw_rep!r} is not an integer") from None
+        if replica < 0:
+            raise HookConfigError(f"kvpilot: KVPILOT_REPLICA must be >= 0, got {replica}")
+    return HookConfig(
+        policy=policy,
+        policy_options=options,
+        telemetry_dir=tdir,
+        decision_budget_s=budget_ms / 1e3,
+        max_pinned_fraction=frac,
+        replica=replica,
+    )

@@ -1,0 +1,79 @@
+"""The `kvpilot` command line: workload commands end to end, and errors in the user's words."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from training.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT.parent / "shared" / "traces"
+runner = CliRunner()
+
+
+def test_synth_then_stats_json(tmp_path: Path) -> None:
+    out = tmp_path / "w.parquet"
+    res = runner.invoke(app, ["workload", "synth", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["workload", "stats", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    stats = json.loads(res.stdout)
+    assert stats["requests"] > 2 * 64 * 8
+    assert {"math", "code", "agentic", "reward"} <= set(stats["domains"])
+    assert 0.0 < stats["unlimited_cache_hit_fraction"] < 1.0
+
+
+def test_seed_changes_the_workload(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    assert runner.invoke(app, ["workload", "synth", "-o", str(a), "--seed", "1"]).exit_code == 0
+    assert runner.invoke(app, ["workload", "synth", "-o", str(b), "--seed", "2"]).exit_code == 0
+    assert a.read_bytes() != b.read_bytes()
+
+
+def test_stats_on_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["workload", "stats", str(tmp_path / "nope.parquet")])
+    assert res.exit_code == 2
+    assert "nope.parquet" in res.output
+
+
+def test_validate_names_the_file_and_column_of_a_bad_workload(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.parquet"
+    assert runner.invoke(app, ["workload", "synth", "-o", str(good)]).exit_code == 0
+    table = pq.read_table(good)
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table.drop_columns(["prompt_tokens"]), bad)
+    res = runner.invoke(app, ["workload", "validate", str(bad)])
+    assert res.exit_code == 2
+    assert "bad.parquet" in res.output and "prompt_tokens" in res.output
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is absent")
+def test_import_with_skip_bad_reports_the_skipped_line(tmp_path: Path) -> None:
+    lines = (TRACES / "mooncake" / "synthetic_trace.jsonl").read_text().splitlines()[:50]
+    lines.insert(10, "{not json")
+    src = tmp_path / "trace.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "t.parquet"
+    res = runner.invoke(app, ["workload", "import", "--format", "mooncake", str(src), "-o", str(out)])
+    assert res.exit_code == 2 and "trace.jsonl" in res.output and "11" in res.output
+    res = runner.invoke(app, ["workload", "import", "--format", "mooncake", "--skip-bad", str(src), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "skipped 1 bad line" in res.output
+    stats = json.loads(runner.invoke(app, ["workload", "stats", str(out), "--json"]).stdout)
+    assert stats["requests"] == 50
+
+
+def test_console_script_is_installed() -> None:
+    exe = ROOT / ".venv" / "bin" / "kvpilot"
+    if not exe.exists():
+        pytest.skip("kvpilot is not installed into .venv (run `make test`)")
+    res = subprocess.run([str(exe), "workload", "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    assert "synth" in res.stdout and "import" in res.stdout and "stats" in res.stdout
