@@ -29,7 +29,7 @@ PolyTrace Search-R1 multi-turn (``turns[]``, ``tool_calls[]``)
   ``search_tool``, ``arrival_s`` null (synchronous batch). The prompt is not the
   same across steps (its length differs), so ``prompt_id`` is per step.
   Token accounting found in the trace: ``prompt[k+1] = prompt[k] + completion[k]
-  + sum(append_len) + 3`` on ~91% of transitions (``append_len`` is the tool
+  + sum(append_len) + 3`` on ~93% of transitions (``append_len`` is the tool
   response with its wrapper; ``response_token_len`` is ~14 tokens shorter; 3 is
   the chat template). Neither field alone fits, so ``tool_tokens`` is derived:
   ``prompt[k+1] - prompt[k] - completion[k]``. On ~0.5% of transitions that is
@@ -68,7 +68,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
@@ -311,6 +311,14 @@ class _Turn:
     finish: str
 
 
+class _ToolCall(NamedTuple):
+    """One parsed tool call."""
+
+    name: str
+    latency: float
+    append: int
+
+
 @dataclass
 class _Trajectory:
     """One parsed Search-R1 line."""
@@ -321,11 +329,11 @@ class _Trajectory:
     group: int | str
     sample: int
     turns: list[_Turn]
-    tools: dict[int, list[dict[str, Any]]]  # turn -> its tool calls
+    tools: dict[int, list[_ToolCall]]  # turn -> its tool calls
 
 
 def import_polytrace_multiturn(paths: PathsLike, *, skip_bad: bool = False, block_size: int = 16) -> ImportResult:
-    """Import PolyTrace Search-R1 multi-turn rollouts: one session per line, GRPO groups by (step, prompt_group_id)."""
+    """Import PolyTrace Search-R1 rollouts: one session per line, GRPO groups by (step, prompt_group_id)."""
     files = _paths(paths)
     skipped: list[Issue] = []
     groups: dict[tuple[int, int | str], dict[int, _Trajectory]] = defaultdict(dict)
@@ -346,7 +354,8 @@ def import_polytrace_multiturn(paths: PathsLike, *, skip_bad: bool = False, bloc
     chains = _Chains(block_size)
     cols = _new_columns()
     repaired: list[Issue] = []
-    for (step, group), members in sorted(groups.items(), key=lambda kv: (kv[0][0], isinstance(kv[0][1], str), kv[0][1])):
+    for (step, group) in sorted(groups, key=lambda key: (key[0], isinstance(key[1], str), key[1])):
+        members = groups[(step, group)]
         group_id = f"{label}:s{step}:g{group}"
         for index, sample in enumerate(sorted(members)):
             traj = members[sample]
@@ -394,7 +403,7 @@ def _parse_trajectory(obj: dict[str, Any], file: str, lineno: int) -> _Trajector
         if turns and turn.prompt <= turns[-1].prompt:
             raise _BadLine(where + "prompt_tokens", f"{turn.prompt} does not extend turn {k - 1}'s {turns[-1].prompt}")
         turns.append(turn)
-    tools: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    tools: dict[int, list[_ToolCall]] = defaultdict(list)
     last = -1
     for j, c in enumerate(_list(obj, "tool_calls")):
         where = f"tool_calls[{j}]."
@@ -406,7 +415,7 @@ def _parse_trajectory(obj: dict[str, Any], file: str, lineno: int) -> _Trajector
         name = _get(c, "tool_name", where)
         if not isinstance(name, str):
             raise _BadLine(where + "tool_name", f"expected a string, got {name!r}")
-        tools[turn].append({"name": name, "latency": _number(c, "latency_s", where), "append": _int(c, "append_len", 0, where)})
+        tools[turn].append(_ToolCall(name, _number(c, "latency_s", where), _int(c, "append_len", 0, where)))
         last = turn
     missing = [k for k in range(len(turns) - 1) if k not in tools]
     if missing:
@@ -430,14 +439,14 @@ def _session_turns(traj: _Trajectory, repaired: list[Issue]) -> Iterator[dict[st
         growth = turns[k + 1].prompt - t.prompt
         tool_tokens = growth - t.completion
         if tool_tokens < 0:
-            tool_tokens = min(sum(c["append"] for c in calls), growth)
+            tool_tokens = min(sum(c.append for c in calls), growth)
             fields["output_tokens"] = growth - tool_tokens
             repaired.append((traj.file, traj.line, f"turn {k}: output cut from {t.completion} to "
                                                    f"{fields['output_tokens']} tokens kept in turn {k + 1}'s prompt"))
         fields.update(
             finish_reason=finish,
-            tool="+".join(sorted({c["name"] for c in calls})),
-            tool_latency_s=max(c["latency"] for c in calls),
+            tool="+".join(sorted({c.name for c in calls})),
+            tool_latency_s=max(c.latency for c in calls),
             tool_tokens=tool_tokens,
         )
         yield fields

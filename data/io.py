@@ -122,7 +122,8 @@ def _read_file(file: Path, root: Path, spec: TableSpec, columns: Sequence[str] |
         raise DataValidationError(f"not a readable Parquet file ({err})", file=str(file)) from None
     for key, value in _partitions(file, root):
         if key in spec.schema.names and key not in names and (columns is None or key in columns):
-            table = table.append_column(key, _partition_column(file, spec.schema.field(key), value, table.num_rows))
+            column = _partition_column(file, spec.schema.field(key), value, table.num_rows)
+            table = table.append_column(key, column)
     return table
 
 
@@ -151,7 +152,7 @@ def _concat(tables: list[pa.Table], parts: list[tuple[str, int]]) -> pa.Table:
     """Concatenate conformed parts; their ``kvpilot.*`` metadata must agree and is kept."""
     metadata = tables[0].schema.metadata or {}
     ours = {k: v for k, v in metadata.items() if k.startswith(_METADATA_PREFIX)}
-    for table, (source, _) in zip(tables[1:], parts[1:]):
+    for table, (source, _) in zip(tables[1:], parts[1:], strict=True):
         theirs = {k: v for k, v in (table.schema.metadata or {}).items() if k.startswith(_METADATA_PREFIX)}
         if theirs != ours:
             raise DataValidationError(

@@ -7,6 +7,15 @@ earlier requests, and a request registers all its blocks after being counted.
 Order: when every request has an ``arrival_s``, by arrival then table order;
 otherwise (RL workloads released per step) by step, then turn, then table order,
 so every turn k+1 comes after its turn k and a step's turn-0 batch comes first.
+With chain hashes (equal hash = equal prefix) the order only matters for traces
+whose hashes are not chains; then the leading-run rule decides.
+
+Keys: ``requests``, ``steps``, ``groups``, ``sessions`` (distinct counts),
+``turns`` (mean turns per session), ``max_turns``, ``block_references``,
+``unique_blocks``, ``unlimited_cache_hit_fraction``, ``first_block_shared_fraction``
+(requests whose first block an earlier request registered) and ``domains``
+(per domain: ``requests``, ``sessions``, ``groups``, and p50/p90/p99 of
+``prompt_tokens`` and ``output_tokens``).
 """
 
 from __future__ import annotations

@@ -24,8 +24,12 @@ and p90 all match); the percentiles a config implies are closed-form
 * The prompt's length score is ``prompt_corr * d + sqrt(1 - prompt_corr^2) xi``
   (longer problems run longer), fixed for the prompt across steps.
 * Multi-turn domains draw the turn count from ``turn_probs`` through the score
-  ``sqrt(turns_icc) d_s + sqrt(1 - turns_icc) zeta``. Tool latency, appended
-  tool tokens and verification latency are independent draws.
+  ``sqrt(turns_icc) t_s + sqrt(1 - turns_icc) zeta``, where ``t`` is a second
+  persistent latent of the prompt (its tool-call tendency, carried across steps
+  like ``d``): Search-R1 shows turn counts uncorrelated with completion lengths
+  (-0.07), and a shared latent would skew the per-turn length distribution
+  towards long sessions. Tool latency, appended tool tokens and verification
+  latency are independent draws.
 * An output that reaches ``max_tokens`` is cut there and finishes ``length``
   (DeepCoder: ~15% of code samples hit the 16k cap); a non-last turn that does
   so ends its session. Other last turns finish ``stop``; non-last turns
@@ -49,27 +53,33 @@ trajectory (Search-R1 style answers judged by a reward model); math and code
 keep their rule-based verifier and sandbox.
 
 Block hashes: block j covering tokens ``[j*B, end)`` of a request hashes
-``(owner, j, end)``. The owner is the group's prompt (keyed by RL step too,
+``(owner, end)`` (``end`` fixes ``j``). The owner is the group's prompt (keyed by RL step too,
 because a weight update invalidates cached KV, so the same prompt's blocks
 differ between steps) while ``end`` is within the prompt, else the trajectory
 while ``end`` is within its context, else the request's own session (a scoring
 request's judge template). Keying by ``end`` keeps a partial block distinct from
 the full block it grows into. Hashes are splitmix64 mixes, as signed int64.
 
-Defaults, from ``shared/traces/polytrace`` (percentiles p10 / p50 / p90):
+Defaults: each step splits its prompts math 50% / code 25% / agentic 25%, and
+every agentic trajectory is scored. Calibrated to ``shared/traces/polytrace``
+(percentiles p10 / p50 / p90; "ICC" is the intra-class correlation of normal
+scores within groups):
 
 * math, DAPO (576 groups): output 172 / 465 / 1041; prompt 108 / 152 / 224;
-  normal-score ICC 0.094 (a group's longest is ~2.3x its median); prompt-length
-  vs group-length correlation 0.24; cap 20480 (DAPO recipe).
+  ICC 0.094 (a group's longest is ~2.3x its median); prompt length vs the
+  group's mean score 0.24 (``prompt_corr`` 0.37 gives that after group noise);
+  cap 20480 (DAPO recipe).
 * code, DeepCoder (80 groups): output 2154 / 9900 / 16000 with 15% at the 16000
-  cap (``sigma`` puts 15% above it); prompt 176 / 435 / 819; ICC 0.84;
-  prompt-length correlation 0.61. Sandbox reward takes 37-125 s per batch of
-  64, ~1.2 s per trajectory.
+  cap (``sigma`` puts 15% above it); prompt 176 / 435 / 819; ICC 0.84; prompt
+  length vs group 0.61 (``prompt_corr`` 0.65). Sandbox reward takes 37-125 s per
+  batch of 64, ~1.2 s per trajectory.
 * agentic, Search-R1 (768 groups): 1-5 turns with probabilities
-  .072/.426/.349/.104/.049; completion per turn 28 / 56 / 143 (cap 3000);
-  per-turn ICC 0.115, turn-count ICC 0.175; initial prompt 316 / 318 / 321;
-  tool latency 0.031 / 0.171 / 1.386 s (max 3.77 s); tokens appended per tool
-  call (next prompt - prompt - completion) 465 / 524 / 918.
+  .072/.426/.349/.104/.049 (mean 2.63); completion per turn 28 / 56 / 143 (cap
+  3000); per-turn ICC 0.115; turn-count ICC 0.175 (``turns_icc`` 0.2, as
+  discrete counts dilute it); initial prompt 316 / 318 / 321; tool latency
+  0.031 / 0.171 / 1.386 s (max 3.77 s); tokens appended per tool call (next
+  prompt - prompt - completion, as :mod:`data.importers` derives them)
+  465 / 524 / 918.
 """
 
 from __future__ import annotations
@@ -230,7 +240,7 @@ class SynthConfig:
     group_size: int = 8
     block_size: int = 16
     repeat_fraction: float = 0.5  # share of a step's prompts re-drawn from earlier steps
-    step_persistence: float = 0.9  # correlation of a prompt's difficulty between two steps
+    step_persistence: float = 0.9  # correlation of a prompt's latents between two steps
     domains: dict[str, DomainConfig] = field(default_factory=_default_domains)
     scoring: ScoringConfig = ScoringConfig()
 
@@ -289,7 +299,7 @@ def _build(cls: type, data: Any, base: Any, where: str) -> Any:
     try:
         return dataclasses.replace(base, **values) if base is not None else cls(**values)
     except ValueError as err:
-        raise _ConfigError(f"key {where.rstrip('.') or '(top level)'!r}: {err}") from None
+        raise _ConfigError(f"key {where.rstrip('.')!r}: {err}" if where else str(err)) from None
 
 
 def _coerce(value: Any, hint: Any, base: Any, where: str) -> Any:
@@ -311,20 +321,20 @@ def _coerce(value: Any, hint: Any, base: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise _ConfigError(f"key {where!r}: expected an array, got {value!r}")
         return tuple(_coerce(v, typing.get_args(hint)[0], None, f"{where}[{i}]") for i, v in enumerate(value))
-    ok = {
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        str: isinstance(value, str),
+    ok, what = {
+        float: (isinstance(value, (int, float)) and not isinstance(value, bool), "a number"),
+        int: (isinstance(value, int) and not isinstance(value, bool), "an integer"),
+        str: (isinstance(value, str), "a string"),
     }[hint]
     if not ok:
-        raise _ConfigError(f"key {where!r}: expected {hint.__name__}, got {value!r}")
+        raise _ConfigError(f"key {where!r}: expected {what}, got {value!r}")
     return hint(value)
 
 
 # ---------------------------------------------------------------- generation
 
 _ROLLOUT, _SCORING = 0, 1
-_FINISH = np.array(["stop", "length", "tool_call"], dtype=object)
+_FINISH = ["stop", "length", "tool_call"]
 _STOP, _LENGTH, _TOOL_CALL = 0, 1, 2
 
 
@@ -353,20 +363,21 @@ def generate(cfg: SynthConfig) -> pa.Table:
 
 
 class _Pool:
-    """One domain's prompts seen so far: persistent difficulty and prompt length."""
+    """One domain's prompts seen so far: persistent latents (difficulty, turn tendency) and length."""
 
     def __init__(self) -> None:
-        self.difficulty = np.empty(0)
+        self.latent = np.empty((0, 2))
         self.prompt_tokens = np.empty(0, dtype=np.int64)
 
     def draw(self, rng: np.random.Generator, dom: DomainConfig, n: int, repeat: float) -> np.ndarray:
         """Indices of this step's n prompts: round(repeat * n) seen before, the rest new."""
-        n_old = min(round(repeat * n), len(self.difficulty))
-        old = rng.choice(len(self.difficulty), size=n_old, replace=False)
-        d = rng.standard_normal(n - n_old)
-        score = dom.prompt_corr * d + math.sqrt(1 - dom.prompt_corr**2) * rng.standard_normal(n - n_old)
-        new = np.arange(len(self.difficulty), len(self.difficulty) + n - n_old)
-        self.difficulty = np.concatenate([self.difficulty, d])
+        seen = len(self.latent)
+        n_old = min(round(repeat * n), seen)
+        old = rng.choice(seen, size=n_old, replace=False)
+        latent = rng.standard_normal((n - n_old, 2))
+        score = dom.prompt_corr * latent[:, 0] + math.sqrt(1 - dom.prompt_corr**2) * rng.standard_normal(n - n_old)
+        new = np.arange(seen, seen + n - n_old)
+        self.latent = np.concatenate([self.latent, latent])
         self.prompt_tokens = np.concatenate([self.prompt_tokens, _tokens(dom.prompt_tokens.from_scores(score))])
         return np.concatenate([old, new])
 
@@ -389,13 +400,13 @@ def _scores(rng: np.random.Generator, shared: np.ndarray, weight: float, shape: 
     return math.sqrt(weight) * shared + math.sqrt(1 - weight) * rng.standard_normal(shape)
 
 
-def _turn_counts(rng: np.random.Generator, dom: DomainConfig, difficulty: np.ndarray) -> np.ndarray:
+def _turn_counts(rng: np.random.Generator, dom: DomainConfig, tendency: np.ndarray) -> np.ndarray:
     """Turns per session from ``turn_probs``, through a score sharing ``turns_icc`` with the group."""
     if len(dom.turn_probs) == 1:
-        return np.ones(len(difficulty), dtype=np.int64)
+        return np.ones(len(tendency), dtype=np.int64)
     cum = np.clip(np.cumsum(dom.turn_probs)[:-1], 1e-12, 1 - 1e-12)
     cuts = np.array([_NORMAL.inv_cdf(c) for c in cum])
-    return np.searchsorted(cuts, _scores(rng, difficulty, dom.turns_icc, difficulty.shape)) + 1
+    return np.searchsorted(cuts, _scores(rng, tendency, dom.turns_icc, tendency.shape)) + 1
 
 
 def _rollouts(
@@ -403,10 +414,9 @@ def _rollouts(
 ) -> dict[str, np.ndarray]:
     """The rollout turns of one domain's groups in one step, as columns in session and turn order."""
     n_sessions, max_turns = len(idx) * cfg.group_size, len(dom.turn_probs)
-    rho = cfg.step_persistence
-    difficulty = _scores(rng, pool.difficulty[idx], rho, (len(idx),))
+    difficulty, tendency = _scores(rng, pool.latent[idx], cfg.step_persistence, (len(idx), 2)).T
     group = np.repeat(np.arange(len(idx)), cfg.group_size)
-    n_turns = _turn_counts(rng, dom, difficulty[group])
+    n_turns = _turn_counts(rng, dom, tendency[group])
     scores = _scores(rng, difficulty[group][:, None], dom.group_icc, (n_sessions, max_turns))
     out = np.minimum(_tokens(dom.output_tokens.from_scores(scores)), dom.max_tokens)
     turn = np.arange(max_turns)
@@ -444,7 +454,9 @@ def _rollouts(
     }
 
 
-def _scoring(rng: np.random.Generator, sc: ScoringConfig, dom: DomainConfig, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _scoring(
+    rng: np.random.Generator, sc: ScoringConfig, dom: DomainConfig, rows: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """Reward-model requests for the trajectories of a ``score_fraction`` of the groups in ``rows``."""
     groups = np.unique(rows["group_uid"])
     scored = groups[rng.random(len(groups)) < dom.score_fraction]
@@ -478,13 +490,14 @@ def _to_table(cfg: SynthConfig, c: dict[str, np.ndarray]) -> pa.Table:
     session_id = [f"{t}-score" if sc else t for t, sc in zip(trajectory, scoring.tolist())]
     tools = [d.tool for d in cfg.domains.values()]
     tool_name = [tools[d].name if has else None for d, has in zip(c["domain_code"].tolist(), c["has_tool"].tolist())]
-    domain = np.where(scoring, "reward", np.array(names, dtype=object)[c["domain_code"]])
-    paradigm = np.array([d.paradigm for d in cfg.domains.values()], dtype=object)[c["domain_code"]]
+    # scoring rows take the extra label at index len(names)
+    label = np.where(scoring, len(names), c["domain_code"])
+    paradigms = [d.paradigm for d in cfg.domains.values()]
     no_tool = ~c["has_tool"]
     n = len(scoring)
     columns = {
         "request_id": pa.array([f"{s}-t{k}" for s, k in zip(session_id, c["turn"].tolist())], pa.string()),
-        "kind": pa.array(np.where(scoring, "scoring", "rollout"), pa.string()),
+        "kind": _labels(["rollout", "scoring"], c["kind"]),
         "step": pa.array(c["step"], pa.int32()),
         "prompt_id": pa.array(prompt_id, pa.string()),
         "group_id": pa.array(group_id, pa.string()),
@@ -492,12 +505,12 @@ def _to_table(cfg: SynthConfig, c: dict[str, np.ndarray]) -> pa.Table:
         "sample_index": pa.array(c["sample"], pa.int32()),
         "session_id": pa.array(session_id, pa.string()),
         "turn": pa.array(c["turn"], pa.int32()),
-        "domain": pa.array(domain, pa.string()),
-        "paradigm": pa.array(np.where(scoring, "reward_model", paradigm), pa.string()),
+        "domain": _labels([*names, "reward"], label),
+        "paradigm": _labels([*paradigms, "reward_model"], label),
         "prompt_tokens": pa.array(c["prompt_tokens"], pa.int32()),
         "output_tokens": pa.array(c["output_tokens"], pa.int32()),
         "max_tokens": pa.array(c["max_tokens"], pa.int32()),
-        "finish_reason": pa.array(_FINISH[c["finish"]], pa.string()),
+        "finish_reason": _labels(_FINISH, c["finish"]),
         "block_size": pa.array(np.full(n, cfg.block_size), pa.int32()),
         "block_hashes": _block_hashes(cfg, c),
         "tool": pa.array(tool_name, pa.string()),
@@ -508,6 +521,11 @@ def _to_table(cfg: SynthConfig, c: dict[str, np.ndarray]) -> pa.Table:
         "arrival_s": pa.nulls(n, pa.float64()),
     }
     return pa.Table.from_arrays(list(columns.values()), schema=WORKLOAD.schema)
+
+
+def _labels(labels: list[str], codes: np.ndarray) -> pa.Array:
+    """A string column from integer codes into ``labels``."""
+    return pa.array(labels, pa.string()).take(pa.array(codes))
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -529,7 +547,7 @@ def _hash(*keys: np.ndarray | int) -> np.ndarray:
 
 
 def _block_hashes(cfg: SynthConfig, c: dict[str, np.ndarray]) -> pa.ListArray:
-    """Each request's chain: block j over tokens [j*B, end) hashes (owner, j, end); see the module docstring."""
+    """Each request's chain: block j over tokens [j*B, end) hashes (owner, end); see the module docstring."""
     size = cfg.block_size
     n_blocks = -(-c["prompt_tokens"] // size)
     offsets = np.concatenate([[0], np.cumsum(n_blocks)])
@@ -545,5 +563,5 @@ def _block_hashes(cfg: SynthConfig, c: dict[str, np.ndarray]) -> pa.ListArray:
         prompt_key[row],
         np.where(end <= c["shared_end"][row], trajectory_key[row], own_key[row]),
     )
-    values = _hash(owner, j, end).view(np.int64)
+    values = _hash(owner, end).view(np.int64)  # end alone fixes j: j = (end - 1) // size
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.int64()))

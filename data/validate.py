@@ -11,7 +11,7 @@ vectorised (pyarrow.compute and numpy): a million-row workload takes a few secon
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -219,8 +219,9 @@ class _Rows:
         self.sources = [name for name, _ in parts]
         self.ends = np.cumsum([count for _, count in parts])
         if not self.ends.size or self.ends[-1] != self.n:
-            raise ValueError(f"parts cover {self.ends[-1] if self.ends.size else 0} rows, the table has {self.n}")
-        self._cache: dict[tuple[str, str], object] = {}
+            covered = int(self.ends[-1]) if self.ends.size else 0
+            raise ValueError(f"parts cover {covered} rows, the table has {self.n}")
+        self._cache: dict[tuple[str, str], Any] = {}
 
     def array(self, name: str) -> pa.Array:
         """The column as one Arrow array."""
@@ -252,22 +253,8 @@ class _Rows:
         return self.codes(name) if pa.types.is_string(self.table.schema.field(name).type) else self.num(name)
 
     def grouping(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows grouped by a column's value, keeping table order within a group.
-
-        Returns ``order`` (row of each sorted position), ``start`` (sorted position where each
-        position's group starts) and ``new`` (whether a sorted position starts a group).
-        """
-
-        def group() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            keys = self.codes(name)
-            order = np.argsort(keys, kind="stable")
-            ordered = keys[order]
-            new = np.ones(self.n, dtype=bool)
-            new[1:] = ordered[1:] != ordered[:-1]
-            start = np.maximum.accumulate(np.where(new, np.arange(self.n), 0))
-            return order, start, new
-
-        return self._cached("grouping", name, group)
+        """Rows grouped by a string column's value (see :func:`_group`)."""
+        return self._cached("grouping", name, lambda: _group(self.codes(name)))
 
     def fail(self, column: str, row: int, message: str) -> NoReturn:
         """Raise the error for a row of the concatenated table, named by its part and local row."""
@@ -279,10 +266,24 @@ class _Rows:
         part = int(np.searchsorted(self.ends, row, side="right"))
         return self.sources[part], row - (int(self.ends[part - 1]) if part else 0)
 
-    def _cached(self, kind: str, name: str, compute: Callable[[], object]):
+    def _cached(self, kind: str, name: str, compute: Callable[[], Any]) -> Any:
         if (kind, name) not in self._cache:
             self._cache[(kind, name)] = compute()
         return self._cache[(kind, name)]
+
+
+def _group(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions grouped by key, keeping their order within a group.
+
+    Returns ``order`` (position of each sorted slot), ``start`` (sorted slot where each slot's
+    group starts) and ``new`` (whether a sorted slot starts a group).
+    """
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    new = np.ones(keys.size, dtype=bool)
+    new[1:] = ordered[1:] != ordered[:-1]
+    start = np.maximum.accumulate(np.where(new, np.arange(keys.size), 0))
+    return order, start, new
 
 
 def _first(mask: np.ndarray, rows: np.ndarray | None = None) -> int | None:
@@ -367,7 +368,8 @@ def _one_of(table: str, column: str, allowed: Sequence[str]) -> None:
         bad = pc.and_(array.is_valid(), pc.invert(pc.is_in(array, value_set=pa.array(allowed))))
         row = _first_true(bad)
         if row is not None:
-            rows.fail(column, row, f"unknown {column} {rows.value(column, row)!r} (expected one of {', '.join(allowed)})")
+            value = rows.value(column, row)
+            rows.fail(column, row, f"unknown {column} {value!r} (expected one of {', '.join(allowed)})")
 
     _register(table, column, check=check)
 
@@ -396,7 +398,8 @@ def _unique(table: str, column: str) -> None:
         if row is not None:
             earlier = int(first[codes[row]])
             source, local = rows.locate(earlier)
-            rows.fail(column, row, f"duplicate {column} {rows.value(column, row)!r} (first at {source}, row {local})")
+            value = rows.value(column, row)
+            rows.fail(column, row, f"duplicate {column} {value!r} (first at {source}, row {local})")
 
     _register(table, column, check=check)
 
@@ -529,13 +532,14 @@ def _context_grows(rows: _Rows) -> None:
 def _tool_between_turns(rows: _Rows) -> None:
     before, _ = _turn_pairs(rows)
     reasons = rows.array("finish_reason").take(pa.array(before))
+    not_tool_call = pc.not_equal(reasons, "tool_call").to_numpy(zero_copy_only=False)
     problems = [
-        ("finish_reason", pc.not_equal(reasons, "tool_call").to_numpy(zero_copy_only=False), "must be 'tool_call'"),
+        ("finish_reason", not_tool_call, "must be 'tool_call'"),
         ("tool", ~rows.valid("tool")[before], "must name the tool called"),
         ("tool_latency_s", ~rows.valid("tool_latency_s")[before], "must give the tool's latency"),
         ("tool_tokens", ~rows.valid("tool_tokens")[before], "must give the tokens the tool appends"),
     ]
-    found = [(row, column, need) for column, bad, need in problems if (row := _first(bad, before)) is not None]
+    found = [(row, col, need) for col, bad, need in problems if (row := _first(bad, before)) is not None]
     if found:
         row, column, need = min(found)
         rows.fail(
@@ -554,13 +558,15 @@ def _prefix_carries_over(rows: _Rows) -> None:
     hashes = rows.array("block_hashes")
     offsets = hashes.offsets.to_numpy().astype(np.int64)
     values = hashes.values.to_numpy()
-    full = rows.num("prompt_tokens").astype(np.int64)[before] // rows.num("block_size").astype(np.int64)[before]
+    prompt, size = rows.num("prompt_tokens").astype(np.int64), rows.num("block_size").astype(np.int64)
+    full = prompt[before] // size[before]
     full = np.minimum(full, offsets[after + 1] - offsets[after])  # a short chain fails the length check
     bad = np.zeros(before.size, dtype=bool)
     ends = np.cumsum(full)
     lo = 0
     while lo < before.size:
-        hi = max(int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + _PREFIX_BATCH, side="right")), lo + 1)
+        budget = (ends[lo - 1] if lo else 0) + _PREFIX_BATCH
+        hi = max(int(np.searchsorted(ends, budget, side="right")), lo + 1)
         counts = full[lo:hi]
         pair = np.repeat(np.arange(lo, hi), counts)
         within = np.arange(pair.size) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -573,8 +579,8 @@ def _prefix_carries_over(rows: _Rows) -> None:
         rows.fail(
             "block_hashes",
             row,
-            f"turn {rows.value('turn', row)} of session {rows.value('session_id', row)!r} does not start with "
-            f"the {full[pair]} full blocks of the previous turn's prompt",
+            f"turn {rows.value('turn', row)} of session {rows.value('session_id', row)!r} does not start "
+            f"with the {full[pair]} full blocks of the previous turn's prompt",
         )
 
 
@@ -584,13 +590,9 @@ def _group_not_overfull(rows: _Rows) -> None:
     _, first = np.unique(sessions, return_index=True)
     rollout = pc.equal(rows.array("kind"), "rollout").to_numpy(zero_copy_only=False)
     heads = np.sort(first[rollout[first]])  # first row of each rollout session, in table order
-    groups = rows.codes("group_id")[heads]
-    order = np.argsort(groups, kind="stable")
-    ordered = groups[order]
-    new = np.ones(heads.size, dtype=bool)
-    new[1:] = ordered[1:] != ordered[:-1]
-    rank = np.empty(heads.size, dtype=np.int64)
-    rank[order] = np.arange(heads.size) - np.maximum.accumulate(np.where(new, np.arange(heads.size), 0))
+    order, start, _ = _group(rows.codes("group_id")[heads])
+    rank = np.empty(heads.size, dtype=np.int64)  # how many of its group's sessions came before
+    rank[order] = np.arange(heads.size) - start
     size = rows.num("group_size")[heads]
     row = _first(rank >= size, heads)
     if row is not None:
@@ -647,7 +649,8 @@ def _finish_after_arrival(rows: _Rows) -> None:
     arrival, finish = rows.num("arrival_s"), rows.num("finish_s")
     row = _first(rows.valid("finish_s") & ~(finish >= arrival))
     if row is not None:
-        rows.fail("finish_s", row, f"finish time {_show(finish[row])} is before arrival {_show(arrival[row])}")
+        message = f"finish time {_show(finish[row])} is before arrival {_show(arrival[row])}"
+        rows.fail("finish_s", row, message)
 
 
 for _column, _what in [("replica", "replica"), ("engine_step", "engine step"), ("ttl_s", "TTL")]:

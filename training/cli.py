@@ -92,6 +92,13 @@ def workload_import(
         console.print(f"[yellow]skipped[/] {file}:{line}: {reason}", highlight=False)
     if result.skipped:
         console.print(f"[yellow]skipped {len(result.skipped)} bad line(s) in all[/]")
+    if result.repaired:
+        first_file, first_line, first_reason = result.repaired[0]
+        console.print(
+            f"repaired {len(result.repaired)} inconsistent value(s) in the trace, "
+            f"e.g. {first_file}:{first_line}: {first_reason}",
+            highlight=False,
+        )
     console.print(f"wrote {result.table.num_rows:,} requests to {out}")
 
 
