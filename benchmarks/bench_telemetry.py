@@ -1,11 +1,16 @@
 """Measure TelemetryWriter: cost of one put on the hot path, and rows/s the drain thread writes.
 
-Run from the repository root: ``python -m benchmarks.bench_telemetry``.
+Run ``python benchmarks/bench_telemetry.py`` (kvpilot installed) or ``python -m
+benchmarks.bench_telemetry`` from the repository root. The single-put line floods
+requests rows faster than the drain converts them, so the queue fills with Python
+rows: with gc on, its max is a gen-2 collection scanning them; with gc off, it is
+the longest wait for the GIL the drain thread holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -67,6 +72,7 @@ def put_latency_us(table: str, make: Callable[[int], dict], n: int) -> tuple[flo
 def drain_rate(table: str, make: Callable[[int], dict], n: int) -> float:
     """Rows/s the drain writes: n rows queued up front (none dropped), timed until close() returns."""
     rows = [make(i) for i in range(n)]
+    gc.freeze()  # the prebuilt rows are this benchmark's, not the drain's: keep them out of collections
     with tempfile.TemporaryDirectory() as out:
         writer = TelemetryWriter(out, capacity=n, flush_interval_s=60.0)
         t0 = time.perf_counter()
@@ -76,6 +82,7 @@ def drain_rate(table: str, make: Callable[[int], dict], n: int) -> float:
         writer.close()
         elapsed = time.perf_counter() - t0
         assert writer.dropped == 0 and writer.rows_written[table] == n
+    gc.unfreeze()
     return n / elapsed
 
 
@@ -92,8 +99,15 @@ def main() -> None:
         dropped = put_cost_us(writer, "steps", step_row, n)  # closed: every put takes the drop path
     print(f"put, accepted: {accepted:.2f} us (median of {n // BATCH} batches of {BATCH})")
     print(f"put, dropped:  {dropped:.2f} us")
-    median, p99, worst = put_latency_us("requests", request_row, n)
-    print(f"single put while draining requests: median {median:.2f} us, p99 {p99:.2f} us, max {worst / 1e3:.1f} ms")
+    for label in ("gc on", "gc off"):
+        if label == "gc off":
+            gc.disable()
+        median, p99, worst = put_latency_us("requests", request_row, n)
+        gc.enable()
+        print(
+            f"single put, flood of requests rows, {label}: "
+            f"median {median:.2f} us, p99 {p99:.2f} us, max {worst / 1e3:.1f} ms"
+        )
     for table, make in (("steps", step_row), ("requests", request_row)):
         print(f"drain {table}: {drain_rate(table, make, n):,.0f} rows/s ({n} rows)")
 

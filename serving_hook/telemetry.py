@@ -8,8 +8,9 @@ files ``<out_dir>/<table>/part-<seq:05d>.parquet`` through :mod:`data.io`: a fil
 cut every ``rows_per_file`` rows and at least every ``flush_interval_s`` seconds,
 so files stay bounded and a crash loses at most one interval. Rows are converted
 to Arrow as soon as they are drained, so few Python objects stay alive for the
-garbage collector to scan. Rows that fail conversion, or hold nulls in required
-columns, are dropped, counted and logged once; they never stop the thread.
+garbage collector to scan. Rows that fail conversion, or
+:mod:`data.validate`'s checks when their part is written, are found by bisection,
+dropped, counted and logged once per kind and table; they never stop the thread.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from data.io import write_telemetry_part
 from data.schemas import TELEMETRY_TABLES
+from data.validate import validate_table
 
 log = logging.getLogger("kvpilot.telemetry")
 
@@ -37,6 +38,9 @@ _PART = re.compile(r"part-(\d+)\.parquet$")
 # Rows converted per pyarrow call: conversion holds the GIL, so small chunks keep the
 # engine thread's wait for it near the interpreter's switch interval (5 ms).
 _CHUNK = 256
+# Queued rows that wake the drain before its next poll: Python rows waiting in the queue
+# are objects the garbage collector scans (in the engine's thread too), so keep them few.
+_WAKE_ROWS = 4096
 
 
 class _Drain:
@@ -51,9 +55,8 @@ class _Drain:
         metadata: Mapping[str, Mapping[str, str]],
     ) -> None:
         self.out_dir = out_dir
-        self.capacity = capacity
         self.limit = capacity  # rows the queue accepts now: capacity, or 0 once closed
-        self.wake_at = capacity // 2
+        self.wake_at = min(capacity // 2, _WAKE_ROWS)
         self.rows_per_file = rows_per_file
         self.flush_interval_s = flush_interval_s
         self.poll_s = min(0.1, flush_interval_s) if flush_interval_s > 0 else 0.01
@@ -73,11 +76,14 @@ class _Drain:
         self.last_write = {name: start for name in TELEMETRY_TABLES}
         self.next_part = {name: _next_part_index(out_dir / name) for name in TELEMETRY_TABLES}
         self.logged: set[tuple[str, str]] = set()
+        for name, schema in self.schemas.items():
+            # pyarrow imports pandas on its first conversion: pay that here, not in the drain thread
+            validate_table(pa.Table.from_pylist([], schema=schema), TELEMETRY_TABLES[name], "warm-up")
         self.thread = threading.Thread(target=self.run, name="kvpilot-telemetry", daemon=True)
         self.thread.start()
 
     def run(self) -> None:
-        """Drain loop: poll (or wake early at half capacity), write due batches, finish on stop."""
+        """Drain loop: poll (or wake early once rows pile up), write due parts, finish on stop."""
         while not self.stop.is_set():
             self.wake.wait(self.poll_s)
             self.wake.clear()
@@ -93,19 +99,8 @@ class _Drain:
         self.thread.join()
 
     def drain(self, final: bool) -> None:
-        """Convert queued rows to Arrow per table, then write every part that is due."""
-        with self.lock:
-            batch, self.buf = self.buf, []
-        by_table: dict[str, list[Mapping[str, Any]]] = {}
-        for table, row in batch:
-            by_table.setdefault(table, []).append(row)
-        del batch
-        for table, rows in by_table.items():
-            if table in self.pending:
-                self.convert(table, rows)
-            else:
-                self.drop(table, len(rows), "unknown table", f"no telemetry table named {table!r}")
-        del by_table
+        """Convert queued rows to Arrow, then write every part that is due."""
+        self.take_queue()
         now = time.monotonic()
         for table in self.pending:
             while self.pending_rows[table] >= self.rows_per_file:
@@ -114,45 +109,57 @@ class _Drain:
             if self.pending_rows[table] and due:
                 self.write(table, self.pending_rows[table])
 
+    def take_queue(self) -> None:
+        """Empty the queue into per-table pending Arrow data; the Python rows die on return."""
+        with self.lock:
+            batch, self.buf = self.buf, []
+        by_table: dict[str, list[Mapping[str, Any]]] = {}
+        for table, row in batch:
+            by_table.setdefault(table, []).append(row)
+        for table, rows in by_table.items():
+            if table in self.pending:
+                self.convert(table, rows)
+            else:
+                self.drop(table, len(rows), "unknown table", f"no telemetry table named {table!r}")
+
     def convert(self, table: str, rows: list[Mapping[str, Any]]) -> None:
-        """Append rows to the table's pending Arrow data, dropping rows that fail the schema."""
+        """Append rows to the table's pending Arrow data, dropping rows that do not fit its types."""
         schema = self.schemas[table]
-        required = TELEMETRY_TABLES[table].required
-        bad = nulls = 0
-        error: Exception | None = None
-        column: str | None = None
+        bad, error = 0, None
         for start in range(0, len(rows), _CHUNK):
-            parts, chunk_bad, chunk_error = _convert(rows[start : start + _CHUNK], schema)
-            bad += chunk_bad
-            error = error or chunk_error
-            for part in parts:
-                part, part_nulls, part_column = _drop_required_nulls(part, required)
-                nulls += part_nulls
-                column = column or part_column
-                if part.num_rows:
-                    self.pending[table].append(part)
-                    self.pending_rows[table] += part.num_rows
+            parts, chunk_bad, chunk_error = _bisect(
+                rows[start : start + _CHUNK], lambda chunk: pa.Table.from_pylist(chunk, schema=schema)
+            )
+            bad, error = bad + chunk_bad, error or chunk_error
+            self.pending[table] += parts
+            self.pending_rows[table] += sum(part.num_rows for part in parts)
         if bad:
             self.drop(table, bad, "conversion", f"row does not fit the schema: {error!r}")
-        if nulls:
-            self.drop(table, nulls, "null", f"null in required column {column!r}")
 
     def write(self, table: str, n: int) -> None:
-        """Write the first n pending rows of a table as its next part file."""
+        """Write the first n pending rows of a table, less the rows that fail validation, as its next part."""
         self.last_write[table] = time.monotonic()
         pending = pa.concat_tables(self.pending[table])
-        data, rest = pending.slice(0, n).combine_chunks(), pending.slice(n)
+        data, rest = pending.slice(0, n), pending.slice(n)
         self.pending[table] = [rest] if rest.num_rows else []
         self.pending_rows[table] -= n
+        spec = TELEMETRY_TABLES[table]
+        source = f"{self.out_dir / table} (next part)"
+        parts, invalid, error = _bisect(data, lambda rows: validate_table(rows, spec, source))
+        if invalid:
+            self.drop(table, invalid, "validation", str(error))
+        if not parts:
+            return
+        data = pa.concat_tables(parts).combine_chunks()
         index = self.next_part[table]
         self.next_part[table] = index + 1
         try:
             write_telemetry_part(self.out_dir, table, data, index)
-        except Exception as exc:  # the engine must keep running whatever the disk or validator says
-            self.drop(table, n, "write", f"writing part {index} failed: {exc!r}")
+        except Exception as exc:  # noqa: BLE001 -- the engine must keep running whatever the disk says
+            self.drop(table, data.num_rows, "write", f"writing part {index} failed: {exc!r}")
             return
         with self.lock:
-            self.written[table] = self.written.get(table, 0) + n
+            self.written[table] = self.written.get(table, 0) + data.num_rows
 
     def drop(self, table: str, n: int, kind: str, message: str) -> None:
         """Count n dropped rows of a table; log the first drop of each kind per table."""
@@ -169,35 +176,20 @@ def _next_part_index(table_dir: Path) -> int:
     return max(indices, default=-1) + 1
 
 
-def _convert(
-    rows: list[Mapping[str, Any]], schema: pa.Schema
-) -> tuple[list[pa.Table], int, Exception | None]:
-    """Convert rows to tables, bisecting around rows that fail; returns (tables, bad rows, an error)."""
+_Rows = TypeVar("_Rows", list[Mapping[str, Any]], pa.Table)
+
+
+def _bisect(rows: _Rows, attempt: Callable[[_Rows], pa.Table]) -> tuple[list[pa.Table], int, Exception | None]:
+    """Apply attempt to rows, splitting around the single rows it fails on; (results, failed rows, an error)."""
     try:
-        return [pa.Table.from_pylist(rows, schema=schema)], 0, None
-    except Exception as exc:  # any malformed row (wrong type, not a mapping, overflow) lands here
+        return [attempt(rows)], 0, None
+    except Exception as exc:  # noqa: BLE001 -- any malformed row (wrong type, overflow, null, range)
         if len(rows) == 1:
             return [], 1, exc
     mid = len(rows) // 2
-    left, bad_left, err_left = _convert(rows[:mid], schema)
-    right, bad_right, err_right = _convert(rows[mid:], schema)
-    return left + right, bad_left + bad_right, err_left or err_right
-
-
-def _drop_required_nulls(data: pa.Table, required: tuple[str, ...]) -> tuple[pa.Table, int, str | None]:
-    """Remove rows holding a null in a non-nullable column; returns (table, removed, first such column)."""
-    mask = None
-    first = None
-    for name in required:
-        column = data.column(name)
-        if column.null_count:
-            first = first or name
-            nulls = column.is_null()
-            mask = nulls if mask is None else pc.or_(mask, nulls)
-    if mask is None:
-        return data, 0, None
-    kept = data.filter(pc.invert(mask))
-    return kept, data.num_rows - kept.num_rows, first
+    left, bad_left, error_left = _bisect(rows[:mid], attempt)
+    right, bad_right, error_right = _bisect(rows[mid:], attempt)
+    return left + right, bad_left + bad_right, error_left or error_right
 
 
 class TelemetryWriter:
@@ -207,7 +199,7 @@ class TelemetryWriter:
         self,
         out_dir: str | os.PathLike[str],
         *,
-        capacity: int = 100_000,
+        capacity: int = 20_000,
         rows_per_file: int = 50_000,
         flush_interval_s: float = 5.0,
         metadata: Mapping[str, Mapping[str, str]] | None = None,
@@ -223,7 +215,10 @@ class TelemetryWriter:
         self._finalizer = weakref.finalize(self, self._drain.close)
 
     def put(self, table: str, row: Mapping[str, Any]) -> bool:
-        """Queue one row without blocking; False, and the row counted as dropped, if full or closed."""
+        """Queue one row without blocking; False, and the row counted as dropped, if full or closed.
+
+        The row is kept by reference until the drain thread converts it: do not mutate it afterwards.
+        """
         d = self._drain
         with d.lock:
             n = len(d.buf)

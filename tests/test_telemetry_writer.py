@@ -163,16 +163,18 @@ def test_flood_never_blocks_and_counts_drops_exactly(tmp_path: Path, monkeypatch
     assert writer.put("steps", step_row(0))
     assert entered.wait(10), "drain thread never started writing"
 
-    start = time.perf_counter()
-    accepted = [writer.put("steps", step_row(i)) for i in range(1, 10_001)]
-    elapsed = time.perf_counter() - start
+    try:
+        start = time.perf_counter()
+        accepted = [writer.put("steps", step_row(i)) for i in range(1, 10_001)]
+        elapsed = time.perf_counter() - start
 
-    assert elapsed < 0.5, f"10k puts took {elapsed:.3f}s while the drain was stalled"
-    assert sum(accepted) == 100
-    assert accepted[:100] == [True] * 100
-    assert writer.dropped == 9_900
-    assert writer.dropped_by_table == {"steps": 9_900}
-    release.set()
+        assert elapsed < 0.5, f"10k puts took {elapsed:.3f}s while the drain was stalled"
+        assert sum(accepted) == 100
+        assert accepted[:100] == [True] * 100
+        assert writer.dropped == 9_900
+        assert writer.dropped_by_table == {"steps": 9_900}
+    finally:
+        release.set()
     writer.close()
     assert writer.rows_written == {"steps": 101}
     assert writer.rows_written["steps"] + writer.dropped == 10_001
@@ -201,7 +203,7 @@ def test_bad_rows_are_dropped_logged_once_and_thread_keeps_writing(
     assert "steps" in warnings[0].getMessage()
 
 
-def test_nulls_in_required_columns_and_unknown_tables_are_dropped(tmp_path: Path) -> None:
+def test_rows_failing_validation_and_unknown_tables_are_dropped(tmp_path: Path) -> None:
     writer = TelemetryWriter(tmp_path)
     missing_replica = request_row(1)
     del missing_replica["replica"]
@@ -209,14 +211,18 @@ def test_nulls_in_required_columns_and_unknown_tables_are_dropped(tmp_path: Path
     writer.put("requests", missing_replica)
     writer.put("requests", {**request_row(2), "block_hashes": None})
     writer.put("requests", {**request_row(3), "session_id": None})  # nullable: kept
+    writer.put("requests", {**request_row(4), "block_hashes": [1, None]})
+    writer.put("requests", {**request_row(5), "cached_tokens": 41})  # more than prompt_tokens
+    writer.put("requests", {**request_row(6), "finish_reason": "bored"})
+    writer.put("requests", request_row(7))
     assert writer.put("no_such_table", {"x": 1})  # put does not validate; the drain counts it
     writer.close()
 
-    assert writer.dropped_by_table == {"requests": 2, "no_such_table": 1}
-    assert writer.dropped == 3
-    assert writer.rows_written == {"requests": 2}
+    assert writer.dropped_by_table == {"requests": 5, "no_such_table": 1}
+    assert writer.dropped == 6
+    assert writer.rows_written == {"requests": 3}
     ids = [r["request_id"] for r in read_telemetry(tmp_path, "requests").to_pylist()]
-    assert ids == ["req-0", "req-3"]
+    assert ids == ["req-0", "req-3", "req-7"]
 
 
 def test_failed_write_is_counted_and_later_writes_succeed(
@@ -253,6 +259,13 @@ def test_put_after_close_is_dropped_and_close_is_idempotent(tmp_path: Path) -> N
     assert writer.rows_written == {"steps": 1}
 
 
+def test_dropping_the_writer_flushes_it(tmp_path: Path) -> None:
+    writer = TelemetryWriter(tmp_path, flush_interval_s=60.0)
+    writer.put("steps", step_row(0))
+    del writer  # the drain thread holds no reference to the writer, so its finalizer runs now
+    assert read_telemetry(tmp_path, "steps").to_pylist() == [step_row(0)]
+
+
 def test_restart_continues_part_numbering(tmp_path: Path) -> None:
     for i in range(2):
         writer = TelemetryWriter(tmp_path)
@@ -275,6 +288,8 @@ def test_table_metadata_is_stored_in_each_file(tmp_path: Path) -> None:
 
 def test_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(telemetry.ENV_DIR, raising=False)
+    assert from_env() is None
+    monkeypatch.setenv(telemetry.ENV_DIR, "")
     assert from_env() is None
     monkeypatch.setenv(telemetry.ENV_DIR, str(tmp_path / "tele"))
     writer = from_env(capacity=10)
