@@ -139,7 +139,9 @@ CANDIDATE_FEATURES: tuple[str, ...] = (
 class CandidateRequest:
     """One request a policy may admit, hold back or preempt.
 
-    Built by the hook from vLLM's request; never holds a vLLM object.
+    Built by the hook from vLLM's request; never holds a vLLM object. The hook
+    reuses one object per request and refreshes it before each call, so its
+    values hold for the duration of a call: copy what a policy keeps.
     ``prompt_token_ids`` is the engine's own list, shared, not copied: treat it
     as read-only.
     """
@@ -220,7 +222,7 @@ class CachedPrefix:
     block_ids: tuple[int, ...]
     block_hashes: tuple[int, ...]
     last_used_s: float
-    hits: int = 0  # prefix-cache hits of the owner's blocks seen by the hook so far
+    hits: int = 0  # admissions that hit this prefix (its first block) while it was protected
     protected_until_s: Optional[float] = None  # set while the hook pins the blocks
     group_pending: int = 0  # siblings of the owner not finished yet
     predictions: Optional[Mapping[str, float]] = None
@@ -305,12 +307,11 @@ class AdmissionDecision:
 
 @dataclass(frozen=True, slots=True)
 class PreemptionDecision:
-    """The running request to preempt first when blocks run out.
+    """The running request to preempt when blocks run out.
 
     ``victim`` is a request id from the candidates, or ``None`` for vLLM's own
-    choice (the tail of the running list). If more blocks are still needed
-    after the victim is preempted, vLLM keeps preempting from the tail of its
-    running list, in vLLM's order.
+    choice (the tail of the running list). If blocks are still short after the
+    victim is preempted, the policy is asked again for the next one.
     """
 
     victim: Optional[str]
@@ -367,13 +368,21 @@ class Policy:
     decision_budget_s: Optional[float] = None
 
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
-        """Order (and hold back) the waiting requests, in vLLM's current order."""
+        """Order (and hold back) the waiting requests, given in vLLM's current order.
+
+        Called at the start of a step in which vLLM could admit someone (the
+        running set is not full) and the waiting queue is not empty.
+        """
         return None
 
-    def preempt(
-        self, running: Sequence[CandidateRequest], state: EngineState
-    ) -> Optional[PreemptionDecision]:
-        """Choose the victim among the running requests (in vLLM's running order)."""
+    def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:
+        """Choose the victim when a running request cannot get the blocks it needs.
+
+        ``running`` holds the running requests vLLM has not scheduled yet in
+        this step, in vLLM's running order: the request whose allocation failed
+        first, then those after it (requests already scheduled this step cannot
+        be preempted without undoing vLLM's step). vLLM's own choice is the last.
+        """
         return None
 
     def retain(self, prefixes: Sequence[CachedPrefix], state: EngineState) -> Optional[RetentionDecision]:

@@ -1,0 +1,21 @@
+"""kvpilot's serving hook: the only package that touches vLLM internals.
+
+``vllm serve MODEL --scheduler-cls serving_hook.KVPilotAsyncScheduler`` (or
+``serving_hook.KVPilotScheduler`` without async scheduling). Configuration:
+environment variables, see :mod:`serving_hook.config`.
+
+The scheduler classes are imported lazily, so ``serving_hook.telemetry`` or
+``serving_hook.config`` can be used without importing vLLM.
+"""
+
+from typing import Any
+
+__all__ = ["KVPilotScheduler", "KVPilotAsyncScheduler", "KVPilotMixin", "with_policy"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from serving_hook import scheduler
+
+        return getattr(scheduler, name)
+    raise AttributeError(f"module 'serving_hook' has no attribute {name!r}")

@@ -12,8 +12,10 @@ KVPILOT_REPLICA                   replica id written in telemetry rows (0)
 ================================  =============================================
 
 :func:`load_config` raises :class:`HookConfigError` naming the variable and
-the bad value; the scheduler calls it first thing in its constructor, so a bad
-configuration fails at engine start-up, not deep inside a step.
+the bad value, and :func:`build_policy` one naming the policy; the scheduler
+calls both first thing in its constructor, before vLLM's, so a bad
+configuration fails at engine start-up, not deep inside a step. Neither imports
+vLLM: :func:`check` runs both, e.g. from a plugin that loads before the engine.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from policy.interface import DEFAULT_DECISION_BUDGET_S
+from policy.interface import DEFAULT_DECISION_BUDGET_S, Policy
+from policy.registry import UnknownPolicyError, create_policy
 
 DEFAULT_MAX_PINNED_FRACTION = 0.25
 
@@ -107,3 +110,25 @@ def load_config(env: Optional[Mapping[str, str]] = None) -> HookConfig:
         max_pinned_fraction=frac,
         replica=replica,
     )
+
+
+def build_policy(cfg: HookConfig, factory: Optional[Callable[[], Policy]] = None) -> Policy:
+    """The configured policy (or ``factory()``); :class:`HookConfigError` when it cannot be built."""
+    if factory is not None:
+        policy = factory()
+    else:
+        try:
+            policy = create_policy(cfg.policy, **dict(cfg.policy_options))
+        except UnknownPolicyError as e:
+            raise HookConfigError(f"kvpilot: KVPILOT_POLICY: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise HookConfigError(f"kvpilot: cannot build policy {cfg.policy!r}: {e}") from None
+    if not isinstance(policy, Policy):
+        raise HookConfigError(f"kvpilot: the policy factory returned {type(policy).__name__}, not a Policy")
+    return policy
+
+
+def check(env: Optional[Mapping[str, str]] = None) -> tuple[HookConfig, Policy]:
+    """Validate the environment's hook configuration and build its policy (no vLLM import)."""
+    cfg = load_config(env)
+    return cfg, build_policy(cfg)

@@ -40,7 +40,7 @@ def _warn_once(key: str, value: Any) -> None:
         return
     _warned.add(key)
     logger.warning(
-        "kvpilot: ignoring extra_args[%r]=%r (wrong type or range); further bad values of this key are ignored silently",
+        "kvpilot: ignoring extra_args[%r]=%r (wrong type or range); later bad values of this key are ignored silently",
         key,
         value,
     )

@@ -1,0 +1,286 @@
+"""Minimal CPU engine around vLLM's real v1 scheduler (no model, no GPU).
+
+* :func:`tiny_model_dir` writes a 2-layer ``LlamaForCausalLM`` ``config.json``
+  (hidden size 64, no weights, no tokenizer) under a cache directory.
+* :func:`make_vllm_config` builds a CPU ``VllmConfig`` on it.
+* :func:`make_kv_cache_config` builds a ``KVCacheConfig`` with ``num_blocks``
+  blocks of one full-attention group.
+* :func:`make_scheduler` constructs a scheduler class (stock vLLM or the
+  kvpilot hook) with exactly vLLM's constructor arguments.
+* :func:`make_request` builds a ``vllm.v1.request.Request`` with block hashes.
+* :class:`FakeRunner` plays the model runner: ``step(scheduler)`` calls
+  ``schedule()`` and then ``update_from_output()`` with one token for every
+  scheduled request that is not inside a partial prefill chunk. Tokens are a
+  deterministic function of (request id, output position) unless the request
+  was given an explicit output token list, so a caller can arrange that a
+  later turn's prompt equals an earlier turn's prompt + output + tool tokens.
+  A request ends at its target length (``max_tokens``; ``ignore_eos``).
+
+Issue 4's simulator extends this module; keep its functions stable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+BLOCK_SIZE = 16
+VOCAB_SIZE = 32000
+MAX_MODEL_LEN = 16384
+
+_TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": MAX_MODEL_LEN,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVPILOT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvpilot")
+    return Path(root)
+
+
+def tiny_model_dir(root: Optional[os.PathLike] = None) -> str:
+    """Create (once) and return a folder holding only the tiny model's config.json."""
+    d = Path(root) if root is not None else cache_dir() / "tiny-llama"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = d / "config.json"
+    text = json.dumps(_TINY_CONFIG, indent=1, sort_keys=True)
+    if not cfg.exists() or cfg.read_text() != text:
+        tmp = d / f"config.json.{os.getpid()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, cfg)
+    return str(d)
+
+
+def make_vllm_config(
+    model_dir: Optional[str] = None,
+    *,
+    num_blocks: int = 1024,
+    block_size: int = BLOCK_SIZE,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    max_model_len: int = MAX_MODEL_LEN,
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    long_prefill_token_threshold: int = 0,
+    scheduler_cls: Any = None,
+    enable_kv_cache_events: bool = False,
+    policy: str = "fcfs",
+):
+    """A CPU ``VllmConfig`` for the tiny model (cheap after the first call)."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_dir = model_dir or tiny_model_dir()
+    model_config = ModelConfig(
+        model=model_dir,
+        tokenizer=model_dir,
+        skip_tokenizer_init=True,
+        generation_config="vllm",
+        max_model_len=max_model_len,
+        dtype="float32",
+        seed=0,
+    )
+    sched_kwargs: dict[str, Any] = dict(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        is_encoder_decoder=False,
+        policy=policy,
+    )
+    if scheduler_cls is not None:
+        sched_kwargs["scheduler_cls"] = scheduler_cls
+    scheduler_config = SchedulerConfig(**sched_kwargs)
+    cache_config = CacheConfig(
+        block_size=block_size,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if enable_kv_cache_events else None
+    cfg = VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        device_config=DeviceConfig(device="cpu"),
+        kv_events_config=kv_events,
+    )
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    return cfg
+
+
+def make_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=16, dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0", "layer.1"], spec)],
+    )
+
+
+def make_scheduler(
+    scheduler_cls: Any = None,
+    *,
+    num_blocks: int = 1024,
+    block_size: int = BLOCK_SIZE,
+    log_stats: bool = False,
+    vllm_config: Any = None,
+    **config_kwargs: Any,
+):
+    """Construct ``scheduler_cls`` (default: vLLM's ``Scheduler``) on a CPU config."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    if scheduler_cls is None:
+        from vllm.v1.core.sched.scheduler import Scheduler as scheduler_cls  # noqa: N813
+    cfg = vllm_config or make_vllm_config(num_blocks=num_blocks, block_size=block_size, **config_kwargs)
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    return scheduler_cls(
+        vllm_config=cfg,
+        kv_cache_config=make_kv_cache_config(num_blocks, block_size),
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=block_size,
+        log_stats=log_stats,
+    )
+
+
+_HASH_FN = None
+
+
+def block_hasher(block_size: int = BLOCK_SIZE):
+    """vLLM's per-request block hasher (sha256, as in vLLM's default)."""
+    global _HASH_FN
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    if _HASH_FN is None:
+        _HASH_FN = get_hash_fn_by_name("sha256")
+        init_none_hash(_HASH_FN)
+    return get_request_block_hasher(block_size, _HASH_FN)
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    arrival_time: Optional[float] = None,
+    extra_args: Optional[dict] = None,
+    block_size: int = BLOCK_SIZE,
+    priority: int = 0,
+):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=sp,
+        pooling_params=None,
+        arrival_time=time.time() if arrival_time is None else arrival_time,
+        block_hasher=block_hasher(block_size),
+        priority=priority,
+    )
+
+
+def output_token(request_id: str, position: int) -> int:
+    """The deterministic token a request emits at output ``position``."""
+    return 3 + zlib.crc32(f"{request_id}:{position}".encode()) % (VOCAB_SIZE - 3)
+
+
+def output_tokens(request_id: str, n: int) -> list[int]:
+    return [output_token(request_id, i) for i in range(n)]
+
+
+def prompt_tokens(key: str, n: int) -> list[int]:
+    """Deterministic pseudo-random prompt tokens for ``key``."""
+    out: list[int] = []
+    i = 0
+    while len(out) < n:
+        h = hashlib.blake2b(f"{key}:{i}".encode(), digest_size=32).digest()
+        out.extend(3 + int.from_bytes(h[j : j + 2], "little") % (VOCAB_SIZE - 3) for j in range(0, 32, 2))
+        i += 1
+    return out[:n]
+
+
+@dataclass
+class FakeRunner:
+    """A fake model runner: one token per decoding request per step."""
+
+    #: request id -> explicit output tokens (else :func:`output_token`).
+    scripted: dict[str, list[int]] = field(default_factory=dict)
+    steps: int = 0
+    #: What the last ``update_from_output`` returned (EngineCoreOutputs per client).
+    last_outputs: Any = None
+
+    def model_output(self, scheduler, out):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        requests = scheduler.requests
+        for rid in req_ids:
+            req = requests.get(rid)
+            if req is None:
+                sampled.append([])
+                continue
+            # num_computed_tokens was advanced by schedule(); a request still
+            # short of its full token count is inside a partial prefill chunk.
+            if req.num_computed_tokens < req.num_tokens:
+                sampled.append([])
+                continue
+            pos = req.num_output_tokens
+            script = self.scripted.get(rid)
+            tok = script[pos] if script is not None and pos < len(script) else output_token(rid, pos)
+            sampled.append([tok])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def step(self, scheduler):
+        """One engine step: ``schedule()`` then ``update_from_output()``."""
+        out = scheduler.schedule()
+        self.last_outputs = scheduler.update_from_output(out, self.model_output(scheduler, out))
+        self.steps += 1
+        return out
+
+
+def step(scheduler, runner: Optional[FakeRunner] = None):
+    """Module-level shortcut: one engine step with a default :class:`FakeRunner`."""
+    return (runner or _DEFAULT_RUNNER).step(scheduler)
+
+
+_DEFAULT_RUNNER = FakeRunner()

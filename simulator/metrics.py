@@ -1,0 +1,168 @@
+"""Run summary of a simulation: makespan, throughput, prefix hits, recomputation, completion times, tail bubble.
+
+Definitions (times in simulated seconds):
+
+* ``makespan_per_step_s``: per RL step (in step order), its end - start; ``makespan_s`` their mean.
+* ``simulated_s``: last RL step end - first RL step start; ``tokens_per_s``: generated output tokens
+  (sum of ``requests.output_tokens``) / ``simulated_s``.
+* ``prefix_hit_rate``: sum ``cached_tokens`` / sum ``prompt_tokens`` (vLLM's hit at first scheduling).
+* ``recomputed_tokens_preemption``: per request ``computed_tokens - (prompt - cached) - max(output - 1, 0)``,
+  clipped at 0 (a request without preemption computes its uncached prompt and all but its last output token).
+* ``recomputed_tokens_eviction``: per request, the prompt tokens an unlimited prefix cache on the same replica
+  would have hit (:func:`simulator.tokens.unlimited_cached_tokens`, vLLM's convention: output blocks are
+  cached too; requests replayed in causal order) minus ``cached_tokens``, clipped at 0.
+  ``recomputed_tokens`` is their sum.
+* ``trajectory_p50_s`` / ``trajectory_p99_s``: percentiles of trajectory end - start (verification included).
+* ``group_completion_s``: per GRPO group, its last trajectory's end - its RL step's start (when training on the
+  group could start); ``group_completion_{p50,p99,mean}_s`` summarise it.
+* ``tail_bubble_s``: batch capacity left idle once the queue has drained, in seconds of a full batch. For RL
+  step s on replica r, with window W = [start, end] and capacity C (``batch_capacity``, else the peak
+  ``running`` of r's engine steps in W): ``|W| - sum_k overlap_k * u_k`` over r's engine steps k (each spans
+  [time_s, time_s + duration_s]), where ``u_k = 1`` while requests wait (the batch is KV- or budget-bound,
+  not starved) and ``min(running_k / C, 1)`` when nothing waits; time without any engine step is fully idle.
+  Per step it is the mean over replicas (``tail_bubble_per_step_s``); ``tail_bubble_s`` is the mean over steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from simulator.tokens import WorkloadTokens, unlimited_cached_tokens
+
+
+@dataclass(frozen=True)
+class TrajectoryRecord:
+    """One trajectory as the driver saw it: first turn released to verification done."""
+
+    session_id: str
+    step: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One RL step as the driver saw it: released to its last trajectory verified."""
+
+    step: int
+    start_s: float
+    end_s: float
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    """Percentile (linear interpolation) of a list; 0 when empty."""
+    return float(np.percentile(values, q)) if len(values) else 0.0
+
+
+def _np(table: pa.Table, column: str) -> np.ndarray:
+    """A non-null numeric column as a numpy array."""
+    return table.column(column).to_numpy()
+
+
+def summarize(
+    workload: pa.Table,
+    requests: pa.Table,
+    steps: pa.Table,
+    trajectories: Sequence[TrajectoryRecord],
+    rl_steps: Sequence[StepRecord],
+    *,
+    batch_capacity: int | None = None,
+    tokens: WorkloadTokens | None = None,
+) -> dict[str, Any]:
+    """The run's metrics (see the module docstring) from its workload, telemetry and driver records."""
+    tokens = tokens or WorkloadTokens(workload)
+    rows = np.array([tokens.row(rid) for rid in requests.column("request_id").to_pylist()], np.int64)
+    prompt, cached, output = (_np(requests, c).astype(np.int64) for c in ("prompt_tokens", "cached_tokens",
+                                                                           "output_tokens"))
+    computed = _np(requests, "computed_tokens").astype(np.int64)
+    preempt_extra = np.maximum(computed - (prompt - cached) - np.maximum(output - 1, 0), 0)
+    replica = np.full(workload.num_rows, -1, np.int64)
+    replica[rows] = _np(requests, "replica")
+    order = tokens.causal_order()
+    order = order[replica[order] >= 0]
+    unlimited = unlimited_cached_tokens(tokens, include_outputs=True, order=order, partition=replica)[rows]
+    evict_extra = np.maximum(unlimited - cached, 0)
+
+    ordered = sorted(rl_steps, key=lambda s: s.step)
+    makespans = [s.end_s - s.start_s for s in ordered]
+    simulated = max((s.end_s for s in ordered), default=0.0) - min((s.start_s for s in ordered), default=0.0)
+    durations = [t.end_s - t.start_s for t in trajectories]
+    groups = _group_completion(workload, trajectories, {s.step: s.start_s for s in ordered})
+    bubbles = [_tail_bubble(steps, s, batch_capacity, np.union1d(_np(steps, "replica"), _np(requests, "replica")))
+               for s in ordered]
+    kinds = np.array(workload.column("kind").to_pylist(), dtype=object)[rows]
+    return {
+        "requests": requests.num_rows,
+        "turns": int(np.count_nonzero(kinds == "rollout")),
+        "trajectories": len(trajectories),
+        "simulated_s": simulated,
+        "makespan_s": float(np.mean(makespans)) if makespans else 0.0,
+        "makespan_per_step_s": makespans,
+        "output_tokens": int(output.sum()),
+        "tokens_per_s": float(output.sum() / simulated) if simulated > 0 else 0.0,
+        "prefix_hit_rate": float(cached.sum() / prompt.sum()) if prompt.sum() else 0.0,
+        "preemptions": int(_np(requests, "preemptions").sum()),
+        "recomputed_tokens": int(preempt_extra.sum() + evict_extra.sum()),
+        "recomputed_tokens_preemption": int(preempt_extra.sum()),
+        "recomputed_tokens_eviction": int(evict_extra.sum()),
+        "trajectory_p50_s": _pct(durations, 50),
+        "trajectory_p99_s": _pct(durations, 99),
+        "group_completion_s": groups,
+        "group_completion_p50_s": _pct(list(groups.values()), 50),
+        "group_completion_p99_s": _pct(list(groups.values()), 99),
+        "group_completion_mean_s": float(np.mean(list(groups.values()))) if groups else 0.0,
+        "tail_bubble_s": float(np.mean(bubbles)) if bubbles else 0.0,
+        "tail_bubble_per_step_s": bubbles,
+    }
+
+
+def _group_completion(
+    workload: pa.Table, trajectories: Sequence[TrajectoryRecord], step_start: dict[int, float]
+) -> dict[str, float]:
+    """Per group id: its last trajectory's end minus its RL step's start."""
+    group_of = dict(zip(workload.column("session_id").to_pylist(), workload.column("group_id").to_pylist()))
+    out: dict[str, float] = {}
+    for t in trajectories:
+        group = group_of[t.session_id]
+        out[group] = max(out.get(group, -np.inf), t.end_s - step_start[t.step])
+    return out
+
+
+def _tail_bubble(steps: pa.Table, rl: StepRecord, capacity: int | None, replicas: np.ndarray) -> float:
+    """Mean over replicas of the idle full-batch seconds of one RL step's window (module docstring)."""
+    start, end = _np(steps, "time_s"), _np(steps, "time_s") + _np(steps, "duration_s")
+    overlap = np.clip(np.minimum(end, rl.end_s) - np.maximum(start, rl.start_s), 0.0, None)
+    running, waiting, replica = _np(steps, "running"), _np(steps, "waiting"), _np(steps, "replica")
+    window = rl.end_s - rl.start_s
+    bubbles = []
+    for r in replicas.tolist():
+        mine = (replica == r) & (overlap > 0)
+        cap = capacity if capacity is not None else int(running[mine].max(initial=0))
+        use = np.where(waiting[mine] > 0, 1.0, np.minimum(running[mine] / cap, 1.0) if cap else 0.0)
+        bubbles.append(window - float((overlap[mine] * use).sum()))
+    return float(np.mean(bubbles)) if bubbles else window
+
+
+def render_summary(summary: dict[str, Any]) -> str:
+    """Plain-text report of :func:`summarize` output (per-group and per-step lists summarised)."""
+    s = summary
+    steps = "  ".join(f"{m:.2f}" for m in s["makespan_per_step_s"])
+    lines = [
+        (f"requests {s['requests']}  turns {s['turns']}  trajectories {s['trajectories']}  "
+         f"simulated {s['simulated_s']:.2f} s"),
+        (f"makespan {s['makespan_s']:.2f} s/step (per step: {steps})  "
+         f"throughput {s['tokens_per_s']:.1f} tok/s ({s['output_tokens']} output tokens)"),
+        (f"prefix hit rate {s['prefix_hit_rate']:.3f}  preemptions {s['preemptions']}  "
+         f"recomputed tokens {s['recomputed_tokens']} (preemption {s['recomputed_tokens_preemption']}, "
+         f"eviction {s['recomputed_tokens_eviction']})"),
+        (f"trajectory p50 {s['trajectory_p50_s']:.2f} s  p99 {s['trajectory_p99_s']:.2f} s  "
+         f"group completion p50 {s['group_completion_p50_s']:.2f} s  p99 {s['group_completion_p99_s']:.2f} s  "
+         f"mean {s['group_completion_mean_s']:.2f} s ({len(s['group_completion_s'])} groups)"),
+        f"tail bubble {s['tail_bubble_s']:.2f} s/step",
+    ]
+    return "\n".join(lines)
