@@ -3,13 +3,21 @@
 Factories take keyword options (``KVPILOT_POLICY_OPTIONS``, a JSON object) and
 return a :class:`policy.interface.Policy`. Unknown names fail with a message
 that lists the known ones, so a bad serving configuration fails at start-up.
+
+A factory that declares a ``workload`` parameter receives the workload table
+being simulated (``None`` in production). Only hindsight references use it, to
+build oracle predictors; deployable policies must not.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+import importlib
+
+from policy.baselines import BASELINES
 from policy.interface import Policy
 from policy.vllm_default import VllmDefaultPolicy
 
@@ -26,6 +34,29 @@ class UnknownPolicyError(ValueError):
     pass
 
 
+def _lazy(target: str) -> PolicyFactory:
+    """A factory that imports ``module:attr`` when first called."""
+    module, attr = target.split(":")
+
+    def factory(**options: Any) -> Policy:
+        return getattr(importlib.import_module(module), attr)(**options)
+
+    factory.kvpilot_target = target  # type: ignore[attr-defined]
+    return factory
+
+
+def _resolve(factory: PolicyFactory) -> PolicyFactory:
+    target = getattr(factory, "kvpilot_target", None)
+    if target is None:
+        return factory
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+for _name, _target in BASELINES.items():
+    _REGISTRY[_name] = _lazy(_target)
+
+
 def register(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
     """Register ``factory`` under ``name`` (``replace=True`` to override)."""
     if not isinstance(name, str) or not name:
@@ -39,8 +70,18 @@ def known_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_policy(name: str = DEFAULT_POLICY, **options: Any) -> Policy:
+def _takes_workload(factory: PolicyFactory) -> bool:
+    try:
+        return "workload" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def create_policy(name: str = DEFAULT_POLICY, *, workload: Any = None, **options: Any) -> Policy:
     """Build the policy registered as ``name`` with ``options``.
+
+    ``workload`` (a simulated workload table) is passed on only to factories
+    that declare that parameter.
 
     Raises :class:`UnknownPolicyError` for an unknown name and
     :class:`ValueError` when the factory rejects the options.
@@ -51,6 +92,9 @@ def create_policy(name: str = DEFAULT_POLICY, **options: Any) -> Policy:
         raise UnknownPolicyError(
             f"unknown kvpilot policy {name!r}; known policies: {', '.join(known_policies())}"
         ) from None
+    factory = _resolve(factory)
+    if _takes_workload(factory):
+        options = {**options, "workload": workload}
     try:
         policy = factory(**options)
     except TypeError as e:
