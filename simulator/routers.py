@@ -9,13 +9,15 @@ session pinned to its replica. :meth:`Router.on_kv_event` receives the
 replicas' KV-cache events (``stored`` / ``removed`` / ``cleared``, as in
 :data:`data.schemas.KV_EVENTS`) for routers that track resident blocks.
 
-Routers: ``round-robin``, ``least-loaded`` and ``cache-aware`` (after SGLang's
-``cache_aware`` policy, see :class:`CacheAwareRouter`); :func:`make_router`
-builds one by name.
+Routers: ``round-robin``, ``least-loaded``, ``cache-aware`` (after SGLang's
+``cache_aware`` policy, see :class:`CacheAwareRouter`) and ``kv-aware`` (after
+llm-d's precise prefix-cache scorer over KV events, see :class:`KVAwareRouter`);
+:func:`make_router` builds one by name.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -29,6 +31,8 @@ __all__ = [
     "RoundRobinRouter",
     "LeastLoadedRouter",
     "CacheAwareRouter",
+    "KVAwareRouter",
+    "vllm_block_hashes",
     "ROUTERS",
     "make_router",
 ]
@@ -213,10 +217,203 @@ class CacheAwareRouter(Router):
             tree.popitem(last=False)
 
 
+class KVAwareRouter(Router):
+    """KV-cache-aware routing after llm-d's precise prefix-cache scorer, over replicas' KV events.
+
+    Index. Per replica, the set of block hashes it holds, built ONLY from KV
+    events (:meth:`on_kv_event`): ``stored`` adds the hashes, ``removed``
+    deletes them, ``cleared`` empties the replica; any other kind raises
+    ``ValueError``. Routing never touches the index (:meth:`on_routed` is the
+    base no-op), which is what sets this router apart from ``cache-aware``. A
+    hash is resident or not, as in llm-d's block index (key -> pods): if vLLM
+    holds two physical copies of one hash and evicts one, the hash leaves the
+    index; vLLM's ``BlockStored`` re-announcements of reused blocks are
+    idempotent here. The event's ``medium`` is not tracked.
+
+    Scoring. For each candidate replica ``r`` with ``m_r`` = the longest leading
+    run of ``request.block_hashes`` resident on ``r`` (llm-d-kv-cache-manager
+    ``LongestPrefixScorer``: consecutive hits from block 0)::
+
+        score_r = prefix_weight * prefix_r + load_weight * load_r
+
+    * ``prefix_score="fraction"`` (default): ``prefix_r = m_r / len(block_hashes)``
+      (0 for an empty chain), the fraction of the request's prefix blocks
+      resident as a leading run. ``"min-max"``: llm-d's own normalisation
+      (``indexedScoresToNormalizedScoredPods`` in llm-d-inference-scheduler
+      ``pkg/plugins/scorer/utils.go``): among candidates with ``m_r >= 1``,
+      ``(m_r - min) / (max - min)``, or 1.0 when they are all equal; 0.0 for
+      candidates with no hit. (llm-d takes min and max over every pod with a
+      hit, candidate or not; here over candidates only.)
+    * ``load_score="max"`` (default): ``load_r = 1 - load_r / max_load`` over the
+      candidates (1.0 for all when ``max_load == 0``). ``"min-max"``: the
+      Gateway API Inference Extension ``queue-scorer``,
+      ``(max_load - load_r) / (max_load - min_load)``, 1.0 for all when equal.
+      Load is the simulator's running plus waiting count (llm-d's
+      queue-scorer reads the waiting queue only).
+    * Defaults ``prefix_weight=2.0``, ``load_weight=1.0``: llm-d's sample
+      precise-prefix config (llm-d-inference-scheduler
+      ``deploy/config/epp-precise-prefix-cache-config.yaml``) weights
+      ``precise-prefix-cache-scorer`` 2.0 against ``queue-scorer`` 1.0 and
+      ``kv-cache-utilization-scorer`` 1.0; the simulator has no utilisation
+      signal, so that third term is left out.
+    * The highest score wins; ties go to the lower load, then the lower index
+      (llm-d's ``max-score-picker`` breaks ties at random).
+
+    Hash contract. ``RouteRequest.block_hashes`` must live in the same hash
+    space as the KV events: the signed int64 form
+    (:func:`serving_hook.events.hash_to_int64`) of vLLM's own block hashes of
+    the prompt's full blocks, in order, at vLLM's hash block size (16 unless
+    configured), with vLLM's hash algorithm and ``NONE_HASH`` seed (sha256 and
+    ``"vllm-none-hash"`` unless ``PYTHONHASHSEED`` is set). These are NOT the
+    workload table's ``block_hashes`` nor :func:`simulator.tokens.block_keys`
+    (the simulator's own prefix keys): the simulator expands a workload
+    request into token ids (:mod:`simulator.tokens`) and hashes them with
+    :func:`vllm_block_hashes`, or takes ``hash_to_int64`` of the vLLM
+    ``Request.block_hashes`` it builds (``simulator.engine.make_request``),
+    which are equal. The fraction's denominator is ``len(block_hashes)``, so
+    pass full blocks only (``num_prompt_tokens // block_size`` hashes, as
+    ``serving_hook`` logs them); ``prompt_tokens`` and ``block_size`` are not
+    used.
+    """
+
+    PREFIX_SCORES = ("fraction", "min-max")
+    LOAD_SCORES = ("max", "min-max")
+    EVENT_KINDS = ("stored", "removed", "cleared")
+
+    def __init__(
+        self,
+        prefix_weight: float = 2.0,
+        load_weight: float = 1.0,
+        prefix_score: str = "fraction",
+        load_score: str = "max",
+    ) -> None:
+        if not (prefix_weight >= 0 and load_weight >= 0) or math.isinf(prefix_weight) or math.isinf(load_weight):
+            raise ValueError("prefix_weight and load_weight must be finite and >= 0")
+        if prefix_score not in self.PREFIX_SCORES:
+            raise ValueError(f"prefix_score must be one of {self.PREFIX_SCORES}, got {prefix_score!r}")
+        if load_score not in self.LOAD_SCORES:
+            raise ValueError(f"load_score must be one of {self.LOAD_SCORES}, got {load_score!r}")
+        self.prefix_weight = float(prefix_weight)
+        self.load_weight = float(load_weight)
+        self.prefix_score = prefix_score
+        self.load_score = load_score
+        # Per replica: the block hashes its KV events say are resident.
+        self._index: dict[int, set[int]] = {}
+
+    def on_kv_event(self, replica: int, kind: str, block_hashes: Sequence[int]) -> None:
+        if kind == "stored":
+            self._index.setdefault(replica, set()).update(int(h) for h in block_hashes)
+        elif kind == "removed":
+            resident = self._index.get(replica)
+            if resident:
+                resident.difference_update(int(h) for h in block_hashes)
+        elif kind == "cleared":
+            self._index.pop(replica, None)
+        else:
+            raise ValueError(f"unknown KV event kind {kind!r}; expected one of {', '.join(self.EVENT_KINDS)}")
+
+    def resident_blocks(self, replica: int) -> int:
+        """Number of block hashes ``replica``'s KV events say it holds."""
+        return len(self._index.get(replica, ()))
+
+    def is_resident(self, replica: int, block_hash: int) -> bool:
+        """Whether ``replica``'s index holds ``block_hash``."""
+        return int(block_hash) in self._index.get(replica, ())
+
+    def matched_blocks(self, replica: int, block_hashes: Sequence[int]) -> int:
+        """Length of the longest leading run of ``block_hashes`` resident on ``replica``."""
+        resident = self._index.get(replica)
+        if not resident:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if int(h) not in resident:
+                break
+            n += 1
+        return n
+
+    def prefix_scores(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> dict[int, float]:
+        """Prefix score in [0, 1] of each candidate, per ``prefix_score``."""
+        matched = {r.index: self.matched_blocks(r.index, request.block_hashes) for r in replicas}
+        if self.prefix_score == "fraction":
+            n = len(request.block_hashes)
+            return {i: (m / n if n else 0.0) for i, m in matched.items()}
+        hits = [m for m in matched.values() if m > 0]
+        if not hits:
+            return {i: 0.0 for i in matched}
+        lo, hi = min(hits), max(hits)
+        return {i: (0.0 if m == 0 else 1.0 if hi == lo else (m - lo) / (hi - lo)) for i, m in matched.items()}
+
+    def load_scores(self, replicas: Sequence[ReplicaLoad]) -> dict[int, float]:
+        """Load score in [0, 1] of each candidate (higher is less loaded), per ``load_score``."""
+        loads = [r.load for r in replicas]
+        lo, hi = min(loads), max(loads)
+        if self.load_score == "max":
+            return {r.index: (1.0 - r.load / hi if hi > 0 else 1.0) for r in replicas}
+        return {r.index: ((hi - r.load) / (hi - lo) if hi > lo else 1.0) for r in replicas}
+
+    def scores(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> dict[int, float]:
+        """``prefix_weight * prefix + load_weight * load`` of each candidate."""
+        if not replicas:
+            raise ValueError("no replica to route to")
+        prefix = self.prefix_scores(request, replicas)
+        load = self.load_scores(replicas)
+        return {r.index: self.prefix_weight * prefix[r.index] + self.load_weight * load[r.index] for r in replicas}
+
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
+        score = self.scores(request, replicas)
+        chosen = min(replicas, key=lambda r: (-score[r.index], r.load, r.index))
+        self.on_routed(request, chosen.index)
+        return chosen.index
+
+
+def vllm_block_hashes(
+    prompt_token_ids: Sequence[int],
+    block_size: int = 16,
+    hash_algo: str = "sha256",
+    cache_salt: str | None = None,
+) -> list[int]:
+    """vLLM's block hashes of a prompt's full blocks, as signed int64 (the :class:`KVAwareRouter` contract).
+
+    Chains vLLM's own ``hash_block_tokens`` from a ``NONE_HASH`` computed the
+    way vLLM's ``init_none_hash`` does (``hash_algo`` of
+    ``resolve_none_hash_seed``: ``PYTHONHASHSEED`` if set, else the fixed
+    ``"vllm-none-hash"`` for the cryptographic algorithms), without setting
+    vLLM's global. ``cache_salt`` goes into the first block's extra keys, as
+    vLLM does for a request's ``cache_salt``. Covers plain text requests only:
+    no LoRA, multimodal, prompt-embeds or speculative look-ahead keys (their
+    hashes differ), and ``block_size`` must be vLLM's hash block size. The
+    non-cryptographic ``xxhash`` algorithms without ``PYTHONHASHSEED`` use a
+    random per-process seed in vLLM and are refused. vLLM is imported here,
+    not at module import.
+    """
+    import os
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, resolve_none_hash_seed
+
+    from serving_hook.events import hash_to_int64
+
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    if hash_algo.startswith("xxhash") and os.getenv("PYTHONHASHSEED") is None:
+        raise ValueError(f"{hash_algo} block hashes are seeded at random per process unless PYTHONHASHSEED is set")
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    parent = hash_fn(resolve_none_hash_seed(hash_fn))
+    tokens = [int(t) for t in prompt_token_ids]
+    out: list[int] = []
+    for b in range(len(tokens) // block_size):
+        extra = (("cache_salt", cache_salt),) if b == 0 and cache_salt else None
+        parent = hash_block_tokens(hash_fn, parent, tokens[b * block_size : (b + 1) * block_size], extra)
+        out.append(hash_to_int64(parent))
+    return out
+
+
 ROUTERS: dict[str, Callable[..., Router]] = {
     "round-robin": RoundRobinRouter,
     "least-loaded": LeastLoadedRouter,
     "cache-aware": CacheAwareRouter,
+    "kv-aware": KVAwareRouter,
 }
 
 

@@ -164,6 +164,6 @@ def test_make_router_by_name() -> None:
 
 
 def test_unknown_router_lists_known() -> None:
-    known = r"cache-aware, least-loaded, round-robin"
-    with pytest.raises(ValueError, match=rf"unknown router 'kv-aware'; known routers: {known}"):
-        make_router("kv-aware")
+    known = r"cache-aware, kv-aware, least-loaded, round-robin"
+    with pytest.raises(ValueError, match=rf"unknown router 'llm-d'; known routers: {known}"):
+        make_router("llm-d")
