@@ -14,7 +14,12 @@ Each engine step a policy may answer three questions:
 * **retention** (:meth:`Policy.retain`): for the cached blocks freed by a
   finished request, or by a turn that paused on a tool, whether to protect them
   for a while (a pin with a TTL), demote them (evict them first) or leave them
-  to LRU.
+  to LRU;
+* **eviction** (:meth:`Policy.evict`): when an allocation is about to evict
+  cached blocks, which cached prefixes (among all whose blocks are free and
+  still cached) go first. Retention decides once, when blocks are freed;
+  eviction compares every cached prefix at the moment space is needed
+  (KVFlow, Marconi, LRB, Belady).
 
 It also receives :class:`Event` objects (arrived, scheduled, preempted,
 finished, tool call started, tool call ended) to keep its own state.
@@ -55,6 +60,7 @@ __all__ = [
     "PreemptionDecision",
     "Retention",
     "RetentionDecision",
+    "EvictionDecision",
     "Policy",
     "CANDIDATE_FEATURES",
     "PREFIX_FEATURES",
@@ -344,6 +350,28 @@ class RetentionDecision:
     release: Collection[str] = frozenset()
 
 
+@dataclass(frozen=True, slots=True)
+class EvictionDecision:
+    """Which cached prefixes to evict first, when an allocation needs cached blocks.
+
+    ``order`` lists ``prefix_id`` values, first to be evicted first. The hook
+    moves each listed prefix's free cached blocks to the head of vLLM's free
+    list (deepest block first, so a prefix loses its tail before its head),
+    behind only the free blocks that hold no cache at all. Prefixes it does not
+    list keep vLLM's LRU order behind the listed ones; unknown ids are ignored.
+    ``None`` (instead of a decision) keeps LRU. The order holds for the rest of
+    the engine step: the policy is asked at most once per step.
+
+    Logged to telemetry as a ``decisions`` row of kind ``"retain"`` with action
+    ``"evict"`` (the schema's kinds are admit / preempt / retain): the
+    candidates are all the prefixes offered, with :data:`PREFIX_FEATURES`, and
+    ``chosen`` is the index of the first prefix listed (-1 for none).
+    """
+
+    order: Sequence[str] = ()
+    propensity: float = 1.0
+
+
 class Policy:
     """Base class of every kvpilot policy.
 
@@ -361,7 +389,12 @@ class Policy:
     uses_admission: bool = False
     uses_preemption: bool = False
     uses_retention: bool = False
+    uses_eviction: bool = False
     uses_events: bool = False
+
+    #: Eviction lever: offer :meth:`evict` at most this many candidates, the
+    #: least recently freed first (LRU order); ``None`` offers all of them.
+    max_eviction_candidates: Optional[int] = None
 
     #: Time budget (seconds) for all this policy's calls in one engine step;
     #: ``None`` takes the hook's configured default (KVPILOT_DECISION_BUDGET_MS).
@@ -395,6 +428,23 @@ class Policy:
         """
         return None
 
+    def evict(
+        self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int, state: EngineState
+    ) -> Optional[EvictionDecision]:
+        """Order cached prefixes for eviction (only called when :attr:`uses_eviction` is set).
+
+        Called at most once per engine step, inside vLLM's block allocation,
+        when the blocks about to be handed out include cached ones (LRU would
+        evict now). ``prefixes`` are the cached prefixes that have at least one
+        free block still cached, the least recently freed first (at most
+        :attr:`max_eviction_candidates` of them); ``block_ids`` /
+        ``block_hashes`` are each prefix's blocks still cached, in prefix
+        order (some of them may be in use by running requests: those are not
+        evicted). ``num_blocks_needed`` is the size of the allocation that
+        triggered the call (later allocations in the same step reuse the order).
+        """
+        return None
+
     def on_event(self, event: Event) -> None:
         """Observe an event (only called when :attr:`uses_events` is set)."""
         return None
@@ -402,7 +452,9 @@ class Policy:
     @property
     def is_vllm_default(self) -> bool:
         """True when the policy uses no lever at all (the hook short-circuits)."""
-        return not (self.uses_admission or self.uses_preemption or self.uses_retention or self.uses_events)
+        return not (
+            self.uses_admission or self.uses_preemption or self.uses_retention or self.uses_eviction or self.uses_events
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, version={self.version!r})"

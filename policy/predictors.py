@@ -103,3 +103,185 @@ class DomainMeanLengthPredictor:
             self._n[key] += 1
             self._sum[key] += x
             self._sq[key] += x * x
+
+
+class OracleReusePredictor:
+    """When each cached prefix is next used, from the workload: the hindsight reference, not deployable.
+
+    **What "next use" means.** A prefix owned by the request of workload row
+    ``(session, turn)`` is next used by the first request still to be
+    scheduled whose hash chain (in the workload's own hash space) starts with
+    the same leading block: a later turn of the same session (its context
+    extends this one), a GRPO sibling (same prompt), or a reward-model scoring
+    request of the trajectory (its prompt is the trajectory's context). The
+    answer is the earliest estimated time among those requests, in the
+    engine's clock; ``inf`` when none is left (or the prefix has no session
+    metadata, or its row is not in the workload).
+
+    **Estimating when a future request comes** (what can be known at
+    decision time, with hindsight about the workload but not about the
+    schedule):
+
+    * already arrived and waiting (an ``ARRIVED`` or ``PREEMPTED`` event
+      seen, not yet ``SCHEDULED`` again): *now*;
+    * a session's turn ``j > 0``: its previous turn's finish time (from the
+      ``FINISHED`` event) plus that turn's ``tool_latency_s`` from the
+      workload, the exact moment the simulated tool returns. When the
+      previous turn has not finished yet, the same estimate is chained from
+      the last finished (or arrived) turn, counting only tool latencies:
+      generation and queueing time are unknown in advance (they depend on the
+      schedule), so this is a lower bound and far turns look nearer than they
+      are;
+    * a turn 0 not yet arrived: ``arrival_s`` from the workload when set
+      (trace replay), else *now* (it is released with its RL step);
+    * a scoring request: when the scored trajectory's last turn finishes
+      (chained as above while it runs); the verifier's latency is ignored.
+
+    Sharing is judged on the leading block only: a sibling that shares the
+    prompt counts as a use of the whole prefix, although it hits only the
+    prompt blocks. :meth:`observe` must see the hook's events (the policy
+    forwards them), or every future request looks not yet arrived.
+    """
+
+    def __init__(self, rows: Mapping[tuple[str, int], Mapping]) -> None:
+        #: (session, turn) -> {"lead", "kind", "tool_latency_s", "arrival_s", "scores"}
+        self.rows: dict[tuple[str, int], Mapping] = dict(rows)
+        self._sharers: dict[object, list[tuple[str, int]]] = defaultdict(list)
+        self._last_turn: dict[str, int] = {}
+        self._scorers: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for key, r in self.rows.items():
+            lead = r.get("lead")
+            if lead is not None:
+                self._sharers[lead].append(key)
+            s, t = key
+            if t > self._last_turn.get(s, -1):
+                self._last_turn[s] = t
+            if r.get("scores") is not None:
+                self._scorers[r["scores"]].append(key)
+        for keys in self._sharers.values():
+            keys.sort(key=lambda k: (k[1], k[0]))
+        #: lead -> the sharers not scheduled yet (scheduled ones leave, preempted ones come back),
+        #: so a look-up scans only requests still to come
+        self._pending: dict[object, list[tuple[str, int]]] = {k: list(v) for k, v in self._sharers.items()}
+        self._waiting: set[tuple[str, int]] = set()  # arrived (or preempted), not scheduled
+        self._scheduled: set[tuple[str, int]] = set()
+        self._finished_at: dict[tuple[str, int], float] = {}
+
+    @classmethod
+    def from_workload(cls, workload: pa.Table) -> "OracleReusePredictor":
+        names = set(workload.column_names)
+        cols = workload.select(
+            [c for c in ("session_id", "turn", "kind", "block_hashes", "tool_latency_s", "arrival_s",
+                         "scores_session_id") if c in names]
+        ).to_pydict()
+        n = len(cols["session_id"])
+        none = [None] * n
+        rows = {}
+        for i, (s, t) in enumerate(zip(cols["session_id"], cols["turn"])):
+            hashes = cols.get("block_hashes", none)[i]
+            rows[(s, int(t or 0))] = {
+                "lead": hashes[0] if hashes else None,
+                "kind": cols.get("kind", none)[i],
+                "tool_latency_s": cols.get("tool_latency_s", none)[i],
+                "arrival_s": cols.get("arrival_s", none)[i],
+                "scores": cols.get("scores_session_id", none)[i],
+            }
+        return cls(rows)
+
+    # ------------------------------------------------------------- estimates
+    def _ready(self, key: tuple[str, int], now_s: float, depth: int = 0) -> float:
+        """Estimated time the request of row ``key`` is (or was) ready to run."""
+        if key in self._waiting:
+            return now_s
+        fin = self._finished_at.get(key)
+        r = self.rows.get(key)
+        if r is None or depth > 64:
+            return now_s
+        if r.get("scores") is not None:  # scoring: after the trajectory's last turn
+            s2 = r["scores"]
+            last = (s2, self._last_turn.get(s2, 0))
+            f = self._finished_at.get(last)
+            if f is not None:
+                return max(now_s, f)
+            return self._done(last, now_s, depth + 1)
+        s, t = key
+        if t == 0:
+            a = r.get("arrival_s")
+            return max(now_s, float(a)) if a is not None and math.isfinite(a) else now_s
+        prev = (s, t - 1)
+        pr = self.rows.get(prev)
+        lat = float(pr.get("tool_latency_s") or 0.0) if pr is not None else 0.0
+        f = self._finished_at.get(prev)
+        if f is not None:
+            return max(now_s, f + lat)
+        if fin is not None:
+            return now_s
+        return self._done(prev, now_s, depth + 1) + lat
+
+    def _done(self, key: tuple[str, int], now_s: float, depth: int) -> float:
+        """Lower bound of when row ``key`` finishes (generation time unknown: counted as 0)."""
+        f = self._finished_at.get(key)
+        if f is not None:
+            return f
+        if key in self._scheduled:
+            return now_s
+        return self._ready(key, now_s, depth)
+
+    def next_use_key(self, key: Optional[tuple[str, int]], now_s: float) -> float:
+        """Next use (absolute seconds) of the prefix owned by workload row ``key``."""
+        if key is None:
+            return math.inf
+        r = self.rows.get(key)
+        if r is None:
+            return math.inf
+        lead = r.get("lead")
+        users = self._pending.get(lead, ()) if lead is not None else ()
+        best = math.inf
+        for k2 in users:
+            if k2 == key:
+                continue
+            t = self._ready(k2, now_s)
+            if t < best:
+                best = t
+                if best <= now_s:
+                    break
+        return best
+
+    def next_use_s(self, prefixes: Sequence[CachedPrefix], now_s: float) -> list[float]:
+        return [self.next_use_key(row_key(p.meta), now_s) for p in prefixes]
+
+    def observe(self, event: Event) -> None:
+        key = row_key(event.meta)
+        if key is None:
+            return
+        k = event.kind
+        if k is EventKind.ARRIVED:
+            if key not in self._scheduled:
+                self._waiting.add(key)
+        elif k is EventKind.SCHEDULED:
+            self._waiting.discard(key)
+            self._mark_scheduled(key)
+        elif k is EventKind.PREEMPTED:  # it will need its prefix again
+            self._waiting.add(key)
+            if key in self._scheduled:
+                self._scheduled.discard(key)
+                r = self.rows.get(key)
+                if r is not None and r.get("lead") is not None:
+                    self._pending.setdefault(r["lead"], []).append(key)
+        elif k is EventKind.FINISHED:
+            self._waiting.discard(key)
+            self._mark_scheduled(key)
+            self._finished_at[key] = event.time_s
+
+    def _mark_scheduled(self, key: tuple[str, int]) -> None:
+        if key in self._scheduled:
+            return
+        self._scheduled.add(key)
+        r = self.rows.get(key)
+        if r is not None and r.get("lead") is not None:
+            pend = self._pending.get(r["lead"])
+            if pend is not None:
+                try:
+                    pend.remove(key)
+                except ValueError:
+                    pass

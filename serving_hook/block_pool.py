@@ -20,11 +20,61 @@ is handed out again (``get_new_blocks`` -> ``_maybe_evict_cached_block``).
 The adapter also counts evictions: the pool's class is swapped for a subclass
 whose ``_maybe_evict_cached_block`` counts the blocks that lose their hash when
 handed out again. Only the hook's non-passthrough mode installs it.
+
+**Eviction lever** (``Policy.uses_eviction``; line numbers of vllm 0.33.0).
+Retention decides when blocks are freed; the eviction lever decides at the
+moment vLLM evicts, comparing every cached prefix (KVFlow, Marconi, LRB,
+Belady).
+
+* *Where vLLM evicts.* Every block the KV-cache manager takes comes from
+  ``BlockPool.get_new_blocks`` (``v1/core/block_pool.py`` L706): it pops the
+  first ``n`` blocks of the free list (``FreeKVCacheBlockQueue.popleft_n``,
+  ``v1/core/kv_cache_utils.py`` L347, called at L721) and strips the hash of
+  each (``_maybe_evict_cached_block``, L729 / L769): a popped block that
+  carried a hash is an eviction. Its callers are the single-type managers'
+  ``allocate_new_blocks`` (``single_type_kv_cache_manager.py`` L395, L406;
+  L365 for external hits), reached from ``KVCacheManager.allocate_slots``
+  after the request's own cache hits were taken off the free list
+  (``touch``, ``kv_cache_manager.py`` L595 -> ``block_pool.py`` L792). So at
+  ``get_new_blocks`` the free list holds exactly the evictable blocks, in
+  the order vLLM will evict them.
+* *The hook.* :class:`CountingBlockPool` (installed by class swap, see
+  :func:`install_eviction_counter`) overrides ``get_new_blocks``. When its
+  ``kvpilot_eviction_hook`` is set, it walks the first ``n`` free blocks (the
+  ones about to be popped, the same walk ``popleft_n`` does) and, only if
+  one of them carries a hash, calls ``hook(n)`` before vLLM's own
+  ``get_new_blocks``. The scheduler's hook clears ``kvpilot_eviction_hook``
+  when it runs and sets it again at the next ``schedule()``: at most one
+  policy call per engine step, and no walk at all for the rest of the step.
+  The order the policy gave stays in the free list for the rest of the step.
+* *Candidates.* :class:`CachedPrefixIndex` keeps the prefixes of finished
+  requests (noted when the scheduler's ``_free_blocks`` frees them), in the
+  order they were freed (LRU). An entry is dropped when its first block no
+  longer holds the hash it had (evicted and reused: the rest of the chain
+  can no longer hit); a prefix is offered only while at least one of its
+  still-cached blocks is free (``ref_cnt == 0``). The index is bounded
+  (oldest entries go first).
+* *Applying the order.* :func:`evict_first` takes each listed prefix's free,
+  still-cached blocks off the free list (``FreeKVCacheBlockQueue.remove``,
+  ``kv_cache_utils.py`` L391) and puts them back at its head
+  (``prepend_n``, L438), first-listed prefix first and each prefix's deepest
+  block first, *behind* the run of hash-less free blocks at the head (vLLM
+  puts freed hash-less blocks there, ``free_blocks`` L845, and hands them out
+  before evicting anything). Unlisted cached blocks keep their LRU order
+  (``free_blocks`` appends at the tail, L847). The free-block count does not
+  change, so vLLM's own check (``get_new_blocks`` L718) still holds.
+* *Cost.* Off (the default, or a policy without ``uses_eviction``): no class
+  swap in passthrough mode; otherwise one attribute test per
+  ``get_new_blocks``. On: a walk of ``n`` blocks per allocation until the
+  first evicting one in a step; then, once per step, one scan of the index
+  (O(entries), plus the blocks of the prefixes offered), the policy call
+  (under the step budget, ``_kvp_call``) and O(blocks moved) list surgery.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
@@ -32,15 +82,39 @@ from vllm.v1.core.block_pool import BlockPool
 
 
 class CountingBlockPool(BlockPool):
-    """``BlockPool`` that counts prefix-cache evictions (set by class swap)."""
+    """``BlockPool`` that counts prefix-cache evictions (set by class swap).
+
+    It also carries the eviction lever's entry point: with
+    ``kvpilot_eviction_hook`` set, ``get_new_blocks(n)`` calls ``hook(n)``
+    first when one of the ``n`` blocks it is about to pop still holds a hash.
+    """
 
     kvpilot_evictions: int = 0
+    kvpilot_eviction_hook: Optional[Callable[[int], None]] = None
 
     def _maybe_evict_cached_block(self, block) -> bool:  # noqa: D401 - vLLM override
         evicted = super()._maybe_evict_cached_block(block)
         if evicted:
             self.kvpilot_evictions += 1
         return evicted
+
+    def get_new_blocks(self, num_blocks: int):  # vLLM override (block_pool.py L706)
+        hook = self.kvpilot_eviction_hook
+        if hook is not None and num_blocks > 0 and self.enable_caching:
+            q = self.free_block_queue
+            tail = q.fake_free_list_tail
+            b = q.fake_free_list_head.next_free_block
+            for _ in range(num_blocks):
+                if b is None or b is tail:
+                    break
+                if b.block_hash is not None:  # this allocation evicts a cached block
+                    try:
+                        hook(num_blocks)
+                    except Exception:  # the hook handles its own errors; never break vLLM
+                        pass
+                    break
+                b = b.next_free_block
+        return super().get_new_blocks(num_blocks)
 
 
 def install_eviction_counter(pool: BlockPool) -> None:
@@ -198,3 +272,131 @@ class BlockPoolAdapter:
             queue.prepend_n(moved)
         self.num_demoted_blocks += len(moved)
         return len(moved)
+
+
+# ------------------------------------------------------------- eviction lever
+def cached_length(blocks: Sequence[Any], hashes: Sequence[Any]) -> int:
+    """How many leading blocks still hold the hashes they had when freed."""
+    n = 0
+    for b, h in zip(blocks, hashes):
+        if b.is_null or h is None or b.block_hash != h:
+            break
+        n += 1
+    return n
+
+
+class CachedPrefixIndex:
+    """Finished requests' prefixes whose blocks may still be cached, in the order they were freed.
+
+    Entries are objects with ``blocks`` and ``hashes`` (the blocks' hashes at
+    free time), keyed by prefix id. Re-adding an id moves it to the end (most
+    recent). Dead entries (first block evicted) are dropped when
+    :meth:`candidates` scans past them, and when the index outgrows
+    ``max_entries`` (then, if needed, the oldest entries go too).
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max(16, int(max_entries))
+        self.entries: dict[str, Any] = {}
+        self.num_dropped_dead = 0
+        self.num_dropped_full = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, prefix_id: str, entry: Any) -> None:
+        entries = self.entries
+        entries.pop(prefix_id, None)
+        entries[prefix_id] = entry
+        if len(entries) > self.max_entries:
+            self._shrink()
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    @staticmethod
+    def _dead(entry: Any) -> bool:
+        blocks, hashes = entry.blocks, entry.hashes
+        if not blocks:
+            return True
+        b = blocks[0]
+        return b.is_null or hashes[0] is None or b.block_hash != hashes[0]
+
+    def _shrink(self) -> None:
+        entries = self.entries
+        dead = [pid for pid, e in entries.items() if self._dead(e)]
+        for pid in dead:
+            del entries[pid]
+        self.num_dropped_dead += len(dead)
+        target = (self.max_entries * 3) // 4
+        if len(entries) > target:
+            old = list(entries)[: len(entries) - target]
+            for pid in old:
+                del entries[pid]
+            self.num_dropped_full += len(old)
+
+    def candidates(self, limit: Optional[int] = None) -> list[tuple[str, Any, int]]:
+        """``(prefix_id, entry, n_cached)`` of the prefixes with a free, still-cached block, oldest first.
+
+        ``n_cached`` is the number of leading blocks still cached. At most
+        ``limit`` are returned (all when ``None``); the scan stops there.
+        """
+        out: list[tuple[str, Any, int]] = []
+        dead: list[str] = []
+        for pid, e in self.entries.items():
+            n = cached_length(e.blocks, e.hashes)
+            if n == 0:
+                dead.append(pid)
+                continue
+            blocks = e.blocks
+            for i in range(n):
+                if blocks[i].ref_cnt == 0:
+                    out.append((pid, e, n))
+                    break
+            if limit is not None and len(out) >= limit:
+                break
+        for pid in dead:
+            del self.entries[pid]
+        self.num_dropped_dead += len(dead)
+        return out
+
+
+def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[Any]]]) -> int:
+    """Put the free cached blocks of ``chains`` (``(blocks, hashes)`` per prefix) first in line for eviction.
+
+    Prefixes in the given order, each one's deepest block first; they go right
+    behind the hash-less free blocks at the head of the free list (those are
+    handed out first and evict nothing). Blocks in use, or no longer holding
+    their hash, are left alone; a block shared by several listed prefixes
+    moves with the first. Returns the number of blocks moved.
+    """
+    q = pool.free_block_queue
+    moved: list = []
+    seen: set = set()
+    for blocks, hashes in chains:
+        chain = []
+        for b, h in zip(blocks, hashes):
+            if h is None or b.block_hash != h:
+                break  # the rest of the chain cannot hit any more
+            if b.ref_cnt == 0 and b.prev_free_block is not None and b.block_id not in seen:
+                chain.append(b)
+        if not chain:
+            continue
+        chain.reverse()  # deepest block first
+        for b in chain:
+            seen.add(b.block_id)
+            q.remove(b)
+        moved.extend(chain)
+    if not moved:
+        return 0
+    tail = q.fake_free_list_tail
+    lead = 0
+    b = q.fake_free_list_head.next_free_block
+    while b is not None and b is not tail and b.block_hash is None:
+        lead += 1
+        b = b.next_free_block
+    head = q.popleft_n(lead) if lead else []
+    q.prepend_n(moved)
+    if head:
+        q.prepend_n(head)
+    return len(moved)

@@ -1,0 +1,98 @@
+"""Helpers shared by the eviction and retention baselines (KVFlow, Marconi, LRB, Continuum, oracle).
+
+* :func:`resolve_reuse_predictor` turns the ``reuse_predictor`` option (a name
+  or an object) into a :class:`policy.predictors.ReusePredictor`.
+* :func:`furthest_first` orders prefixes by predicted next use, the furthest
+  first (never used = ``inf`` first), ties broken by LRU (least recently
+  freed first), then by id, so an order is deterministic.
+* :class:`ReuseEventsMixin` forwards events to a predictor's ``observe``.
+
+Plain Python, no vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from policy.interface import CachedPrefix, Event
+from policy.predictors import OracleReusePredictor, ReusePredictor
+
+__all__ = ["REUSE_PREDICTOR_NAMES", "resolve_reuse_predictor", "furthest_first", "check_count", "ReuseEventsMixin"]
+
+REUSE_PREDICTOR_NAMES: tuple[str, ...] = ("oracle",)
+
+
+def resolve_reuse_predictor(spec: Any, workload: Any = None, *, policy: str = "policy") -> ReusePredictor:
+    """The reuse predictor named (or given) by ``spec``.
+
+    * ``"oracle"``: :class:`policy.predictors.OracleReusePredictor` built from
+      ``workload`` (the simulated workload table; hindsight, not deployable).
+      Without a workload this fails: in production nothing knows the future.
+    * an object with ``next_use_s(prefixes, now_s)`` (and optionally
+      ``observe(event)``), e.g. the LightGBM reuse model: used as it is.
+    """
+    if isinstance(spec, str):
+        name = spec.strip().lower()
+        if name == "oracle":
+            if workload is None:
+                raise ValueError(
+                    f"{policy}: reuse_predictor='oracle' needs the simulated workload (future requests), "
+                    "and none was given; in production pass a trained reuse predictor object"
+                )
+            try:
+                return OracleReusePredictor.from_workload(workload)
+            except Exception as e:
+                raise ValueError(
+                    f"{policy}: cannot build the oracle reuse predictor from the workload "
+                    f"(needs columns session_id, turn, block_hashes): {e}"
+                ) from e
+        raise ValueError(
+            f"{policy}: unknown reuse_predictor {spec!r}; use one of {', '.join(REUSE_PREDICTOR_NAMES)} "
+            "or pass a predictor object"
+        )
+    if spec is None or not callable(getattr(spec, "next_use_s", None)):
+        raise TypeError(
+            f"{policy}: reuse_predictor must be 'oracle' or an object with next_use_s(prefixes, now_s), "
+            f"got {type(spec).__name__}"
+        )
+    return spec
+
+
+def _as_time(x: Any) -> float:
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return math.inf
+    return math.inf if math.isnan(f) else f
+
+
+def furthest_first(prefixes: Sequence[CachedPrefix], next_uses: Sequence[float]) -> list[str]:
+    """Prefix ids, the furthest predicted next use first; ties: least recently freed first."""
+    if len(next_uses) != len(prefixes):
+        raise ValueError(f"reuse predictor returned {len(next_uses)} values for {len(prefixes)} prefixes")
+    keyed = sorted(
+        ((-_as_time(t), p.last_used_s, p.prefix_id) for p, t in zip(prefixes, next_uses)),
+    )
+    return [pid for _, _, pid in keyed]
+
+
+def check_count(name: str, value: Any, *, allow_none: bool = False) -> Optional[int]:
+    """Validate a positive integer option."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"option {name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class ReuseEventsMixin:
+    """Forwards every event to ``self.reuse.observe`` (when the predictor has one)."""
+
+    reuse: Any = None
+
+    def on_event(self, event: Event) -> None:
+        obs = getattr(self.reuse, "observe", None)
+        if obs is not None:
+            obs(event)

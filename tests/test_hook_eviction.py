@@ -1,0 +1,195 @@
+"""The eviction lever changes which cached prefix vLLM's real block pool evicts.
+
+* LRU (stock vLLM) evicts the older prefix A first; a policy that names the
+  newer B makes B's blocks go while A survives;
+* the policy is asked once per step, only when an allocation evicts, with the
+  freed prefixes still cached in LRU order (capped when asked to), and the
+  order holds for every allocation of that step;
+* an exception in ``evict()`` falls back to LRU and is counted;
+* the decision is logged as a ``retain`` row with action ``evict``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from policy.interface import EvictionDecision, Policy
+
+pytestmark = pytest.mark.vllm
+
+
+def _hook(policy, **cfg):
+    from serving_hook import KVPilotScheduler, with_policy
+    from serving_hook.config import HookConfig
+
+    cfg.setdefault("decision_budget_s", 10.0)
+    return with_policy(KVPilotScheduler, lambda: policy, HookConfig(**cfg))
+
+
+def _stock():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
+class EvictPolicy(Policy):
+    """Evict the named prefixes first (by request id); record what it was offered."""
+
+    name = "test-evict"
+    uses_eviction = True
+
+    def __init__(self, order=(), raise_exc=False, cap=None):
+        self.order = list(order)
+        self.raise_exc = raise_exc
+        self.max_eviction_candidates = cap
+        self.calls = []
+
+    def evict(self, prefixes, num_blocks_needed, state):
+        self.calls.append(([(p.prefix_id, p.num_blocks, p.owner_state.value) for p in prefixes], num_blocks_needed))
+        if self.raise_exc:
+            raise RuntimeError("boom")
+        return EvictionDecision(order=self.order)
+
+
+def _run_until_done(s, runner, limit=200):
+    for _ in range(limit):
+        runner.step(s)
+        if not s.has_requests():
+            return
+    raise AssertionError("requests did not finish")
+
+
+def _cached(engine, s, prompt):
+    probe = engine.make_request("probe", prompt, 1)
+    return s.kv_cache_manager.get_computed_blocks(probe)[1]
+
+
+def _prefixes(engine, s, runner, names):
+    """Run one 48-token request per name, one after the other (3 cached blocks each)."""
+    prompts = {}
+    for n in names:
+        prompts[n] = engine.prompt_tokens(f"ev-{n}", 48)
+        s.add_request(engine.make_request(n, prompts[n], 2))
+        _run_until_done(s, runner)
+    for n in names:
+        assert _cached(engine, s, prompts[n] + [1]) == 48
+    return prompts
+
+
+def _two_prefix_scenario(engine, cls):
+    """A then B are cached (12 usable blocks: 6 cached, 6 empty); a 144-token filler
+    needs the 6 empty blocks and 3 cached ones."""
+    s = engine.make_scheduler(cls, num_blocks=13, max_num_seqs=4)
+    runner = engine.FakeRunner()
+    prompts = _prefixes(engine, s, runner, ["A", "B"])
+    s.add_request(engine.make_request("F", engine.prompt_tokens("ev-filler", 144), 1))
+    _run_until_done(s, runner)
+    return s, prompts
+
+
+def test_lru_evicts_older_prefix(vllm_engine):
+    s, p = _two_prefix_scenario(vllm_engine, _stock())
+    assert _cached(vllm_engine, s, p["A"] + [1]) == 0
+    assert _cached(vllm_engine, s, p["B"] + [1]) == 48
+
+
+def test_named_prefix_is_evicted_first(vllm_engine):
+    policy = EvictPolicy(order=["B"])
+    s, p = _two_prefix_scenario(vllm_engine, _hook(policy))
+    assert _cached(vllm_engine, s, p["B"] + [1]) == 0
+    assert _cached(vllm_engine, s, p["A"] + [1]) == 48
+    # asked once, by the filler's allocation of 9 blocks, with A and B in LRU order
+    assert policy.calls == [([("A", 3, "finished"), ("B", 3, "finished")], 9)]
+    st = s.kvpilot_stats
+    assert st.eviction_calls == 1 and st.eviction_orders == 1 and st.evict_first_blocks == 3
+    assert not st.fallbacks
+
+
+def test_not_asked_without_eviction(vllm_engine):
+    """Allocations served by empty blocks never reach the policy."""
+    engine = vllm_engine
+    policy = EvictPolicy(order=["A"])
+    s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
+    runner = engine.FakeRunner()
+    p = _prefixes(engine, s, runner, ["A"])
+    s.add_request(engine.make_request("F", engine.prompt_tokens("ev-small", 64), 1))  # 4 of 8 empty blocks
+    _run_until_done(s, runner)
+    assert policy.calls == []
+    assert _cached(engine, s, p["A"] + [1]) == 48
+
+
+def test_one_ask_per_step_and_order_holds_for_the_step(vllm_engine):
+    """A, B, C cached (9 blocks, 3 empty). Two fillers admitted in one step both
+    evict: F1 takes the 3 empty blocks + 1 cached, F2 2 cached. One ask; C goes."""
+    engine = vllm_engine
+    policy = EvictPolicy(order=["C", "B"])
+    s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
+    runner = engine.FakeRunner()
+    p = _prefixes(engine, s, runner, ["A", "B", "C"])
+    s.add_request(engine.make_request("F1", engine.prompt_tokens("ev-f1", 64), 1))
+    s.add_request(engine.make_request("F2", engine.prompt_tokens("ev-f2", 32), 1))
+    out = runner.step(s)
+    assert sorted(d.req_id for d in out.scheduled_new_reqs) == ["F1", "F2"]
+    _run_until_done(s, runner)
+    assert len(policy.calls) == 1
+    assert [c[0] for c in policy.calls[0][0]] == ["A", "B", "C"]
+    assert policy.calls[0][1] == 4
+    assert _cached(engine, s, p["C"] + [1]) == 0
+    assert _cached(engine, s, p["A"] + [1]) == 48
+    assert _cached(engine, s, p["B"] + [1]) == 48
+
+
+def test_candidate_cap_takes_lru_order(vllm_engine):
+    policy = EvictPolicy(order=["A"], cap=1)
+    s, p = _two_prefix_scenario(vllm_engine, _hook(policy))
+    assert [c[0] for c in policy.calls[0][0]] == ["A"]
+
+
+def test_exception_falls_back_to_lru_and_is_counted(vllm_engine):
+    policy = EvictPolicy(order=["B"], raise_exc=True)
+    s, p = _two_prefix_scenario(vllm_engine, _hook(policy))
+    # LRU: A goes, B survives, exactly as stock vLLM
+    assert _cached(vllm_engine, s, p["A"] + [1]) == 0
+    assert _cached(vllm_engine, s, p["B"] + [1]) == 48
+    st = s.kvpilot_stats
+    assert st.fallbacks == {"evict:exception": 1}
+    assert st.fallback_steps == 1
+    assert st.eviction_calls == 1 and st.eviction_orders == 0
+
+
+def test_unknown_ids_and_none_keep_lru(vllm_engine):
+    policy = EvictPolicy(order=["nope"])
+    s, p = _two_prefix_scenario(vllm_engine, _hook(policy))
+    assert _cached(vllm_engine, s, p["A"] + [1]) == 0
+    assert _cached(vllm_engine, s, p["B"] + [1]) == 48
+    assert s.kvpilot_stats.eviction_orders == 0
+
+
+class _Writer:
+    dropped = 0
+
+    def __init__(self):
+        self.rows = []
+
+    def put(self, table, row):
+        self.rows.append((table, row))
+
+    def close(self):
+        pass
+
+
+def test_decision_is_logged_as_retain_evict(vllm_engine):
+    engine = vllm_engine
+    policy = EvictPolicy(order=["B"])
+    s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
+    w = s.kvpilot_telemetry = _Writer()
+    runner = engine.FakeRunner()
+    _prefixes(engine, s, runner, ["A", "B"])
+    s.add_request(engine.make_request("F", engine.prompt_tokens("ev-filler", 144), 1))
+    _run_until_done(s, runner)
+    s.kvpilot_telemetry = None
+    rows = [r for t, r in w.rows if t == "decisions"]
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["kind"], r["action"], r["candidate_ids"], r["chosen"]) == ("retain", "evict", ["A", "B"], 1)
+    assert len(r["features"]) == 2 and r["features"][0][0] == 3.0  # num_blocks
