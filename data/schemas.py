@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 #: Bumped whenever a schema below changes incompatibly; saved models record it.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 DOMAINS = ("math", "code", "agentic", "reward")
 PARADIGMS = ("math_verifier", "unit_test_sandbox", "search_tool", "reward_model")
@@ -98,6 +98,9 @@ REQUESTS = TableSpec(
             _f("prompt_tokens", pa.int32()),
             _f("cached_tokens", pa.int32()),
             _f("output_tokens", pa.int32()),
+            # tokens the engine computed for it, recomputation after preemption included
+            # (the sum of its scheduled tokens over engine steps)
+            _f("computed_tokens", pa.int32()),
             _f("max_tokens", pa.int32()),
             _f("finish_reason", pa.string()),
             _f("preemptions", pa.int32()),

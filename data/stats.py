@@ -10,9 +10,21 @@ so every turn k+1 comes after its turn k and a step's turn-0 batch comes first.
 With chain hashes (equal hash = equal prefix) the order only matters for traces
 whose hashes are not chains; then the leading-run rule decides.
 
+``unlimited_cache_hit_fraction_with_outputs`` is the same count (same replay
+order, same denominator: all block references) under vLLM's semantics, where a
+request's generated output is cached too: after being counted, a request also
+registers the blocks of its *stream* (a session's turns plus the requests
+scoring it, which read ever longer prefixes of one context) that lie wholly
+inside the first ``prompt_tokens + output_tokens - 1`` tokens it computed (vLLM
+never computes the last sampled token). Those blocks' hashes come from the
+stream's longest prompt, whose chain covers them. So a later turn, or a
+scoring request, also hits the previous turn's output blocks. On single-turn
+workloads without scoring the two fractions are equal.
+
 Keys: ``requests``, ``steps``, ``groups``, ``sessions`` (distinct counts),
 ``turns`` (mean turns per session), ``max_turns``, ``block_references``,
-``unique_blocks``, ``unlimited_cache_hit_fraction``, ``first_block_shared_fraction``
+``unique_blocks``, ``unlimited_cache_hit_fraction``,
+``unlimited_cache_hit_fraction_with_outputs``, ``first_block_shared_fraction``
 (requests whose first block an earlier request registered) and ``domains``
 (per domain: ``requests``, ``sessions``, ``groups``, and p50/p90/p99 of
 ``prompt_tokens`` and ``output_tokens``).
@@ -44,6 +56,7 @@ def workload_stats(table: pa.Table) -> dict[str, Any]:
         "block_references": refs,
         "unique_blocks": len(pc.unique(pc.list_flatten(table.column("block_hashes")))),
         "unlimited_cache_hit_fraction": hits / refs if refs else 0.0,
+        "unlimited_cache_hit_fraction_with_outputs": _prefix_hits_with_outputs(table) / refs if refs else 0.0,
         "first_block_shared_fraction": first_shared / n if n else 0.0,
         "domains": {str(d): _domain_stats(table.filter(pc.equal(table.column("domain"), d)))
                     for d in sorted(pc.unique(table.column("domain")).to_pylist())},
@@ -104,13 +117,62 @@ def _prefix_hits(table: pa.Table) -> tuple[int, int, int]:
     return int(leading.sum()), total, int((leading > 0).sum())
 
 
+def _prefix_hits_with_outputs(table: pa.Table) -> int:
+    """Hit block references of an unlimited cache that also holds each request's computed output blocks."""
+    n = table.num_rows
+    if n == 0:
+        return 0
+    order = _replay_order(table)
+    rank = np.empty(n, np.int64)
+    rank[order] = np.arange(n)
+    chains = table.column("block_hashes").combine_chunks()
+    lengths = pc.list_value_length(chains).fill_null(0).to_numpy().astype(np.int64)
+    flat = pc.list_flatten(chains).to_numpy()
+    if flat.size == 0:
+        return 0
+    offsets = np.cumsum(lengths) - lengths
+    size = int(table.column("block_size")[0].as_py())
+    prompt = table.column("prompt_tokens").to_numpy().astype(np.int64)
+    output = table.column("output_tokens").to_numpy().astype(np.int64)
+    stream = pc.dictionary_encode(
+        pc.coalesce(table.column("scores_session_id"), table.column("session_id"))
+    ).combine_chunks().indices.to_numpy().astype(np.int64)
+    by_length = np.lexsort((prompt, stream))  # per stream, its longest prompt last
+    last = np.flatnonzero(np.diff(stream[by_length], append=-1) != 0)
+    longest = np.empty(stream.max() + 1, np.int64)
+    longest[stream[by_length[last]]] = by_length[last]
+    owner_row = longest[stream]  # per row: its stream's longest request, whose chain covers the stream
+    # Extra registrations of row r: the longest chain's blocks j with lo <= j < hi, full in both r's computed
+    # tokens and that chain's prompt (r's own chain already registers its blocks below lo).
+    lo = prompt // size
+    hi = np.minimum(np.maximum(prompt + output - 1, 0) // size, prompt[owner_row] // size)
+    extra = np.maximum(hi - lo, 0)
+    extra_row = np.repeat(np.arange(n), extra)
+    j = np.arange(int(extra.sum())) - (np.cumsum(extra) - extra)[extra_row] + lo[extra_row]
+    extra_hash = flat[offsets[owner_row[extra_row]] + j]
+    query_row = np.repeat(np.arange(n), lengths)
+    hashes = np.concatenate([flat, extra_hash])
+    ranks = np.concatenate([rank[query_row], rank[extra_row]])
+    unique, inverse = np.unique(hashes, return_inverse=True)
+    first_rank = np.full(unique.size, np.iinfo(np.int64).max)
+    np.minimum.at(first_rank, inverse.ravel(), ranks)
+    seen = first_rank[inverse[: flat.size]] < rank[query_row]
+    # Leading run of hits per request (its length if all hit), as in _prefix_hits.
+    position = np.arange(flat.size) - offsets[query_row]
+    first_miss = np.where(seen, lengths[query_row], position)
+    nonempty = lengths > 0
+    leading = np.minimum.reduceat(first_miss, offsets[nonempty])
+    return int(leading.sum())
+
+
 def render_stats(stats: dict[str, Any]) -> str:
     """Plain-text report of :func:`workload_stats` output."""
     lines = [
         f"requests {stats['requests']}  steps {stats['steps']}  groups {stats['groups']}  "
         f"sessions {stats['sessions']}  turns/session {stats['turns']:.2f} (max {stats['max_turns']})",
         f"block references {stats['block_references']}  unique blocks {stats['unique_blocks']}  "
-        f"unlimited-cache hit fraction {stats['unlimited_cache_hit_fraction']:.3f}  "
+        f"unlimited-cache hit fraction {stats['unlimited_cache_hit_fraction']:.3f} "
+        f"({stats['unlimited_cache_hit_fraction_with_outputs']:.3f} with outputs cached)  "
         f"first block shared {stats['first_block_shared_fraction']:.3f}",
     ]
     header = ["domain", "requests", "sessions", "groups"] + [

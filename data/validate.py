@@ -635,6 +635,7 @@ for _column, _what in [
     ("prompt_tokens", "token count"),
     ("cached_tokens", "token count"),
     ("output_tokens", "token count"),
+    ("computed_tokens", "token count"),
     ("max_tokens", "token count"),
     ("preemptions", "preemption count"),
 ]:

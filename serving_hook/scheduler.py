@@ -39,10 +39,25 @@ of vllm 0.33.0):
   the policy's order, under pressure (above), when nothing runs and the next
   waiting request does not fit (liveness), and before ``reset_prefix_cache``
   (L3184; ``block_pool.py`` L871 refuses to reset while blocks are held).
+* **Eviction.** With ``Policy.uses_eviction``, ``_free_blocks`` also notes each
+  finished request's prefix in a :class:`serving_hook.block_pool.CachedPrefixIndex`,
+  and the pool (class-swapped) calls ``_kvp_before_evict`` from
+  ``get_new_blocks`` (``block_pool.py`` L706) when the blocks it is about to
+  pop include a cached one. The policy's ``evict()`` then orders the cached
+  prefixes whose blocks are free, and the hook moves the listed ones to the
+  head of the free list before vLLM pops. At most once per step, budgeted
+  and failure-isolated like the other calls; logged as a ``retain`` decision
+  with action ``evict``. Design and costs: :mod:`serving_hook.block_pool`.
 
 **Zero-cost default.** With a policy that uses no lever (``VllmDefaultPolicy``)
 and no telemetry, every override is a single flag test and ``super()`` call;
 no wrapper is installed.
+
+**Telemetry timing.** A ``steps`` row is stamped at ``schedule()`` and written at
+the step's ``update_from_output()``, so it covers ``[time_s, time_s +
+duration_s]`` of its own step (the simulator advances ``kvpilot_clock`` between
+the two). A ``requests`` row counts ``computed_tokens``: the request's scheduled
+tokens summed over steps, recomputation after preemption included.
 
 **Failure isolation.** Every policy call is timed and wrapped. An exception, or
 a call that returns after the step's budget is spent, is discarded: that
@@ -57,6 +72,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -82,8 +98,9 @@ from policy.interface import (
     RequestStatus,
     RetentionAction,
     RetentionDecision,
+    EvictionDecision,
 )
-from serving_hook.block_pool import BlockPoolAdapter, install_eviction_counter
+from serving_hook.block_pool import BlockPoolAdapter, CachedPrefixIndex, evict_first, install_eviction_counter
 from serving_hook.config import HookConfig, HookConfigError, build_policy, load_config
 from serving_hook.events import hash_to_int64, hashes_to_int64, kv_event_rows
 from serving_hook.metadata import request_meta
@@ -108,6 +125,7 @@ class _ReqInfo:
     first_token_s: Optional[float] = None
     running: bool = False  # admitted and not preempted or finished since
     cached_tokens: int = -1
+    computed_tokens: int = 0  # scheduled tokens summed over steps (counted with telemetry on)
     predictions: Optional[dict] = None
     cand: Optional[CandidateRequest] = None  # reused across steps, refreshed per call
 
@@ -122,6 +140,7 @@ class _Freed:
     blocks: list
     hashes: list  # the blocks' BlockHashWithGroupId at free time
     time_s: float
+    hashes64: Optional[tuple] = None  # int64 hashes, computed once when first offered to evict()
 
 
 @dataclass(slots=True)
@@ -147,6 +166,9 @@ class HookStats:
     held: int = 0
     protected: int = 0
     demoted_blocks: int = 0
+    eviction_calls: int = 0  # evict() asked (at most once per step, only when LRU would evict)
+    eviction_orders: int = 0  # evict() answers that moved blocks
+    evict_first_blocks: int = 0  # blocks moved to the head of the free list by evict()
     prefix_queries: int = 0
     prefix_hits: int = 0
     hook_time_s: float = 0.0  # the hook's own time (telemetry-enabled or policy mode)
@@ -159,22 +181,27 @@ class KVPilotMixin:
     # Class-level defaults: every override passes through until _kvp_setup ran.
     _kvp_passthrough = True
     _kvp_pins: Optional[BlockPoolAdapter] = None
+    _kvp_index: Optional[CachedPrefixIndex] = None
     _kvp_inner_s = 0.0
 
     #: Overrides for the simulator and tests (``with_policy`` sets them on a
     #: subclass): a zero-argument policy factory and a ready ``HookConfig``.
     kvpilot_policy_factory: Optional[Callable[[], Policy]] = None
     kvpilot_config: Optional[HookConfig] = None
+    #: A telemetry writer owned by the caller and shared by several schedulers (the
+    #: simulator's replicas); used instead of ``telemetry_dir`` and never closed here.
+    kvpilot_shared_writer: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         cfg = self.kvpilot_config if self.kvpilot_config is not None else load_config()
         policy = build_policy(cfg, self.kvpilot_policy_factory)
-        writer = _build_writer(cfg)
+        shared = self.kvpilot_shared_writer
+        writer = shared if shared is not None else _build_writer(cfg)
         try:
             super().__init__(*args, **kwargs)
             self._kvp_setup(cfg, policy, writer)
         except BaseException:
-            if writer is not None:
+            if writer is not None and shared is None:
                 writer.close()
             raise
 
@@ -195,6 +222,7 @@ class KVPilotMixin:
         self._kvp_admission = policy.uses_admission and fcfs
         self._kvp_preemption = policy.uses_preemption and fcfs
         self._kvp_retention = policy.uses_retention and self.cache_config.enable_prefix_caching
+        self._kvp_eviction = policy.uses_eviction and self.cache_config.enable_prefix_caching
         self._kvp_events = policy.uses_events
         if (policy.uses_admission or policy.uses_preemption) and not fcfs:
             logger.warning(
@@ -203,9 +231,11 @@ class KVPilotMixin:
                 policy.name,
                 self.scheduler_config.policy,
             )
-        if policy.uses_retention and not self.cache_config.enable_prefix_caching:
-            logger.warning("kvpilot: prefix caching is off; the retention lever is disabled")
-        self._kvp_active = bool(self._kvp_admission or self._kvp_preemption or self._kvp_retention or self._kvp_events)
+        if (policy.uses_retention or policy.uses_eviction) and not self.cache_config.enable_prefix_caching:
+            logger.warning("kvpilot: prefix caching is off; the retention and eviction levers are disabled")
+        self._kvp_active = bool(
+            self._kvp_admission or self._kvp_preemption or self._kvp_retention or self._kvp_eviction or self._kvp_events
+        )
         #: Everything off: every override just calls vLLM.
         self._kvp_passthrough = not self._kvp_active and writer is None
         self._kvp_reqs: dict[str, _ReqInfo] = {}
@@ -220,9 +250,11 @@ class KVPilotMixin:
         self._kvp_step_preemptions = 0
         self._kvp_last_step_time: Optional[float] = None
         self._kvp_last_duration = 0.0
+        self._kvp_step_rows: deque = deque()  # steps rows waiting for their step's end (update_from_output)
         self._kvp_decision_id = 0
         self._kvp_pool = None
         self._kvp_pins: Optional[BlockPoolAdapter] = None
+        self._kvp_index: Optional[CachedPrefixIndex] = None
         if self._kvp_passthrough:
             return
         pool = self.kv_cache_manager.block_pool
@@ -232,6 +264,14 @@ class KVPilotMixin:
         if self._kvp_retention:
             cap = int(cfg.max_pinned_fraction * self._kvp_num_blocks)
             self._kvp_pins = BlockPoolAdapter(pool, cap)
+        if self._kvp_eviction:
+            # Eviction lever (see serving_hook.block_pool): candidates are the freed
+            # prefixes still cached; the pool calls back before an evicting allocation.
+            self._kvp_index = CachedPrefixIndex(max(4 * self._kvp_num_blocks, 1024))
+            cap = policy.max_eviction_candidates
+            self._kvp_evict_cap = int(cap) if cap is not None and int(cap) > 0 else None
+            self._kvp_evict_hook = self._kvp_before_evict
+            pool.kvpilot_eviction_hook = self._kvp_evict_hook
         if self._kvp_preemption or self._kvp_retention:
             self._kvp_orig_allocate = self.kv_cache_manager.allocate_slots
             self.kv_cache_manager.allocate_slots = self._kvp_allocate_slots
@@ -274,6 +314,8 @@ class KVPilotMixin:
         self._kvp_budget_left = self._kvp_budget
         self._kvp_step_preemptions = 0
         ev0 = self._kvp_pool.kvpilot_evictions
+        if self._kvp_eviction:
+            self._kvp_pool.kvpilot_eviction_hook = self._kvp_evict_hook  # re-armed: one ask per step
         now = self.kvpilot_clock()
         if self._kvp_last_step_time is not None:
             self._kvp_last_duration = max(0.0, now - self._kvp_last_step_time)
@@ -321,9 +363,24 @@ class KVPilotMixin:
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
-        outs = super().update_from_output(scheduler_output, model_runner_output)
         if self._kvp_passthrough:
-            return outs
+            return super().update_from_output(scheduler_output, model_runner_output)
+        w = self.kvpilot_telemetry
+        if w is not None:
+            try:
+                infos = self._kvp_reqs
+                for rid, n in scheduler_output.num_scheduled_tokens.items():
+                    info = infos.get(rid)
+                    if info is not None:
+                        info.computed_tokens += n
+            except Exception as e:
+                self._kvp_internal_error("update_from_output", e)
+        outs = super().update_from_output(scheduler_output, model_runner_output)
+        if w is not None and self._kvp_step_rows:
+            # The step's row covers [schedule() time, now]: the step's own duration.
+            row = self._kvp_step_rows.popleft()
+            row["duration_s"] = max(0.0, self.kvpilot_clock() - row["time_s"])
+            w.put("steps", row)
         try:
             if self._kvp_prefilling:
                 now = None
@@ -366,7 +423,7 @@ class KVPilotMixin:
             self._kvp_internal_error("preempt", e)
 
     def _free_blocks(self, request: Any) -> None:
-        if self._kvp_passthrough or self._kvp_pins is None:
+        if self._kvp_passthrough or (self._kvp_pins is None and self._kvp_index is None):
             return super()._free_blocks(request)
         try:
             groups = self.kv_cache_manager.coordinator.get_blocks(request.request_id)
@@ -384,7 +441,11 @@ class KVPilotMixin:
             meta = info.meta if info is not None else request_meta(request)
             aborted = request.status == VRS.FINISHED_ABORTED
             state = OwnerState.PAUSED_TOOL if (meta.tool and not aborted) else OwnerState.FINISHED
-            self._kvp_freed.append(_Freed(request.request_id, meta, state, blocks, hashes, self.kvpilot_clock()))
+            freed = _Freed(request.request_id, meta, state, blocks, hashes, self.kvpilot_clock())
+            if self._kvp_pins is not None:
+                self._kvp_freed.append(freed)
+            if self._kvp_index is not None:
+                self._kvp_index.add(request.request_id, freed)
         except Exception as e:
             self._kvp_internal_error("free_blocks", e)
 
@@ -404,6 +465,8 @@ class KVPilotMixin:
             self._kvp_pins.release_all()
             self._kvp_pin_info.clear()
             self._kvp_freed.clear()
+        if self._kvp_index is not None:
+            self._kvp_index.clear()
         return super().reset_prefix_cache(*args, **kwargs)
 
     def shutdown(self) -> None:
@@ -414,11 +477,12 @@ class KVPilotMixin:
 
     # ========================================================= public extras
     def kvpilot_close(self) -> None:
-        """Flush and stop the telemetry writer (idempotent)."""
+        """Flush and stop the telemetry writer (idempotent); a shared writer is only detached."""
         w = getattr(self, "kvpilot_telemetry", None)
         if w is not None:
             self.kvpilot_telemetry = None
-            w.close()
+            if w is not self.kvpilot_shared_writer:
+                w.close()
 
     def kvpilot_set_predictions(self, request_id: str, predictions: Optional[dict]) -> None:
         """Attach predictor outputs to a request (shown to the policy)."""
@@ -859,6 +923,93 @@ class KVPilotMixin:
             if pi.meta.session_id == session_id and pi.owner_state is OwnerState.PAUSED_TOOL:
                 pi.owner_state = OwnerState.RUNNING
 
+    # ============================================================= eviction
+    def _kvp_before_evict(self, num_blocks: int) -> None:
+        """Called by the pool right before an allocation that evicts cached blocks.
+
+        Disarms itself: the policy is asked at most once per engine step
+        (``schedule()`` re-arms it); the order it gives stays in the free list
+        for the rest of the step.
+        """
+        self._kvp_pool.kvpilot_eviction_hook = None
+        t0 = _perf()
+        try:
+            self._kvp_evict(num_blocks)
+        except Exception as e:
+            self._kvp_internal_error("evict", e)
+        self._kvp_inner_s += _perf() - t0
+
+    def _kvp_evict(self, num_blocks: int) -> None:
+        if self._kvp_step_fallback:
+            return  # this step already fell back to vLLM's behaviour (LRU)
+        found = self._kvp_index.candidates(self._kvp_evict_cap)
+        if not found:
+            return
+        now = self.kvpilot_clock()
+        sessions = self._kvp_sessions
+        groups = self._kvp_groups
+        prefixes: list[CachedPrefix] = []
+        for pid, f, n in found:
+            meta = f.meta
+            state = f.owner_state
+            if state is OwnerState.PAUSED_TOOL and sessions.get(meta.session_id) != (meta.turn or 0):
+                state = OwnerState.RUNNING  # the session's next turn has arrived
+            h64 = f.hashes64
+            if h64 is None:
+                h64 = f.hashes64 = tuple(hash_to_int64(_bh(h)) for h in f.hashes)
+            g = groups.get(meta.group_id) if meta.group_id is not None else None
+            pending = max(0, (meta.group_size or 0) - g[0]) if g is not None and meta.group_size else 0
+            prefixes.append(
+                CachedPrefix(
+                    prefix_id=pid,
+                    owner_request_id=f.request_id,
+                    owner_state=state,
+                    meta=meta,
+                    block_ids=tuple(b.block_id for b in f.blocks[:n]),
+                    block_hashes=h64[:n],
+                    last_used_s=f.time_s,
+                    group_pending=pending,
+                )
+            )
+        st = self.kvpilot_stats
+        st.eviction_calls += 1
+        try:
+            dec = self._kvp_call("evict", self.kvpilot_policy.evict, prefixes, num_blocks, self._kvp_state(now))
+        except _StepFallback:
+            return
+        if dec is None:
+            return
+        if not isinstance(dec, EvictionDecision):
+            self._kvp_fail("evict", "exception", TypeError(f"evict() returned {type(dec).__name__}"))
+            return
+        by_id = {pid: f for pid, f, _ in found}
+        chains = []
+        seen: set = set()
+        first = None
+        for pid in dec.order or ():
+            f = by_id.get(pid)
+            if f is None or pid in seen:
+                continue
+            seen.add(pid)
+            chains.append((f.blocks, f.hashes))
+            if first is None:
+                first = pid
+        moved = evict_first(self._kvp_pool, chains) if chains else 0
+        if moved:
+            st.eviction_orders += 1
+            st.evict_first_blocks += moved
+        if self.kvpilot_telemetry is not None:
+            idx = next((i for i, cp in enumerate(prefixes) if cp.prefix_id == first), -1)
+            self._kvp_log_decision(
+                "retain",
+                now,
+                [cp.prefix_id for cp in prefixes],
+                [cp.features(now) for cp in prefixes],
+                idx,
+                dec.propensity,
+                action="evict",
+            )
+
     # ====================================================== step bookkeeping
     def _kvp_after_schedule(self, out: Any, now: float, ev0: int) -> None:
         st = self.kvpilot_stats
@@ -911,13 +1062,13 @@ class KVPilotMixin:
             if n == 1 and rid not in admitted_set:
                 decode += 1
         pool = self._kvp_pool
-        w.put(
-            "steps",
+        # Written at the step's end (update_from_output), when its duration is known.
+        self._kvp_step_rows.append(
             {
                 "engine_step": self._kvp_step_no,
                 "replica": self._kvp_replica,
                 "time_s": now,
-                "duration_s": self._kvp_last_duration,
+                "duration_s": 0.0,
                 "running": len(self.running),
                 "waiting": len(self.waiting) + len(self.kv_holding_waiting),
                 "free_blocks": pool.get_num_free_blocks(),
@@ -931,7 +1082,7 @@ class KVPilotMixin:
                 "evictions": pool.kvpilot_evictions - ev0,
                 "hook_fallback": self._kvp_step_fallback,
                 "dropped_rows": w.dropped,
-            },
+            }
         )
 
     def _kvp_finished(self, request: Any) -> None:
@@ -965,6 +1116,8 @@ class KVPilotMixin:
         if w is None:
             return
         now = self.kvpilot_clock()
+        if info.first_token_s is None and request.num_output_tokens > 0:
+            info.first_token_s = now  # its first token was also its last (freed before the prefill check)
         w.put(
             "requests",
             {
@@ -984,6 +1137,7 @@ class KVPilotMixin:
                 "prompt_tokens": request.num_prompt_tokens,
                 "cached_tokens": max(0, min(info.cached_tokens, request.num_prompt_tokens)),
                 "output_tokens": request.num_output_tokens,
+                "computed_tokens": info.computed_tokens,
                 "max_tokens": request.max_tokens,
                 "finish_reason": rs,
                 "preemptions": request.num_preemptions,
@@ -1040,12 +1194,16 @@ def with_policy(
     policy: Optional[Callable[[], Policy] | Policy] = None,
     config: Optional[HookConfig] = None,
     name: Optional[str] = None,
+    shared_writer: Any = None,
 ) -> type:
     """A subclass of ``base`` that uses ``policy`` (an instance or a factory) and ``config``.
 
-    For the simulator and tests; serving uses environment variables.
+    ``shared_writer``: a telemetry writer the caller owns (and closes), used instead of
+    ``config.telemetry_dir``. For the simulator and tests; serving uses environment variables.
     """
     attrs: dict[str, Any] = {}
+    if shared_writer is not None:
+        attrs["kvpilot_shared_writer"] = shared_writer
     if policy is not None:
         if isinstance(policy, Policy):
             inst = policy

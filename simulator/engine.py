@@ -44,7 +44,8 @@ _TINY_CONFIG = {
     "num_key_value_heads": 4,
     "num_hidden_layers": 2,
     "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": MAX_MODEL_LEN,
+    # Large, so that max_model_len can fit a workload's longest request (Mooncake prompts reach ~190k tokens).
+    "max_position_embeddings": 1 << 21,
     "rms_norm_eps": 1e-6,
     "hidden_act": "silu",
     "bos_token_id": 1,
@@ -198,11 +199,18 @@ def make_request(
     extra_args: Optional[dict] = None,
     block_size: int = BLOCK_SIZE,
     priority: int = 0,
+    stop_token_ids: Optional[Sequence[int]] = None,
 ):
+    """A vLLM request; it ends at ``max_tokens``, or earlier when it emits one of ``stop_token_ids``."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args)
+    sp = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        extra_args=extra_args,
+        stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+    )
     return Request(
         request_id=request_id,
         prompt_token_ids=list(prompt_token_ids),

@@ -142,6 +142,7 @@ def request_rows(draw: st.DrawFn) -> dict:
         "output_tokens": output,
         "max_tokens": draw(st.integers(output, INT32)),
         "finish_reason": draw(st.sampled_from(FINISH_REASONS)),
+        "computed_tokens": draw(st.integers(0, INT32)),
         "preemptions": draw(st.integers(0, INT32)),
         "block_hashes": draw(st.lists(st.integers(-INT64 - 1, INT64), max_size=6)),
     }

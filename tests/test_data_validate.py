@@ -100,6 +100,7 @@ def request_row(i: int) -> dict:
         "output_tokens": 12,
         "max_tokens": 64,
         "finish_reason": "stop",
+        "computed_tokens": 40,
         "preemptions": 0,
         "block_hashes": [i, i + 1, -i - 2],
     }

@@ -127,3 +127,38 @@ def test_million_block_references_is_fast() -> None:
     distinct = len(np.unique(prefixes)) * 60 + n * 40
     assert stats["unlimited_cache_hit_fraction"] == pytest.approx(1 - distinct / (n * per))
     assert elapsed < 10, f"stats took {elapsed:.1f}s on 1M block references"
+
+
+def test_hand_worked_hit_fraction_with_outputs() -> None:
+    # Block size 16. Session s: turn 0 (40 prompt, 30 out) [1,2,3], turn 1 (80 prompt) [1,2,10,11,12];
+    # sibling t (40 prompt, 20 out) [1,2,3]. Replay order: s/t0, t, s/t1.
+    # Prompt chains only: t hits 3 (1, 2 and the shared partial block 3), s/t1 hits 2 (1, 2): 5 of 11.
+    # With outputs: s/t0 computed 40 + 30 - 1 = 69 tokens, so it also registers its stream's blocks 2 and 3
+    # (hashes 10, 11 of the longest prompt's chain, tokens [32, 64)); t's output lies past every prompt of its
+    # stream. s/t1 now hits 1, 2, 10, 11: 7 of 11.
+    base = {"block_size": 16, "prompt_id": "p", "group_id": "g"}
+    table = _table(
+        [
+            {**base, "session_id": "s", "block_hashes": [1, 2, 3], "prompt_tokens": 40, "output_tokens": 30,
+             "tool": "search", "tool_latency_s": 0.1, "tool_tokens": 10, "finish_reason": "tool_call"},
+            {**base, "session_id": "t", "block_hashes": [1, 2, 3], "prompt_tokens": 40, "output_tokens": 20},
+            {**base, "session_id": "s", "turn": 1, "block_hashes": [1, 2, 10, 11, 12], "prompt_tokens": 80,
+             "output_tokens": 5},
+        ]
+    )
+    stats = workload_stats(table)
+    assert stats["unlimited_cache_hit_fraction"] == pytest.approx(5 / 11)
+    assert stats["unlimited_cache_hit_fraction_with_outputs"] == pytest.approx(7 / 11)
+    # With 24 output tokens s/t0 computes 40 + 24 - 1 = 63 tokens: block 3 ([48, 64)) is not whole, so s/t1
+    # hits 1, 2, 10 only (vLLM never computes the last sampled token).
+    rows = table.to_pylist()
+    rows[0]["output_tokens"] = 24
+    short = workload_stats(pa.Table.from_pylist(rows, schema=WORKLOAD.schema))
+    assert short["unlimited_cache_hit_fraction_with_outputs"] == pytest.approx(6 / 11)
+
+
+def test_with_outputs_equals_plain_on_single_turn_workloads() -> None:
+    table = _table([{"block_hashes": [1, 2, 3], "output_tokens": 50}, {"block_hashes": [1, 2, 4]},
+                    {"block_hashes": [1, 5]}])
+    stats = workload_stats(table)
+    assert stats["unlimited_cache_hit_fraction_with_outputs"] == stats["unlimited_cache_hit_fraction"] == 3 / 8

@@ -36,6 +36,7 @@ def request_row(i: int) -> dict:
         "output_tokens": 12,
         "max_tokens": 64,
         "finish_reason": "stop",
+        "computed_tokens": 35,
         "preemptions": 0,
         "block_hashes": [i * 10 + 1, i * 10 + 2, -(i * 10 + 3)],
     }

@@ -1,0 +1,839 @@
+"""The event-driven rollout simulation: RL drivers and replicas around vLLM's real scheduler.
+
+:func:`run_simulation` replays a WORKLOAD table (:data:`data.schemas.WORKLOAD`)
+on ``replicas`` copies of the kvpilot-hooked vLLM v1 scheduler
+(:class:`serving_hook.KVPilotScheduler`, built by :mod:`simulator.engine` on the
+CPU), behind a router (:mod:`simulator.routers`), and returns the run's summary
+(:func:`simulator.metrics.summarize`) with the hook's telemetry written under
+``out_dir/telemetry``.
+
+Engine
+------
+Each request's prompt is the workload's hash chain expanded into token ids
+(:class:`simulator.tokens.WorkloadTokens`), so vLLM's own block hashing sees
+exactly the workload's sharing. The fake runner emits the workload's own output
+ids, ending a response that finishes ``stop`` / ``tool_call`` with an EOS (a stop
+token) at its target length, and a ``length`` one at ``max_tokens``; the
+request keeps the workload's ``max_tokens``, so a policy never sees the true
+length. vLLM never computes the last sampled token, so the EOS changes no cached
+block, and a next turn (previous prompt + output + tool tokens) hits the cache
+exactly as in production. Request metadata reaches the hook as ``kvpilot_*``
+``extra_args``, as in production.
+
+Time
+----
+A heap of ``(time, priority, seq, event)`` drives all replicas. Each replica has
+its own clock, which is the hook's ``kvpilot_clock``: an engine step starts at
+the replica's clock with ``schedule()``, lasts the cost model's
+:meth:`~simulator.cost_model.CostModel.step_time` of what it scheduled (prefill
+tokens and their attention pairs, decode sequences and their context), and ends
+with ``update_from_output()`` at the later time, so telemetry and policies see
+simulated time and each ``steps`` row covers ``[time_s, time_s + duration_s]``.
+Requests that arrive during a step are added at its end (vLLM's engine core
+adds requests between steps); an idle replica starts a step at the arrival time,
+after every other event of that instant. A step that schedules nothing (every
+waiting request held back or blocked) still takes ``idle_step_s``, so TTLs run
+out; a replica that makes no progress for ``stall_steps`` such steps while
+nothing else can happen (no event pending but other stalled replicas' steps) is
+an error.
+
+Drivers
+-------
+* **Synchronous RL steps** (every ``arrival_s`` null): step s is released when
+  step s-1 ends, all its turn-0 requests at once; it ends when every trajectory
+  of it and its verification are done.
+* **Multi-turn sessions**: a turn that is not its session's last returns, after
+  its ``tool_latency_s``, as the next turn (a new request whose prompt extends
+  the context). Its chain shares the previous turn's blocks, so it hits the
+  cache only if they were kept.
+* **Verification and scoring**: when a trajectory's last turn ends, its verifier
+  runs for that turn's ``verify_latency_s`` and its reward-model scoring
+  requests (rows whose ``scores_session_id`` names it) are submitted; each
+  scoring request is then verified (parsed) for its own ``verify_latency_s``.
+  The trajectory ends when all of these are done.
+* **Over-provisioning** (:class:`Overprovision`): a step ends as soon as its
+  quota of trajectories is done; the rest are aborted (vLLM ``finish_requests``
+  with ``FINISHED_ABORTED``) and their later turns never sent.
+* **Trace replay** (every ``arrival_s`` set): each request arrives at its own
+  ``arrival_s``; a trajectory (session) ends at its last request's finish plus
+  verification, and each ``step`` value is one window from its first arrival.
+
+With ``sticky_sessions`` (default) a session's later turns and its scoring
+requests go to the replica of its first turn (told to the router through
+``on_routed``); otherwise every request is routed.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import math
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from policy.interface import Policy
+from simulator.cost_model import CostModel
+from simulator.metrics import StepRecord, TrajectoryRecord, render_summary, summarize
+from simulator.routers import ReplicaLoad, Router, RouteRequest, make_router
+from simulator.sizing import blocks_for_fraction, min_blocks_for
+from simulator.tokens import VLLM_BLOCK_SIZE, WorkloadTokens
+
+__all__ = ["Overprovision", "SimResult", "Simulation", "SimulationError", "render_summary", "run_simulation"]
+
+EOS_TOKEN_ID = 2  # the tiny model's eos id; workload token ids are never below 3
+
+PolicySpec = str | Callable[[], Policy] | Policy
+
+# Event kinds, and their priority at equal time (lower first): arrivals and step
+# ends before the start of an idle replica's next step, so same-instant requests
+# join one step.
+_ARRIVE, _STEP_END, _VERIFIED, _RELEASE, _KICK = range(5)
+_PRIORITY = {_ARRIVE: 0, _STEP_END: 0, _VERIFIED: 0, _RELEASE: 0, _KICK: 1}
+
+
+class SimulationError(ValueError):
+    """A bad simulation configuration (raised before simulating) or a stalled run."""
+
+
+@dataclass(frozen=True)
+class Overprovision:
+    """Stop each RL step at a quota of done trajectories and abort the rest (RollPacker / APRIL style).
+
+    The workload itself holds the launched (over-provisioned) prompts; the quota is
+    ``keep`` trajectories per step, or ``ceil(keep_fraction * launched)``.
+    """
+
+    keep_fraction: float = 1.0
+    keep: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep is not None and self.keep < 1:
+            raise SimulationError(f"over-provisioning: keep must be >= 1, got {self.keep}")
+        if not 0.0 < self.keep_fraction <= 1.0:
+            raise SimulationError(f"over-provisioning: keep_fraction must be in (0, 1], got {self.keep_fraction}")
+
+    def quota(self, launched: int) -> int:
+        if self.keep is not None:
+            return min(self.keep, launched)
+        return max(1, min(launched, math.ceil(self.keep_fraction * launched - 1e-9)))
+
+
+@dataclass
+class SimResult:
+    """What a run returns: the summary (also ``out_dir/summary.json``), where telemetry went, and timings."""
+
+    summary: dict[str, Any]
+    out_dir: Path | None
+    requests: pa.Table  # the hook's requests telemetry
+    steps: pa.Table  # the hook's steps telemetry
+    trajectories: list[TrajectoryRecord] = field(default_factory=list)
+    rl_steps: list[StepRecord] = field(default_factory=list)
+    wall_s: float = 0.0  # the simulation loop (set-up and summary excluded)
+    scheduler_s: float = 0.0  # inside schedule() + update_from_output(), hook included
+    hook_s: float = 0.0  # the hook's own share of scheduler_s
+
+    @property
+    def overhead(self) -> float:
+        """Simulator time outside the scheduler, over the time inside it."""
+        return (self.wall_s - self.scheduler_s) / self.scheduler_s if self.scheduler_s > 0 else 0.0
+
+
+class _Replica:
+    __slots__ = (
+        "aborts",
+        "busy",
+        "idle_steps",
+        "index",
+        "kicked",
+        "mro",
+        "now",
+        "out",
+        "pending",
+        "requests",
+        "sched",
+        "steps",
+    )
+
+    def __init__(self, index: int, sched: Any) -> None:
+        self.index = index
+        self.sched = sched
+        self.requests = sched.requests  # vLLM's dict: request id -> Request
+        self.now = 0.0
+        self.busy = False
+        self.kicked = False
+        self.pending: list = []  # requests that arrived during a step, added at its end
+        self.aborts: set = set()  # request ids to abort at the next step boundary
+        self.out = None
+        self.mro = None
+        self.idle_steps = 0
+        self.steps = 0
+
+
+class _Traj:
+    """One trajectory (rollout session) as the driver tracks it."""
+
+    __slots__ = (
+        "aborted",
+        "done",
+        "end",
+        "live",
+        "next_turn",
+        "outstanding",
+        "scoring",
+        "session",
+        "start",
+        "step",
+        "turns",
+    )
+
+    def __init__(self, session: str, step: int) -> None:
+        self.session = session
+        self.step = step
+        self.turns: list[int] = []  # rows, by turn
+        self.scoring: list[int] = []  # rows of requests scoring it
+        self.next_turn = 0
+        self.outstanding = 0
+        self.start = 0.0
+        self.end = 0.0
+        self.aborted = False
+        self.live: set = set()  # request ids of its requests submitted and not finished
+        self.done = False
+
+
+class Simulation:
+    """One configured run; :meth:`run` simulates it. See the module docstring and :func:`run_simulation`."""
+
+    def __init__(
+        self,
+        workload: pa.Table,
+        policy: PolicySpec = "vllm-default",
+        *,
+        policy_options: dict[str, Any] | None = None,
+        replicas: int = 1,
+        router: str | Router = "round-robin",
+        kv_blocks: int | None = None,
+        kv_fraction: float | None = None,
+        preset: str = "H200-7B",
+        out_dir: str | Path | None = None,
+        overprovision: Overprovision | None = None,
+        progress: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        sticky_sessions: bool = True,
+        decision_budget_s: float | None = None,
+        idle_step_s: float = 0.004,
+        stall_steps: int = 100_000,
+        validate: bool = True,
+    ) -> None:
+        t0 = time.perf_counter()
+        # ---- configuration checks, all before anything runs
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise SimulationError(f"replicas must be an integer >= 1, got {replicas!r}")
+        try:
+            self.cost = CostModel.preset(preset)
+        except ValueError as e:
+            raise SimulationError(str(e)) from None
+        if kv_blocks is not None and kv_fraction is not None:
+            raise SimulationError("give at most one of kv_blocks and kv_fraction")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise SimulationError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if workload.num_rows == 0:
+            raise SimulationError("the workload has no requests")
+        if validate:
+            from data.errors import DataValidationError
+            from data.schemas import WORKLOAD
+            from data.validate import validate_table
+
+            try:
+                workload = validate_table(workload, WORKLOAD, "workload")
+            except DataValidationError as e:
+                raise SimulationError(f"bad workload: {e}") from None
+        self.workload = workload
+        arrival = workload.column("arrival_s")
+        if 0 < arrival.null_count < workload.num_rows:
+            raise SimulationError("arrival_s must be set on every row (trace replay) or on none (RL steps); "
+                                  f"{arrival.null_count} of {workload.num_rows} rows have none")
+        self.trace = arrival.null_count == 0
+        if overprovision is not None and self.trace:
+            raise SimulationError("over-provisioning applies to RL steps, not to a trace replay")
+        output = workload.column("output_tokens").to_numpy()
+        if (output < 1).any():
+            r = int(np.argmax(output < 1))
+            raise SimulationError(f"request {workload.column('request_id')[r]} has output_tokens "
+                                  f"{output[r]}: vLLM generates at least one token per request")
+        self.policy_factory = _policy_factory(policy, policy_options, replicas)
+        if isinstance(router, str):
+            try:
+                self.router = make_router(router)
+            except ValueError as e:
+                raise SimulationError(str(e)) from None
+            self.router_name = router
+        else:
+            self.router, self.router_name = router, type(router).__name__
+        try:
+            self.tokens = WorkloadTokens(workload)
+        except ValueError as e:
+            raise SimulationError(f"bad workload: {e}") from None
+        need = min_blocks_for(workload)
+        if kv_fraction is not None:
+            if not kv_fraction > 0:
+                raise SimulationError(f"kv fraction must be > 0, got {kv_fraction}")
+            kv_blocks = blocks_for_fraction(workload, kv_fraction)
+        elif kv_blocks is None:
+            kv_blocks = self.cost.max_kv_blocks(VLLM_BLOCK_SIZE)
+        if kv_blocks < need:
+            raise SimulationError(
+                f"KV cache of {kv_blocks} blocks is smaller than the largest request, which needs {need} blocks "
+                f"of {VLLM_BLOCK_SIZE} tokens (prompt + output, plus vLLM's null block)"
+                + (f"; raise --kv-fraction above {kv_fraction * need / kv_blocks:.3g}" if kv_fraction else ""))
+        self.kv_blocks = int(kv_blocks)
+        self.kv_fraction = kv_fraction
+        self.n_replicas = replicas
+        self.preset = preset
+        self.overprovision = overprovision
+        self.progress = progress
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.sticky = sticky_sessions
+        self.decision_budget_s = decision_budget_s
+        self.idle_step_s = idle_step_s
+        self.stall_steps = stall_steps
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        # Longest context a request reaches, for vLLM's max_model_len.
+        full = workload.column("prompt_tokens").to_numpy().astype(np.int64) + output
+        self.max_model_len = max(int(full.max()) + VLLM_BLOCK_SIZE, 1024)
+        self._prepare()
+        self.setup_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ set-up
+    def _prepare(self) -> None:
+        """Workload columns as Python lists, trajectories, steps."""
+        w = self.workload
+        col = lambda name: w.column(name).to_pylist()
+        self.rid = col("request_id")
+        self.kind = col("kind")
+        self.step = col("step")
+        self.group = col("group_id")
+        self.group_size = col("group_size")
+        self.session = col("session_id")
+        self.turn = col("turn")
+        self.domain = col("domain")
+        self.paradigm = col("paradigm")
+        self.max_tokens = col("max_tokens")
+        self.finish = col("finish_reason")
+        self.tool = col("tool")
+        self.tool_latency = col("tool_latency_s")
+        self.verify_latency = col("verify_latency_s")
+        self.scores = col("scores_session_id")
+        self.arrival = col("arrival_s")
+        self.prompt_len = self.tokens.prompt.tolist()
+        self.output_len = self.tokens.output.tolist()
+        self.block_size = self.tokens.block_size
+        self._hashes: list | None = None  # block hash chains, for routers (loaded on first use)
+        self.row_of = {r: i for i, r in enumerate(self.rid)}
+        trajs: dict[str, _Traj] = {}
+        for i in range(w.num_rows):
+            if self.kind[i] == "rollout":
+                t = trajs.get(self.session[i])
+                if t is None:
+                    t = trajs[self.session[i]] = _Traj(self.session[i], self.step[i])
+                t.turns.append(i)
+        for i in range(w.num_rows):
+            if self.kind[i] != "rollout":
+                target = trajs.get(self.scores[i]) if self.scores[i] is not None else None
+                if target is None:  # the workload validator rejects this; a defensive check when validate=False
+                    raise SimulationError(f"request {self.rid[i]}: dangling reference to session {self.scores[i]!r}")
+                target.scoring.append(i)
+        for t in trajs.values():
+            t.turns.sort(key=lambda r: self.turn[r])
+            if [self.turn[r] for r in t.turns] != list(range(len(t.turns))):
+                raise SimulationError(f"session {t.session}: turns must be 0..n-1, got "
+                                      f"{[self.turn[r] for r in t.turns]}")
+        self.trajs = trajs
+        self.traj_of_row: list[_Traj | None] = [None] * w.num_rows
+        for t in trajs.values():
+            for r in t.turns + t.scoring:
+                self.traj_of_row[r] = t
+        self.steps_order = sorted({t.step for t in trajs.values()})
+        self.step_trajs: dict[int, list[_Traj]] = {s: [] for s in self.steps_order}
+        for t in trajs.values():
+            self.step_trajs[t.step].append(t)
+
+    def _build_replicas(self, writer: Any) -> list[_Replica]:
+        from serving_hook import KVPilotScheduler, with_policy
+        from serving_hook.config import HookConfig
+        from simulator import engine
+
+        reps = []
+        for i in range(self.n_replicas):
+            kw: dict[str, Any] = {"replica": i}
+            if self.decision_budget_s is not None:
+                kw["decision_budget_s"] = self.decision_budget_s
+            cls = with_policy(KVPilotScheduler, self.policy_factory, HookConfig(**kw),
+                              name=f"SimReplica{i}", shared_writer=writer)
+            cfg = engine.make_vllm_config(
+                num_blocks=self.kv_blocks,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            )
+            sched = engine.make_scheduler(cls, num_blocks=self.kv_blocks, vllm_config=cfg)
+            rep = _Replica(i, sched)
+            sched.kvpilot_clock = _clock_of(rep)
+            reps.append(rep)
+        return reps
+
+    # ------------------------------------------------------------------ events
+    def _push(self, t: float, kind: int, arg: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, _PRIORITY[kind], self._seq, kind, arg))
+
+    def _kick(self, rep: _Replica, t: float) -> None:
+        if not rep.busy and not rep.kicked:
+            rep.kicked = True
+            self._push(t, _KICK, rep)
+
+    # ------------------------------------------------------------------ requests
+    def _route(self, row: int) -> _Replica:
+        reps = self._reps
+        if len(reps) == 1:
+            return reps[0]
+        traj = self.traj_of_row[row]
+        stream = traj.session if traj is not None else self.session[row]
+        if self._hashes is None:
+            self._hashes = self.workload.column("block_hashes").to_pylist()
+        req = RouteRequest(self.rid[row], self._hashes[row], self.prompt_len[row], self.block_size, self.session[row])
+        if self.sticky:
+            pinned = self._stream_replica.get(stream)
+            if pinned is not None:
+                self.router.on_routed(req, pinned)
+                return reps[pinned]
+        loads = [ReplicaLoad(r.index, len(r.sched.running) + len(r.sched.waiting) + len(r.pending)) for r in reps]
+        chosen = self.router.route(req, loads)
+        self._stream_replica.setdefault(stream, chosen)
+        return reps[chosen]
+
+    def _submit(self, row: int, t: float) -> None:
+        """Request ``row`` arrives at time ``t``: build it, route it, add it (now or at its replica's step end)."""
+        from simulator.engine import make_request
+
+        rid = self.rid[row]
+        traj = self.traj_of_row[row]
+        if traj is not None and traj.aborted:
+            return
+        extra = {
+            "kvpilot_domain": self.domain[row],
+            "kvpilot_paradigm": self.paradigm[row],
+            "kvpilot_group_id": self.group[row],
+            "kvpilot_group_size": self.group_size[row],
+            "kvpilot_session_id": self.session[row],
+            "kvpilot_turn": self.turn[row],
+            "kvpilot_step": self.step[row],
+        }
+        if self.tool[row] is not None:
+            extra["kvpilot_tool"] = self.tool[row]
+        out = self.tokens.output_ids(row).tolist()
+        if self.finish[row] != "length" or self.output_len[row] < self.max_tokens[row]:
+            out[-1] = EOS_TOKEN_ID  # the model stops here
+        self._scripts[rid] = out
+        req = make_request(rid, self.tokens.prompt_ids(row).tolist(), self.max_tokens[row], arrival_time=t,
+                           extra_args=extra, stop_token_ids=(EOS_TOKEN_ID,))
+        rep = self._route(row)
+        self._replica_of[rid] = rep
+        if traj is not None:
+            traj.live.add(rid)
+        self._submitted[row] += 1
+        if rep.busy:
+            rep.pending.append(req)
+        else:
+            rep.now = max(rep.now, t)
+            self._add(rep, req)
+            self._kick(rep, t)
+
+    def _add(self, rep: _Replica, req: Any) -> None:
+        t = time.perf_counter()
+        rep.sched.add_request(req)
+        self._sched_s += time.perf_counter() - t
+
+    # ------------------------------------------------------------------ engine steps
+    def _start_step(self, rep: _Replica, t: float) -> None:
+        rep.now = t
+        sched = rep.sched
+        if rep.aborts:
+            self._apply_aborts(rep)
+        if rep.pending:
+            pending, rep.pending = rep.pending, []
+            for req in pending:
+                self._add(rep, req)
+        if not sched.has_requests():
+            return
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        self._sched_s += time.perf_counter() - t0
+        # The fake model's output and the step's cost inputs, in one pass.
+        requests = rep.requests
+        scripts = self._scripts
+        req_ids = []
+        sampled = []
+        prefill = pairs = decode = context = 0
+        empty: list = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req_ids.append(rid)
+            r = requests[rid]
+            computed = r.num_computed_tokens  # schedule() already advanced it by n
+            before = computed - n
+            if computed < r.num_tokens:  # inside a partial prefill chunk: no token
+                prefill += n
+                pairs += n * before + n * (n + 1) // 2
+                sampled.append(empty)
+                continue
+            if n == 1 and before >= r.num_prompt_tokens:
+                decode += 1
+                context += computed
+            else:
+                prefill += n
+                pairs += n * before + n * (n + 1) // 2
+            sampled.append([scripts[rid][r.num_output_tokens]])
+        rep.out = out
+        rep.mro = self._mro_cls(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                sampled_token_ids=sampled)
+        if req_ids:
+            dt = self.cost.step_time(prefill, pairs, decode, context)
+            rep.idle_steps = 0
+        else:
+            dt = self.idle_step_s
+            rep.idle_steps += 1
+            if rep.idle_steps >= self.stall_steps and all(  # nothing but other stalled replicas' idle steps left
+                    e[3] in (_STEP_END, _KICK) and e[4].idle_steps >= self.stall_steps for e in self._heap):
+                raise SimulationError(
+                    f"replica {rep.index} stalled: {len(sched.waiting)} request(s) waiting, none schedulable for "
+                    f"{rep.idle_steps} steps and nothing else pending (KV cache too small, or a policy holds "
+                    "everything back)")
+        rep.busy = True
+        rep.steps += 1
+        self._engine_steps += 1
+        self._push(t + dt, _STEP_END, rep)
+
+    def _end_step(self, rep: _Replica, t: float) -> None:
+        rep.now = t
+        t0 = time.perf_counter()
+        outs = rep.sched.update_from_output(rep.out, rep.mro)
+        self._sched_s += time.perf_counter() - t0
+        rep.out = rep.mro = None
+        rep.busy = False
+        for eco in outs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self._finished(o.request_id, t)
+        if rep.aborts:
+            self._apply_aborts(rep)
+        if rep.pending or rep.sched.has_requests():
+            self._kick(rep, t)
+
+    def _apply_aborts(self, rep: _Replica) -> None:
+        from vllm.v1.request import RequestStatus
+
+        ids, rep.aborts = rep.aborts, set()
+        rep.pending = [r for r in rep.pending if r.request_id not in ids]
+        t0 = time.perf_counter()
+        rep.sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self._sched_s += time.perf_counter() - t0
+        for rid in ids:
+            self._scripts.pop(rid, None)
+            self._replica_of.pop(rid, None)
+
+    # ------------------------------------------------------------------ drivers
+    def _finished(self, rid: str, t: float) -> None:
+        self._scripts.pop(rid, None)
+        self._replica_of.pop(rid, None)
+        row = self.row_of[rid]
+        self._finished_count[row] += 1
+        self._finish_time[row] = t
+        if self._bar is not None:
+            self._bar.update(1)
+        traj = self.traj_of_row[row]
+        if traj is None or traj.aborted:
+            return
+        traj.live.discard(rid)
+        if self.trace:
+            traj.end = max(traj.end, t + (self.verify_latency[row] or 0.0))
+            traj.outstanding -= 1
+            if traj.outstanding == 0:
+                self._traj_done(traj, traj.end)
+            return
+        if self.kind[row] != "rollout":  # a scoring request: parse its score, then the trajectory may end
+            self._push(t + (self.verify_latency[row] or 0.0), _VERIFIED, traj)
+            return
+        if traj.next_turn < len(traj.turns):  # the tool runs, then the next turn arrives
+            nxt = traj.turns[traj.next_turn]
+            traj.next_turn += 1
+            self._push(t + (self.tool_latency[row] or 0.0), _ARRIVE, nxt)
+            return
+        traj.outstanding = 1 + len(traj.scoring)  # its verifier, then each scoring request's parse
+        self._push(t + (self.verify_latency[row] or 0.0), _VERIFIED, traj)
+        for s in traj.scoring:
+            self._submit(s, t)
+
+    def _verified(self, traj: _Traj, t: float) -> None:
+        if traj.aborted:
+            return
+        traj.outstanding -= 1
+        if traj.outstanding == 0:
+            self._traj_done(traj, t)
+
+    def _traj_done(self, traj: _Traj, t: float) -> None:
+        traj.done = True
+        traj.end = t
+        self._traj_records.append(TrajectoryRecord(traj.session, traj.step, traj.start, t))
+        st = self._step_state.get(traj.step)
+        if st is None:
+            return
+        st["done"] += 1
+        st["left"] -= 1
+        if st["done"] >= st["quota"] and st["left"] > 0:
+            self._abort_step(traj.step, t)
+            st["left"] = 0
+        if st["left"] == 0:
+            self._step_records.append(StepRecord(traj.step, st["start"], t))
+            del self._step_state[traj.step]
+            if not self.trace:
+                self._push(t, _RELEASE, st["index"] + 1)
+
+    def _abort_step(self, step: int, t: float) -> None:
+        """Over-provisioning: the step's quota is met; abort its unfinished trajectories."""
+        for traj in self.step_trajs[step]:
+            if traj.done or traj.aborted:
+                continue
+            traj.aborted = True
+            self._aborted_trajs += 1
+            for rid in traj.live:
+                rep = self._replica_of.get(rid)
+                if rep is None:
+                    continue
+                rep.aborts.add(rid)
+                if not rep.busy:
+                    rep.now = max(rep.now, t)
+                    self._apply_aborts(rep)
+            traj.live.clear()
+
+    def _release(self, index: int, t: float) -> None:
+        """Synchronous RL: release step ``steps_order[index]``, every trajectory's first turn at once."""
+        if index >= len(self.steps_order):
+            return
+        step = self.steps_order[index]
+        trajs = self.step_trajs[step]
+        quota = self.overprovision.quota(len(trajs)) if self.overprovision is not None else len(trajs)
+        self._step_state[step] = {"index": index, "start": t, "done": 0, "left": len(trajs), "quota": quota}
+        for traj in trajs:
+            traj.start = t
+            traj.next_turn = 1
+            self._submit(traj.turns[0], t)
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> SimResult:
+        import json
+
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        from data.io import read_telemetry
+        from policy.interface import FEATURE_NAMES
+        from serving_hook.telemetry import TelemetryWriter
+
+        self._mro_cls = ModelRunnerOutput
+        tmp = None
+        if self.out_dir is None:
+            tmp = Path(tempfile.mkdtemp(prefix="kvpilot-sim-"))
+            out_dir = tmp
+        else:
+            out_dir = self.out_dir
+            out_dir.mkdir(parents=True, exist_ok=True)
+        tel_dir = out_dir / "telemetry"
+        if tel_dir.exists() and any(tel_dir.iterdir()):
+            raise SimulationError(f"{tel_dir} already holds telemetry; choose an empty output directory")
+        meta = {"decisions": {"kvpilot.feature_names": json.dumps({k: list(v) for k, v in FEATURE_NAMES.items()})}}
+        writer = TelemetryWriter(tel_dir, capacity=2_000_000, rows_per_file=200_000, flush_interval_s=30.0,
+                                 metadata=meta)
+        try:
+            self._reps = self._build_replicas(writer)
+            # The block pools are millions of long-lived objects: keep them out of the collector's scans.
+            gc.collect()
+            gc.freeze()
+            try:
+                result = self._loop(writer)
+            finally:
+                gc.unfreeze()
+        finally:
+            writer.close()
+        dropped = writer.dropped
+        requests = read_telemetry(tel_dir, "requests")
+        steps = read_telemetry(tel_dir, "steps")
+        summary = summarize(self.workload, requests, steps, self._traj_records, self._step_records,
+                            tokens=self.tokens)
+        summary.update(
+            policy=self._policy_name, router=self.router_name if self.n_replicas > 1 else None,
+            replicas=self.n_replicas, kv_blocks=self.kv_blocks, kv_fraction=self.kv_fraction, preset=self.preset,
+            engine_steps=self._engine_steps, aborted_trajectories=self._aborted_trajs,
+            telemetry_dropped_rows=dropped, wall_s=result.wall_s, scheduler_s=result.scheduler_s,
+            hook_s=result.hook_s, simulator_overhead=result.overhead,
+        )
+        result.summary, result.requests, result.steps = summary, requests, steps
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            result.out_dir = None
+        else:
+            (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            result.out_dir = out_dir
+        return result
+
+    def _loop(self, writer: Any) -> SimResult:
+        n = self.workload.num_rows
+        self._heap: list = []
+        self._seq = 0
+        self._scripts: dict[str, list[int]] = {}
+        self._replica_of: dict[str, _Replica] = {}
+        self._stream_replica: dict[str, int] = {}
+        self._submitted = [0] * n
+        self._finished_count = [0] * n
+        self._finish_time = [math.nan] * n
+        self._traj_records: list[TrajectoryRecord] = []
+        self._step_records: list[StepRecord] = []
+        self._step_state: dict[int, dict] = {}
+        self._aborted_trajs = 0
+        self._engine_steps = 0
+        self._sched_s = 0.0
+        self._policy_name = self._reps[0].sched.kvpilot_policy.name
+        self._bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=n, file=sys.stderr, unit="req", desc="simulating", mininterval=0.5,
+                             dynamic_ncols=True)
+        if self.trace:
+            firsts: dict[int, float] = {}
+            for t in self.trajs.values():
+                rows = t.turns + t.scoring
+                t.start = min(self.arrival[r] for r in rows)
+                t.outstanding = len(rows)
+                firsts[t.step] = min(firsts.get(t.step, math.inf), t.start)
+            for s in self.steps_order:
+                self._step_state[s] = {"index": self.steps_order.index(s), "start": firsts[s], "done": 0,
+                                       "left": len(self.step_trajs[s]), "quota": len(self.step_trajs[s])}
+            for r in sorted(range(n), key=lambda r: (self.arrival[r], r)):
+                self._push(self.arrival[r], _ARRIVE, r)
+        else:
+            self._push(0.0, _RELEASE, 0)
+        heap = self._heap
+        pop = heapq.heappop
+        t_start = time.perf_counter()
+        try:
+            while heap:
+                t, _, _, kind, arg = pop(heap)
+                if kind == _STEP_END:
+                    self._end_step(arg, t)
+                elif kind == _KICK:
+                    arg.kicked = False
+                    if not arg.busy:
+                        self._start_step(arg, t)
+                elif kind == _ARRIVE:
+                    self._submit(arg, t)
+                elif kind == _VERIFIED:
+                    self._verified(arg, t)
+                else:
+                    self._release(arg, t)
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+        wall = time.perf_counter() - t_start
+        hook = sum(r.sched.kvpilot_stats.hook_time_s for r in self._reps)
+        for r in self._reps:
+            r.sched.kvpilot_close()
+        left = [self.rid[i] for i in range(n) if self._submitted[i] != self._finished_count[i]]
+        unfinished = [s for s in self._step_state]
+        if self.overprovision is None and (left or unfinished):
+            raise SimulationError(f"the run ended with {len(left)} request(s) unfinished (e.g. {left[:3]}) and "
+                                  f"step(s) {unfinished} open")
+        return SimResult(summary={}, out_dir=None, requests=pa.table({}), steps=pa.table({}),
+                         trajectories=self._traj_records, rl_steps=self._step_records, wall_s=wall,
+                         scheduler_s=self._sched_s, hook_s=hook)
+
+    # ------------------------------------------------------------------ inspection for tests
+    @property
+    def submitted(self) -> list[int]:
+        """Per workload row: how many times it was submitted to an engine."""
+        return list(self._submitted)
+
+    @property
+    def finished(self) -> list[int]:
+        """Per workload row: how many times an engine finished it (aborts excluded)."""
+        return list(self._finished_count)
+
+    @property
+    def finish_times(self) -> list[float]:
+        return list(self._finish_time)
+
+
+def _clock_of(rep: _Replica) -> Callable[[], float]:
+    return lambda: rep.now
+
+
+def _policy_factory(policy: PolicySpec, options: dict[str, Any] | None, replicas: int) -> Callable[[], Policy]:
+    """A zero-argument factory of fresh policies (one per replica); fails now on an unknown name or bad options."""
+    if isinstance(policy, Policy):
+        if replicas > 1:
+            raise SimulationError("pass a policy name or factory, not one instance, to simulate several replicas")
+        return lambda: policy
+    if isinstance(policy, str):
+        from policy.registry import create_policy
+
+        opts = dict(options or {})
+        try:
+            create_policy(policy, **opts)
+        except ValueError as e:  # UnknownPolicyError is a ValueError
+            raise SimulationError(str(e)) from None
+        return lambda: create_policy(policy, **opts)
+    if callable(policy):
+        factory = (lambda: policy(**options)) if options else policy
+        probe = factory()
+        if not isinstance(probe, Policy):
+            raise SimulationError(f"the policy factory returned {type(probe).__name__}, not a Policy")
+        return factory
+    raise SimulationError(f"policy must be a registry name, a factory or a Policy, got {type(policy).__name__}")
+
+
+def run_simulation(
+    workload: pa.Table,
+    policy: PolicySpec = "vllm-default",
+    *,
+    replicas: int = 1,
+    router: str | Router = "round-robin",
+    kv_blocks: int | None = None,
+    kv_fraction: float | None = None,
+    preset: str = "H200-7B",
+    out_dir: str | Path | None = None,
+    overprovision: Overprovision | None = None,
+    progress: bool = True,
+    **options: Any,
+) -> SimResult:
+    """Simulate ``workload`` under ``policy`` (a registry name, a factory or, for one replica, an instance).
+
+    ``kv_blocks`` (vLLM blocks per replica, its null block included) or ``kv_fraction``
+    (:func:`simulator.sizing.blocks_for_fraction`); neither: the preset's GPU capacity.
+    Other keyword options go to :class:`Simulation` (``policy_options``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``sticky_sessions``, ``decision_budget_s``, ...).
+    Bad configurations raise :class:`SimulationError` before anything runs.
+    """
+    sim = Simulation(workload, policy, replicas=replicas, router=router, kv_blocks=kv_blocks,
+                     kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, overprovision=overprovision,
+                     progress=progress, **options)
+    result = sim.run()
+    result.summary["setup_s"] = sim.setup_s
+    return result
