@@ -54,6 +54,11 @@ Drivers
 * **Over-provisioning** (:class:`Overprovision`): a step ends as soon as its
   quota of trajectories is done; the rest are aborted (vLLM ``finish_requests``
   with ``FINISHED_ABORTED``) and their later turns never sent.
+* **Tail batching** (a policy whose ``step_driver`` has ``kind == "tail-batching"``,
+  e.g. :class:`policy.baselines.rollpacker.TailBatchingPolicy`): each step keeps
+  the first ``ceil(G / eta)`` samples of its first ``ceil(L / eta)`` complete
+  prompts, aborts the rest, queues the cut prompts, and re-runs them from
+  scratch in dedicated long rounds (see :mod:`policy.baselines.rollpacker`).
 * **Trace replay** (every ``arrival_s`` set): each request arrives at its own
   ``arrival_s``; a trajectory (session) ends at its last request's finish plus
   verification, and each ``step`` value is one window from its first arrival.
@@ -98,6 +103,13 @@ PolicySpec = str | Callable[[], Policy] | Policy
 # join one step.
 _ARRIVE, _STEP_END, _VERIFIED, _RELEASE, _KICK = range(5)
 _PRIORITY = {_ARRIVE: 0, _STEP_END: 0, _VERIFIED: 0, _RELEASE: 0, _KICK: 1}
+
+
+#: The hook's per-step policy budget in simulation. The serving default (5 ms of
+#: wall time) would make runs depend on this machine's load and GC pauses; a
+#: simulation measures decisions in simulated time, and benchmarks/bench_hook.py
+#: measures their wall-clock cost.
+SIM_DECISION_BUDGET_S = 1.0
 
 
 class SimulationError(ValueError):
@@ -193,6 +205,7 @@ class _Traj:
         "start",
         "step",
         "turns",
+        "waiting_row",
     )
 
     def __init__(self, session: str, step: int) -> None:
@@ -207,6 +220,7 @@ class _Traj:
         self.aborted = False
         self.live: set = set()  # request ids of its requests submitted and not finished
         self.done = False
+        self.waiting_row: int | None = None  # a next turn in flight (tool call), not yet submitted
 
 
 class Simulation:
@@ -229,7 +243,7 @@ class Simulation:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         sticky_sessions: bool = True,
-        decision_budget_s: float | None = None,
+        decision_budget_s: float | None = SIM_DECISION_BUDGET_S,
         idle_step_s: float = 0.004,
         stall_steps: int = 100_000,
         validate: bool = True,
@@ -270,7 +284,15 @@ class Simulation:
             r = int(np.argmax(output < 1))
             raise SimulationError(f"request {workload.column('request_id')[r]} has output_tokens "
                                   f"{output[r]}: vLLM generates at least one token per request")
-        self.policy_factory = _policy_factory(policy, policy_options, replicas)
+        self.policy_factory = _policy_factory(policy, policy_options, replicas, workload)
+        self.tail = getattr(self.policy_factory(), "step_driver", None)
+        if self.tail is not None:
+            if getattr(self.tail, "kind", None) != "tail-batching":
+                raise SimulationError(f"unknown step driver {self.tail!r} on the policy")
+            if self.trace:
+                raise SimulationError("tail batching applies to RL steps, not to a trace replay")
+            if overprovision is not None:
+                raise SimulationError("give either over-provisioning or a tail-batching policy, not both")
         if isinstance(router, str):
             try:
                 self.router = make_router(router)
@@ -426,10 +448,15 @@ class Simulation:
         """Request ``row`` arrives at time ``t``: build it, route it, add it (now or at its replica's step end)."""
         from simulator.engine import make_request
 
-        rid = self.rid[row]
+        if self._stale_arrivals.get(row):  # the next turn of an aborted attempt (tail batching)
+            self._stale_arrivals[row] -= 1
+            return
+        rid = self._alias.get(row) or self.rid[row]
         traj = self.traj_of_row[row]
         if traj is not None and traj.aborted:
             return
+        if traj is not None and traj.waiting_row == row:
+            traj.waiting_row = None
         extra = {
             "kvpilot_domain": self.domain[row],
             "kvpilot_paradigm": self.paradigm[row],
@@ -576,6 +603,7 @@ class Simulation:
         if traj.next_turn < len(traj.turns):  # the tool runs, then the next turn arrives
             nxt = traj.turns[traj.next_turn]
             traj.next_turn += 1
+            traj.waiting_row = nxt
             self._push(t + (self.tool_latency[row] or 0.0), _ARRIVE, nxt)
             return
         traj.outstanding = 1 + len(traj.scoring)  # its verifier, then each scoring request's parse
@@ -596,6 +624,9 @@ class Simulation:
         self._traj_records.append(TrajectoryRecord(traj.session, traj.step, traj.start, t))
         st = self._step_state.get(traj.step)
         if st is None:
+            return
+        if st.get("tail") is not None:
+            self._tail_traj_done(traj, st, t)
             return
         st["done"] += 1
         st["left"] -= 1
@@ -627,6 +658,9 @@ class Simulation:
 
     def _release(self, index: int, t: float) -> None:
         """Synchronous RL: release step ``steps_order[index]``, every trajectory's first turn at once."""
+        if self.tail is not None:
+            self._tail_release(t)
+            return
         if index >= len(self.steps_order):
             return
         step = self.steps_order[index]
@@ -637,6 +671,103 @@ class Simulation:
             traj.start = t
             traj.next_turn = 1
             self._submit(traj.turns[0], t)
+
+    # ------------------------------------------------------------------ tail batching (RollPacker)
+    def _abort_trajs(self, trajs: list[_Traj], t: float) -> None:
+        """Abort these trajectories: their live requests now or at their replica's step end, their next turns."""
+        for traj in trajs:
+            if traj.done or traj.aborted:
+                continue
+            traj.aborted = True
+            self._aborted_trajs += 1
+            if traj.waiting_row is not None:
+                self._stale_arrivals[traj.waiting_row] = self._stale_arrivals.get(traj.waiting_row, 0) + 1
+                traj.waiting_row = None
+            for rid in traj.live:
+                rep = self._replica_of.get(rid)
+                if rep is None:
+                    continue
+                rep.aborts.add(rid)
+                if not rep.busy:
+                    rep.now = max(rep.now, t)
+                    self._apply_aborts(rep)
+            traj.live.clear()
+
+    def _tail_groups(self, trajs: list[_Traj]) -> dict[str, list[_Traj]]:
+        groups: dict[str, list[_Traj]] = {}
+        for traj in trajs:
+            groups.setdefault(self.group[traj.turns[0]], []).append(traj)
+        return groups
+
+    def _tail_release(self, t: float) -> None:
+        """The next tail-batching round: a long round when the queue is full (or at the end), else the next step."""
+        spec = self.tail
+        queue = self._long_queue
+        size = self._long_size
+        more_steps = self._tail_next < len(self.steps_order)
+        if queue and (len(queue) >= size or (not more_steps and spec.flush_at_end)):
+            take, queue[:] = queue[:size], queue[size:]
+            k = len(self.long_rounds)
+            round_id = self._long_next_id
+            self._long_next_id += 1
+            self.long_rounds.append((round_id, [g for g, _ in take]))
+            trajs = []
+            for _, old in take:  # fresh trajectories (stale events of the old attempt see the aborted objects)
+                for o in old:
+                    traj = _Traj(o.session, round_id)
+                    traj.turns, traj.scoring = o.turns, o.scoring
+                    for r in traj.turns + traj.scoring:
+                        self.traj_of_row[r] = traj
+                        alias = f"{self.rid[r]}#long{k}"
+                        self._alias[r] = alias
+                        self.row_of[alias] = r
+                        self.tokens._row[alias] = r
+                    trajs.append(traj)
+            self.step_trajs[round_id] = trajs
+            self._step_state[round_id] = {"index": None, "start": t, "done": 0, "left": len(trajs),
+                                          "quota": len(trajs)}
+        elif more_steps:
+            step = self.steps_order[self._tail_next]
+            self._tail_next += 1
+            trajs = self.step_trajs[step]
+            groups = self._tail_groups(trajs)
+            need = {g: spec.kept(len(ts)) for g, ts in groups.items()}
+            self._step_state[step] = {"index": None, "start": t, "done": 0, "left": len(trajs), "quota": len(trajs),
+                                      "tail": {"groups": groups, "need": need, "prompts": spec.kept(len(groups)),
+                                               "finished": {}, "complete": []}}
+            if self._long_size is None:
+                self._long_size = spec.long_round_prompts or spec.kept(len(groups))
+        else:
+            if queue:  # flush_at_end=False: the queued prompts are dropped
+                self.dropped_long_prompts.extend(g for g, _ in queue)
+                queue.clear()
+            return
+        for traj in trajs:
+            traj.start = t
+            traj.next_turn = 1
+            self._submit(traj.turns[0], t)
+
+    def _tail_traj_done(self, traj: _Traj, st: dict, t: float) -> None:
+        tb = st["tail"]
+        g = self.group[traj.turns[0]]
+        tb["finished"][g] = tb["finished"].get(g, 0) + 1
+        if tb["finished"][g] == tb["need"][g]:  # the prompt is complete: its first R samples are kept
+            tb["complete"].append(g)
+            self._abort_trajs(tb["groups"][g], t)
+            if len(tb["complete"]) >= tb["prompts"]:  # the step's quota: cut everything else
+                kept = set(tb["complete"])
+                cut = [h for h in tb["groups"] if h not in kept]
+                for h in cut:
+                    self._abort_trajs(tb["groups"][h], t)
+                    self._long_queue.append((h, tb["groups"][h]))
+                cut_sessions = {x.session for h in cut for x in tb["groups"][h]}
+                self._traj_records = [r for r in self._traj_records
+                                      if not (r.step == traj.step and r.session_id in cut_sessions)]
+                self.cut_prompts[traj.step] = cut
+        if all(x.done or x.aborted for x in self.step_trajs[traj.step]):
+            self._step_records.append(StepRecord(traj.step, st["start"], t))
+            del self._step_state[traj.step]
+            self._push(t, _RELEASE, 0)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SimResult:
@@ -708,6 +839,15 @@ class Simulation:
         self._step_records: list[StepRecord] = []
         self._step_state: dict[int, dict] = {}
         self._aborted_trajs = 0
+        self._stale_arrivals: dict[int, int] = {}
+        self._alias: dict[int, str] = {}
+        self._long_queue: list[tuple[str, list[_Traj]]] = []
+        self._long_size: int | None = None
+        self._long_next_id = (max(self.steps_order) + 1) if self.steps_order else 0
+        self._tail_next = 0
+        self.long_rounds: list[tuple[int, list[str]]] = []  # tail batching: (round id, group ids) per long round
+        self.cut_prompts: dict[int, list[str]] = {}  # tail batching: per workload step, its cut group ids
+        self.dropped_long_prompts: list[str] = []
         self._engine_steps = 0
         self._sched_s = 0.0
         self._policy_name = self._reps[0].sched.kvpilot_policy.name
@@ -758,7 +898,7 @@ class Simulation:
             r.sched.kvpilot_close()
         left = [self.rid[i] for i in range(n) if self._submitted[i] != self._finished_count[i]]
         unfinished = [s for s in self._step_state]
-        if self.overprovision is None and (left or unfinished):
+        if self.overprovision is None and self.tail is None and (left or unfinished):
             raise SimulationError(f"the run ended with {len(left)} request(s) unfinished (e.g. {left[:3]}) and "
                                   f"step(s) {unfinished} open")
         return SimResult(summary={}, out_dir=None, requests=pa.table({}), steps=pa.table({}),
@@ -785,8 +925,13 @@ def _clock_of(rep: _Replica) -> Callable[[], float]:
     return lambda: rep.now
 
 
-def _policy_factory(policy: PolicySpec, options: dict[str, Any] | None, replicas: int) -> Callable[[], Policy]:
-    """A zero-argument factory of fresh policies (one per replica); fails now on an unknown name or bad options."""
+def _policy_factory(
+    policy: PolicySpec, options: dict[str, Any] | None, replicas: int, workload: pa.Table
+) -> Callable[[], Policy]:
+    """A zero-argument factory of fresh policies (one per replica); fails now on an unknown name or bad options.
+
+    Registry factories that declare a ``workload`` parameter (hindsight oracles) get the simulated workload.
+    """
     if isinstance(policy, Policy):
         if replicas > 1:
             raise SimulationError("pass a policy name or factory, not one instance, to simulate several replicas")
@@ -796,10 +941,10 @@ def _policy_factory(policy: PolicySpec, options: dict[str, Any] | None, replicas
 
         opts = dict(options or {})
         try:
-            create_policy(policy, **opts)
+            create_policy(policy, workload=workload, **opts)
         except ValueError as e:  # UnknownPolicyError is a ValueError
             raise SimulationError(str(e)) from None
-        return lambda: create_policy(policy, **opts)
+        return lambda: create_policy(policy, workload=workload, **opts)
     if callable(policy):
         factory = (lambda: policy(**options)) if options else policy
         probe = factory()

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from data.errors import DataValidationError
+from training.predictors_cli import predictors_app, train_app
 
 app = typer.Typer(
     help="kvpilot: a learned, KV-cache-aware scheduler for vLLM rollout servers.",
@@ -25,6 +26,8 @@ app = typer.Typer(
 )
 workload_app = typer.Typer(help="Generate, import, validate and describe workloads.", no_args_is_help=True)
 app.add_typer(workload_app, name="workload")
+app.add_typer(train_app, name="train")
+app.add_typer(predictors_app, name="predictors")
 
 console = Console(stderr=True)
 

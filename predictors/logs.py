@@ -1,0 +1,70 @@
+"""Loading training logs: telemetry run directories (or workload files) into one prepared requests frame."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from data.io import read_telemetry, read_workload
+from predictors.features import prepare_requests, workload_as_requests
+
+#: A workload file looked for inside a run directory and joined to its telemetry (prompt ids, tools, group sizes).
+WORKLOAD_NAMES = ("workload.parquet",)
+_ID_COLUMNS = ("request_id", "session_id", "group_id", "prompt_id", "pkey", "rkey")
+
+
+def telemetry_dir(path: Path) -> Path | None:
+    """The directory holding ``requests/`` for a run directory (``run/telemetry`` or the run itself)."""
+    for cand in (path / "telemetry", path):
+        if (cand / "requests").is_dir():
+            return cand
+    return None
+
+
+def load_log(path: str | Path) -> pd.DataFrame:
+    """One log: a simulator/hook run directory (its ``workload.parquet`` joined if present) or a workload file."""
+    path = Path(path)
+    if path.is_file() or (path.is_dir() and telemetry_dir(path) is None and any(path.glob("*.parquet"))):
+        return workload_as_requests(read_workload(path))
+    tdir = telemetry_dir(path)
+    if tdir is None:
+        raise FileNotFoundError(f"{path}: no telemetry (expected {path}/telemetry/requests or {path}/requests)")
+    workload = None
+    for name in WORKLOAD_NAMES:
+        for cand in (path / name, tdir / name):
+            if cand.is_file():
+                workload = read_workload(cand)
+                break
+        if workload is not None:
+            break
+    return prepare_requests(read_telemetry(tdir, "requests"), workload)
+
+
+def load_logs(paths: Sequence[str | Path]) -> pd.DataFrame:
+    """Several logs as one frame; ids are prefixed by the log's index when there are several."""
+    frames = []
+    for i, p in enumerate(paths):
+        df = load_log(p)
+        if len(paths) > 1:
+            for c in _ID_COLUMNS:
+                df[c] = df[c].map(lambda v, i=i: f"r{i}:{v}" if v is not None and v == v else v)
+        frames.append(df)
+    if not frames:
+        raise ValueError("no logs given")
+    return pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+
+
+def split_by_step(df: pd.DataFrame, test_steps: Sequence[int] | None = None, test_fraction: float = 0.25):
+    """(train, test) masks: whole RL steps, never rows. Default test: the last ``test_fraction`` of steps (>= 1)."""
+    steps = sorted(df["step"].unique().tolist())
+    if test_steps is None:
+        if len(steps) < 2:
+            raise ValueError(f"a split by RL step needs at least 2 steps; the logs have {steps}")
+        k = max(1, round(test_fraction * len(steps)))
+        test_steps = steps[-k:]
+    test = df["step"].isin(list(test_steps))
+    if not test.any() or test.all():
+        raise ValueError(f"test steps {list(test_steps)} leave an empty train or test set (steps {steps})")
+    return ~test, test
