@@ -139,3 +139,31 @@ class CompiledForest:
         _walk(X, self.roots, self.owner, self.feat, self.thr, self.dleft, self.mtype, self.iscat, self.catmask,
               self.left, self.right, self.value, out)
         return out
+
+
+class CompiledScoring:
+    """Switches a model between LightGBM's ``Booster.predict`` and a :class:`CompiledForest` of its boosters.
+
+    The model sets ``boosters`` (a dict) and names the ones scored together in ``SCORED_BOOSTERS``.
+    """
+
+    SCORED_BOOSTERS: tuple[str, ...] = ()
+    boosters: dict
+    _compiled: "CompiledForest | None" = None
+
+    @property
+    def engine(self) -> str:
+        """"compiled" when :meth:`compile` succeeded, else "lightgbm" (``Booster.predict``)."""
+        return "compiled" if self._compiled is not None else "lightgbm"
+
+    def compile(self) -> bool:
+        """Score through :class:`CompiledForest` (same trees, no per-call overhead)."""
+        try:
+            self._compiled = CompiledForest([self.boosters[k] for k in self.SCORED_BOOSTERS])
+        except NotCompilable:
+            self._compiled = None
+        return self._compiled is not None
+
+    def use_lightgbm(self) -> None:
+        """Score through LightGBM's own ``Booster.predict``."""
+        self._compiled = None

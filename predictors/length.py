@@ -25,6 +25,7 @@ import pandas as pd
 
 from policy.interface import CandidateRequest, Event, EventKind
 from predictors.features import LENGTH_CATEGORICAL, LENGTH_FEATURES, Vocab, length_features, prompt_key
+from predictors.compiled import CompiledScoring
 from predictors.model_io import DEFAULT_TREES, load_boosters, read_manifest, training_threads, write_model
 
 KIND = "length"
@@ -51,10 +52,12 @@ class _Stats:
         return self.s / self.n if self.n else math.nan
 
 
-class LengthModel:
+class LengthModel(CompiledScoring):
     """p50 / p90 output-token model; also a :class:`policy.predictors.LengthPredictor`."""
 
     features = LENGTH_FEATURES
+
+    SCORED_BOOSTERS = ("p50", "p90")
 
     def __init__(self, boosters: dict[str, lgb.Booster], vocab: Vocab, info: dict | None = None,
                  num_threads: int = 1) -> None:
@@ -64,25 +67,6 @@ class LengthModel:
         self.num_threads = num_threads
         self._compiled = None
         self.reset_state()
-
-    @property
-    def engine(self) -> str:
-        """"compiled" when :meth:`compile` succeeded, else "lightgbm" (``Booster.predict``)."""
-        return "compiled" if self._compiled is not None else "lightgbm"
-
-    def compile(self) -> bool:
-        """Score through :class:`predictors.compiled.CompiledForest` (same trees, no per-call overhead)."""
-        from predictors.compiled import CompiledForest, NotCompilable
-
-        try:
-            self._compiled = CompiledForest([self.boosters[k] for k in ("p50", "p90")])
-        except NotCompilable:
-            self._compiled = None
-        return self._compiled is not None
-
-    def use_lightgbm(self) -> None:
-        """Score through LightGBM's own ``Booster.predict``."""
-        self._compiled = None
 
     # ------------------------------------------------------------------ training
     @classmethod

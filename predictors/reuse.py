@@ -33,6 +33,7 @@ from predictors.features import (
     Vocab,
     reuse_rows,
 )
+from predictors.compiled import CompiledScoring
 from predictors.model_io import DEFAULT_TREES, load_boosters, read_manifest, training_threads, write_model
 
 KIND = "reuse"
@@ -55,10 +56,12 @@ class _KeyState:
         self.scheduled = 0
 
 
-class ReuseModel:
+class ReuseModel(CompiledScoring):
     """P(hit within horizon) and time-to-next-hit model; also a :class:`policy.predictors.ReusePredictor`."""
 
     features = REUSE_FEATURES
+
+    SCORED_BOOSTERS = ("hit", "tnext")
 
     def __init__(self, boosters: dict[str, lgb.Booster], vocab: Vocab, horizon_s: float,
                  info: dict | None = None, num_threads: int = 1) -> None:
@@ -69,25 +72,6 @@ class ReuseModel:
         self.num_threads = num_threads
         self._compiled = None
         self.reset_state()
-
-    @property
-    def engine(self) -> str:
-        """"compiled" when :meth:`compile` succeeded, else "lightgbm" (``Booster.predict``)."""
-        return "compiled" if self._compiled is not None else "lightgbm"
-
-    def compile(self) -> bool:
-        """Score through :class:`predictors.compiled.CompiledForest` (same trees, no per-call overhead)."""
-        from predictors.compiled import CompiledForest, NotCompilable
-
-        try:
-            self._compiled = CompiledForest([self.boosters[k] for k in ("hit", "tnext")])
-        except NotCompilable:
-            self._compiled = None
-        return self._compiled is not None
-
-    def use_lightgbm(self) -> None:
-        """Score through LightGBM's own ``Booster.predict``."""
-        self._compiled = None
 
     @classmethod
     def fit(cls, logs: pd.DataFrame, *, horizon_s: float = 10.0, num_trees: int = DEFAULT_TREES,
