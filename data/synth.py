@@ -98,6 +98,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.errors import DataValidationError
+from data.hashing import splitmix64
 from data.schemas import PARADIGMS, WORKLOAD
 
 _NORMAL = NormalDist()
@@ -528,21 +529,12 @@ def _labels(labels: list[str], codes: np.ndarray) -> pa.Array:
     return pa.array(labels, pa.string()).take(pa.array(codes))
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser, element-wise on uint64."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def _hash(*keys: np.ndarray | int) -> np.ndarray:
     """A 64-bit hash of equal-length integer key columns (scalars broadcast)."""
     n = max(np.size(k) for k in keys)
     h = np.full(n, 0x9E3779B97F4A7C15, dtype=np.uint64)
     for key in keys:
-        h = _mix(h ^ np.broadcast_to(np.asarray(key).astype(np.uint64), (n,)))
+        h = splitmix64(h ^ np.broadcast_to(np.asarray(key).astype(np.uint64), (n,)))
     return h
 
 

@@ -57,6 +57,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from data.hashing import splitmix64
+
 VOCAB_SIZE = 32000
 FIRST_ID = 3  # ids 0 (pad), 1 (bos) and 2 (eos) are never emitted
 VLLM_BLOCK_SIZE = 16
@@ -68,26 +70,17 @@ _RADIX_INV = pow(_RADIX, -1, 1 << 64)
 _CHUNK_TOKENS = 1 << 22  # bulk key computation generates at most about this many tokens at once
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser, element-wise on uint64."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def _ids(keys: np.ndarray, index: np.ndarray, vocab_size: int) -> np.ndarray:
     """Token ids in [FIRST_ID, vocab_size) of (mixed key, index) pairs."""
     with np.errstate(over="ignore"):
-        mixed = _mix(keys + index.astype(np.uint64) * _GOLDEN) >> np.uint64(32)
+        mixed = splitmix64(keys + index.astype(np.uint64) * _GOLDEN) >> np.uint64(32)
         scaled = (mixed * np.uint64(vocab_size - FIRST_ID)) >> np.uint64(32)  # uniform in [0, vocab - 3)
     return scaled.astype(np.int32) + np.int32(FIRST_ID)
 
 
 def _key(hashes: np.ndarray) -> np.ndarray:
     """Mixed uint64 keys of int64 block hashes (small Mooncake ids spread over 64 bits)."""
-    return _mix(np.asarray(hashes, np.int64).view(np.uint64) ^ _SALT)
+    return splitmix64(np.asarray(hashes, np.int64).view(np.uint64) ^ _SALT)
 
 
 def prompt_token_ids(
@@ -121,12 +114,12 @@ def block_keys(ids: np.ndarray, lengths: np.ndarray | None = None, block_size: i
     tokens = ids[starts[:, None] + np.arange(block_size)].astype(np.uint64)
     with np.errstate(over="ignore"):
         column = np.random.default_rng(0x6B7670).integers(1, 1 << 63, size=block_size, dtype=np.uint64)
-        content = _mix(tokens @ column)  # a random linear form of the block's tokens, mixed
+        content = splitmix64(tokens @ column)  # a random linear form of the block's tokens, mixed
         power = np.cumprod(np.full(total, _RADIX, np.uint64)) * np.uint64(_RADIX_INV)  # R^i, i = 0..total-1
         inverse = np.cumprod(np.full(total, _RADIX_INV, np.uint64)) * np.uint64(_RADIX)  # R^-i
         prefix = np.cumsum(content * inverse)
         before = np.where(first_block > 0, prefix[np.maximum(first_block - 1, 0)], np.uint64(0))[seq]
-        return _mix((prefix - before) * power + (b.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+        return splitmix64((prefix - before) * power + (b.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
 
 
 class WorkloadTokens:
@@ -284,7 +277,7 @@ def unlimited_cached_tokens(
     ref = keys[where[tokens.stream[order]][rank] + position]
     if partition is not None:
         with np.errstate(over="ignore"):
-            ref = _mix(ref + np.asarray(partition).astype(np.uint64)[order][rank] * _GOLDEN)
+            ref = splitmix64(ref + np.asarray(partition).astype(np.uint64)[order][rank] * _GOLDEN)
     _, first, inverse = np.unique(ref, return_index=True, return_inverse=True)  # first: earliest rank
     hit = rank[first][inverse.ravel()] < rank  # registered by an earlier request
     query = position < n_query[rank]
