@@ -724,7 +724,7 @@ class Simulation:
                         self.tokens._row[alias] = r
                     trajs.append(traj)
             self.step_trajs[round_id] = trajs
-            self._step_state[round_id] = {"index": None, "start": t, "done": 0, "left": len(trajs),
+            self._step_state[round_id] = {"index": -1, "start": t, "done": 0, "left": len(trajs),
                                           "quota": len(trajs)}
         elif more_steps:
             step = self.steps_order[self._tail_next]
@@ -732,7 +732,7 @@ class Simulation:
             trajs = self.step_trajs[step]
             groups = self._tail_groups(trajs)
             need = {g: spec.kept(len(ts)) for g, ts in groups.items()}
-            self._step_state[step] = {"index": None, "start": t, "done": 0, "left": len(trajs), "quota": len(trajs),
+            self._step_state[step] = {"index": -1, "start": t, "done": 0, "left": len(trajs), "quota": len(trajs),
                                       "tail": {"groups": groups, "need": need, "prompts": spec.kept(len(groups)),
                                                "finished": {}, "complete": []}}
             if self._long_size is None:

@@ -208,6 +208,68 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
     return result.summary
 
 
+def _number_list(text: str, kind: type, option: str) -> list:
+    try:
+        values = [kind(x) for x in (p.strip() for p in text.split(",")) if x]
+    except ValueError:
+        raise _fail(f"{option} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+    if not values:
+        raise _fail(f"{option} is empty")
+    return values
+
+
+@app.command("evaluate")
+def evaluate_cmd(
+    workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
+    out_dir: Annotated[Path, typer.Option("-o", "--out-dir", help="Where summary.{md,csv,json}, plots and runs/ go.")],
+    policies: Annotated[
+        str, typer.Option("--policies", "-p", help="Comma-separated policy names, or 'all'; vllm-default is "
+                          "always added (ratios are to it).")
+    ] = "all",
+    kv_fractions: Annotated[
+        str, typer.Option("--kv-fractions", help="Comma-separated KV fractions per replica.")
+    ] = "0.1,0.2,0.4",
+    replicas: Annotated[str, typer.Option("--replicas", help="Replica count(s), e.g. 1 or 1,2.")] = "1",
+    router: Annotated[
+        str, typer.Option("--router", help="round-robin, least-loaded or cache-aware (several replicas).")
+    ] = "round-robin",
+    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (each imports vLLM once).")] = 1,
+    preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+) -> None:
+    """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
+    from training.evaluate import EvaluationError, build_cases, evaluate, resolve_policies
+
+    kvs = _number_list(kv_fractions, float, "--kv-fractions")
+    reps = _number_list(replicas, int, "--replicas")
+    if jobs < 1:
+        raise _fail(f"--jobs must be >= 1, got {jobs}")
+    if not workload.exists():
+        raise _fail(f"no such workload: {workload}")
+    try:
+        names = resolve_policies(policies)
+        cases = build_cases(names, kvs, reps)
+    except EvaluationError as err:
+        raise _fail(str(err)) from None
+    console.print(f"evaluating {len(names)} policies x {len(set(kvs))} KV size(s) x {len(set(reps))} replica "
+                  f"count(s) = {len(cases)} simulations, {jobs} job(s)", highlight=False)
+    t0 = time.perf_counter()
+    try:
+        result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
+                          jobs=jobs, progress=progress)
+    except EvaluationError as err:
+        raise _fail(str(err)) from None
+    failed = [r for r in result.rows if r.get("error")]
+    for r in result.rows:
+        ratio = r.get("makespan_ratio_vs_default")
+        status = f"error: {r['error']}" if r.get("error") else (
+            f"makespan {r['makespan_s']:.2f} s  x{ratio:.3f} vs default  hit {r['prefix_hit_rate']:.3f}  "
+            f"recomputed {r['recomputed_tokens']}" if ratio is not None else f"makespan {r['makespan_s']:.2f} s")
+        typer.echo(f"{r['policy']:<16} kv {r['kv_fraction']:<5g} r{r['replicas']}  {status}")
+    console.print(f"{len(result.rows)} case(s), {len(failed)} failed, in {time.perf_counter() - t0:.1f} s; "
+                  f"summary.md, summary.csv, summary.json and plots in {out_dir}", highlight=False)
+
+
 #: The demo's KV size: small enough that the default workload preempts and evicts.
 DEMO_KV_FRACTION = 0.3
 

@@ -1,0 +1,126 @@
+"""`kvpilot evaluate`: a grid of policies x KV sizes x replicas on one tiny workload, its tables, ratios and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from data.io import write_workload
+from data.synth import generate
+from tests.test_sim_run import small_config
+from training.cli import app
+from training.evaluate import (
+    DEFAULT,
+    EvaluationError,
+    build_cases,
+    evaluate,
+    resolve_policies,
+)
+
+POLICIES = ["sortedrl", "rollpacker"]  # vllm-default is added
+
+
+@pytest.fixture(scope="module")
+def workload_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("wl") / "tiny.parquet"
+    write_workload(generate(small_config(5, prompts=4, group=2, steps=1)), path)
+    return path
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert len(data) > 10_000, (path, len(data))  # a real plot, not an empty canvas
+    return struct.unpack(">II", data[16:24])
+
+
+def test_resolve_policies() -> None:
+    from policy.registry import known_policies
+
+    assert resolve_policies("sortedrl, rollpacker") == [DEFAULT, "sortedrl", "rollpacker"]
+    assert resolve_policies("all") == [DEFAULT] + [p for p in known_policies() if p != DEFAULT]
+    with pytest.raises(EvaluationError, match="unknown policy 'nope'.*known policies: .*vllm-default"):
+        resolve_policies("sortedrl,nope")
+    cases = build_cases([DEFAULT, "sortedrl"], [0.4, 0.2, 0.2], [2, 1])
+    assert [c.name for c in cases][:3] == ["vllm-default-kv0.2-r1", "sortedrl-kv0.2-r1", "vllm-default-kv0.4-r1"]
+    assert len(cases) == 8
+    with pytest.raises(EvaluationError):
+        build_cases([DEFAULT], [0.0], [1])
+
+
+def test_cli_unknown_policy_fails_before_running(workload_path: Path, tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "e"),
+                                   "--policies", "sortedrl,nope", "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert "unknown policy 'nope'" in res.output and "known policies" in res.output
+    assert not (tmp_path / "e").exists()  # nothing ran
+    res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "e"),
+                                   "--kv-fractions", "0.2,x", "--no-progress"])
+    assert res.exit_code == 2, res.output
+
+
+@pytest.mark.vllm
+def test_evaluate_grid(vllm_engine: Any, workload_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    # 1e-4 is far below the largest request's need: those cases fail and are reported, not raised
+    result = evaluate(workload_path, POLICIES, out, kv_fractions=[0.3, 0.6, 1e-4], replicas=[1], progress=False)
+    for name in ("summary.md", "summary.csv", "summary.json"):
+        assert (out / name).stat().st_size > 0
+    rows = json.loads((out / "summary.json").read_text())
+    assert len(rows) == 9 and {(r["policy"], r["kv_fraction"], r["replicas"]) for r in rows} == {
+        (p, k, 1) for p in [DEFAULT, *POLICIES] for k in (0.3, 0.6, 1e-4)}
+    keys = {"policy", "kv_fraction", "replicas", "error", "makespan_s", "prefix_hit_rate", "recomputed_tokens",
+            "tokens_per_s", "trajectory_p99_s", "tail_bubble_s", "makespan_per_step_s", "group_completion_s",
+            "makespan_ratio_vs_default", "recompute_ratio_vs_default", "hit_rate_ratio_vs_default"}
+    default = {r["kv_fraction"]: r for r in rows if r["policy"] == DEFAULT}
+    for r in rows:
+        assert keys <= set(r), keys - set(r)
+        if r["kv_fraction"] == 1e-4:
+            assert "smaller than the largest request" in r["error"] and r["makespan_ratio_vs_default"] is None
+            continue
+        assert r["error"] is None and r["makespan_s"] > 0
+        assert math.isclose(r["makespan_ratio_vs_default"], r["makespan_s"] / default[r["kv_fraction"]]["makespan_s"])
+        assert math.isclose(r["hit_rate_ratio_vs_default"],
+                            r["prefix_hit_rate"] / default[r["kv_fraction"]]["prefix_hit_rate"])
+        if r["policy"] == DEFAULT:
+            assert r["makespan_ratio_vs_default"] == 1.0
+        assert (out / "runs" / f"{r['policy']}-kv{r['kv_fraction']:g}-r1" / "summary.json").is_file()
+    with (out / "summary.csv").open() as fh:
+        table = list(csv.DictReader(fh))
+    assert len(table) == 9 and "makespan_ratio_vs_default" in table[0] and "error" in table[0]
+    assert "makespan_per_step_s" not in table[0]
+    md = (out / "summary.md").read_text()
+    assert md.count("\n| ") == 10 and "smaller than the largest request" in md
+    for name in ("makespan.png", "hit_rate.png", "recompute.png", "trajectory_ecdf.png"):
+        w, h = _png_size(out / name)
+        assert w > 400 and h > 300
+    assert all(len(v) > 0 for k, v in result.trajectory_s.items() if "kv0.3" in k or "kv0.6" in k)
+
+
+@pytest.mark.vllm
+def test_cli_two_replicas(vllm_engine: Any, workload_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval2"
+    res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(out), "--policies",
+                                   "vllm-default", "--kv-fractions", "0.5", "--replicas", "2",
+                                   "--router", "least-loaded", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "summary.json").read_text())
+    assert [(r["policy"], r["replicas"], r["makespan_ratio_vs_default"]) for r in rows] == [(DEFAULT, 2, 1.0)]
+    assert rows[0]["router"] == "least-loaded"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_evaluate_parallel_jobs(vllm_engine: Any, workload_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "evalj"
+    result = evaluate(workload_path, ["sortedrl"], out, kv_fractions=[0.5], replicas=[1], jobs=2, progress=False)
+    assert [r["error"] for r in result.rows] == [None, None]
+    assert result.rows[1]["makespan_ratio_vs_default"] == pytest.approx(
+        result.rows[1]["makespan_s"] / result.rows[0]["makespan_s"])

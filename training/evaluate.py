@@ -1,0 +1,389 @@
+"""Evaluate policies side by side: one workload, the same seeds and cost model, a grid of KV sizes and replicas.
+
+:func:`evaluate` runs every :class:`Case` (policy x KV fraction x replica count)
+with :func:`simulator.simulation.run_simulation`, each into
+``out_dir/runs/<policy>-kv<f>-r<R>``, in this process or in ``jobs`` worker
+processes (spawn context; each worker imports vLLM once, reads the workload
+once and runs several cases). A case that fails is a row with an ``error``,
+not a failed evaluation. ``vllm-default`` is always run, for the ratios.
+
+It writes, under ``out_dir``:
+
+* ``summary.json``: a list of rows, each with ``policy``, ``kv_fraction``,
+  ``replicas``, ``error`` (``None`` when it ran), the simulator's summary keys
+  (:func:`simulator.metrics.summarize` plus the run's own keys) and the ratios
+  to vllm-default at the same KV fraction and replicas:
+  ``makespan_ratio_vs_default``, ``recompute_ratio_vs_default`` (recomputed
+  tokens), ``hit_rate_ratio_vs_default`` (prefix hit rate) and
+  ``simulated_ratio_vs_default`` (first step start to last step end: the fair
+  one for tail batching, whose long rounds count as extra RL steps in the
+  per-step mean ``makespan_s``); a ratio is
+  ``None`` when either side failed or the default's value is 0 (1.0 when both
+  are 0);
+* ``summary.csv`` and ``summary.md``: the same rows, scalar metrics only;
+* ``makespan.png``, ``hit_rate.png``, ``recompute.png``: the metric against
+  the KV fraction, one line per policy, one panel per replica count;
+* ``trajectory_ecdf.png``: the ECDF of trajectory completion times (first turn
+  released to verification done) per policy at the smallest KV fraction.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT = "vllm-default"
+RATIOS = {
+    "makespan_ratio_vs_default": "makespan_s",
+    "recompute_ratio_vs_default": "recomputed_tokens",
+    "hit_rate_ratio_vs_default": "prefix_hit_rate",
+    "simulated_ratio_vs_default": "simulated_s",
+}
+#: Summary keys that are lists or dicts (kept in summary.json, left out of the tables).
+_NON_SCALAR = ("makespan_per_step_s", "group_completion_s", "tail_bubble_per_step_s")
+
+
+class EvaluationError(ValueError):
+    """A bad evaluation request (unknown policy, bad grid), raised before anything runs."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One simulation of the grid."""
+
+    policy: str
+    kv_fraction: float
+    replicas: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.policy}-kv{self.kv_fraction:g}-r{self.replicas}"
+
+
+@dataclass
+class EvaluationResult:
+    rows: list[dict[str, Any]]
+    out_dir: Path
+    files: list[Path] = field(default_factory=list)
+    trajectory_s: dict[str, list[float]] = field(default_factory=dict)  # case name -> completion times
+
+
+def resolve_policies(policies: str | Sequence[str]) -> list[str]:
+    """Policy names from a comma list or a sequence (``all``: every registered one); vllm-default first.
+
+    Unknown names raise :class:`EvaluationError` naming the known ones."""
+    from policy.registry import known_policies
+
+    if isinstance(policies, str):
+        policies = [p.strip() for p in policies.split(",")]
+    names = [p for p in (x.strip() for x in policies) if p]
+    known = known_policies()
+    if any(p == "all" for p in names):
+        names = known
+    if not names:
+        raise EvaluationError("no policies given")
+    unknown = [p for p in names if p not in known]
+    if unknown:
+        raise EvaluationError(f"unknown polic{'y' if len(unknown) == 1 else 'ies'} {', '.join(map(repr, unknown))}; "
+                              f"known policies: {', '.join(known)}")
+    out = [DEFAULT]
+    for p in names:
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def build_cases(policies: Sequence[str], kv_fractions: Iterable[float], replicas: Iterable[int]) -> list[Case]:
+    kvs = sorted({float(k) for k in kv_fractions})
+    reps = sorted({int(r) for r in replicas})
+    if not kvs or any(not (k > 0 and math.isfinite(k)) for k in kvs):
+        raise EvaluationError(f"KV fractions must be positive numbers, got {kvs}")
+    if not reps or any(r < 1 for r in reps):
+        raise EvaluationError(f"replica counts must be >= 1, got {reps}")
+    return [Case(p, k, r) for r in reps for k in kvs for p in policies]
+
+
+# ---------------------------------------------------------------- running cases
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(workload_path: str) -> None:
+    """Worker start-up: vLLM imported and the workload read once per process."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from data.io import read_workload
+    from simulator import engine
+
+    engine.make_vllm_config()  # the first ModelConfig's cost, once
+    _WORKER["workload"] = read_workload(workload_path)
+
+
+def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-robin", preset: str = "H200-7B",
+             sim_options: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[float]]:
+    """Simulate one case; returns its row (``error`` set instead of raising) and its trajectory durations."""
+    from simulator.simulation import run_simulation
+
+    row: dict[str, Any] = {"policy": case.policy, "kv_fraction": case.kv_fraction, "replicas": case.replicas,
+                           "error": None}
+    run_dir = Path(out_dir) / "runs" / case.name
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)  # an earlier evaluation's run of this case
+    try:
+        result = run_simulation(workload, case.policy, replicas=case.replicas, router=router,
+                                kv_fraction=case.kv_fraction, preset=preset, out_dir=run_dir, progress=False,
+                                validate=False, **(sim_options or {}))
+    except Exception as e:  # noqa: BLE001 - reported in the table, not a crash of the evaluation
+        row["error"] = f"{type(e).__name__}: {e}"
+        return row, []
+    summary = dict(result.summary)
+    for k in ("policy", "kv_fraction", "replicas"):
+        summary.pop(k, None)
+    row.update(summary)
+    return row, [t.end_s - t.start_s for t in result.trajectories]
+
+
+def _worker_case(case: Case, out_dir: str, router: str, preset: str,
+                 sim_options: dict[str, Any] | None) -> tuple[dict[str, Any], list[float]]:
+    return run_case(_WORKER["workload"], case, Path(out_dir), router=router, preset=preset, sim_options=sim_options)
+
+
+def evaluate(
+    workload_path: str | Path,
+    policies: str | Sequence[str],
+    out_dir: str | Path,
+    *,
+    kv_fractions: Sequence[float] = (0.1, 0.2, 0.4),
+    replicas: Sequence[int] = (1,),
+    router: str = "round-robin",
+    preset: str = "H200-7B",
+    jobs: int = 1,
+    progress: bool = True,
+    sim_options: dict[str, Any] | None = None,
+    on_case: Callable[[Case, dict[str, Any]], None] | None = None,
+) -> EvaluationResult:
+    """Run the grid (see the module docstring); bad requests raise :class:`EvaluationError` before running."""
+    names = resolve_policies(policies)
+    cases = build_cases(names, kv_fractions, replicas)
+    if jobs < 1:
+        raise EvaluationError(f"jobs must be >= 1, got {jobs}")
+    from data.io import read_workload
+
+    try:
+        workload = read_workload(workload_path)
+    except Exception as e:  # noqa: BLE001 - any unreadable workload is a bad request
+        raise EvaluationError(f"cannot read workload {workload_path}: {e}") from None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[Case, tuple[dict[str, Any], list[float]]] = {}
+
+    bar, task = _progress(progress, len(cases))
+
+    def done(case: Case, res: tuple[dict[str, Any], list[float]]) -> None:
+        results[case] = res
+        if bar is not None:
+            bar.update(task, advance=1, description=f"{case.name}{' (failed)' if res[0]['error'] else ''}")
+        if on_case is not None:
+            on_case(case, res[0])
+
+    try:
+        if jobs == 1 or len(cases) == 1:
+            for case in cases:
+                done(case, run_case(workload, case, out, router=router, preset=preset, sim_options=sim_options))
+        else:
+            _run_parallel(cases, str(Path(workload_path)), str(out), router, preset, sim_options, jobs, done)
+    finally:
+        if bar is not None:
+            bar.stop()
+    rows = [results[c][0] for c in cases]
+    add_ratios(rows)
+    traj = {c.name: results[c][1] for c in cases}
+    files = write_reports(rows, out, traj, cases)
+    return EvaluationResult(rows=rows, out_dir=out, files=files, trajectory_s=traj)
+
+
+def _progress(enabled: bool, total: int) -> tuple[Any, Any]:
+    if not enabled:
+        return None, None
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True))
+    bar.start()
+    return bar, bar.add_task("cases", total=total)
+
+
+def _run_parallel(cases: list[Case], workload_path: str, out_dir: str, router: str, preset: str,
+                  sim_options: dict[str, Any] | None, jobs: int, done: Callable) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(cases)), mp_context=ctx, initializer=_init_worker,
+                             initargs=(workload_path,)) as pool:
+        futures = {pool.submit(_worker_case, c, out_dir, router, preset, sim_options): c for c in cases}
+        for fut in as_completed(futures):
+            case = futures[fut]
+            try:
+                res = fut.result()
+            except Exception as e:  # noqa: BLE001 - the worker died (e.g. out of memory)
+                res = ({"policy": case.policy, "kv_fraction": case.kv_fraction, "replicas": case.replicas,
+                        "error": f"worker failed: {type(e).__name__}: {e}"}, [])
+            done(case, res)
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's ratios to vllm-default's row at the same KV fraction and replicas (in place)."""
+    base = {(r["kv_fraction"], r["replicas"]): r for r in rows if r["policy"] == DEFAULT}
+    for r in rows:
+        d = base.get((r["kv_fraction"], r["replicas"]))
+        for ratio, key in RATIOS.items():
+            a = r.get(key) if not r.get("error") else None
+            b = d.get(key) if d is not None and not d.get("error") else None
+            if a is None or b is None:
+                r[ratio] = None
+            elif b == 0:
+                r[ratio] = 1.0 if a == 0 else None
+            else:
+                r[ratio] = a / b
+
+
+# ---------------------------------------------------------------- reports
+
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    head = ["policy", "kv_fraction", "replicas", *RATIOS]
+    rest: list[str] = []
+    for r in rows:
+        for k, v in r.items():
+            if k not in head and k not in rest and k != "error" and k not in _NON_SCALAR \
+                    and not isinstance(v, (list, dict)):
+                rest.append(k)
+    return head + rest + ["error"]
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, list[float]],
+                  cases: list[Case]) -> list[Path]:
+    cols = _columns(rows)
+    full = [{k: r.get(k) for k in dict.fromkeys([*cols[:-1], *_NON_SCALAR, "error"])} for r in rows]
+    files = [out / "summary.json", out / "summary.csv", out / "summary.md"]
+    files[0].write_text(json.dumps(full, indent=2, default=str))
+    with files[1].open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow(["" if r.get(k) is None else r.get(k) for k in cols])
+    md = ["# Policy evaluation", "",
+          ("Ratios are to vllm-default at the same KV fraction and replicas (makespan, recompute and simulated "
+           "time: lower is better; hit rate: higher is better)."), "",
+          "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        md.append("| " + " | ".join(_fmt(r.get(k)).replace("|", "/").replace("\n", " ") for k in cols) + " |")
+    files[2].write_text("\n".join(md) + "\n")
+    files += plot_reports(rows, out, trajectory_s, cases)
+    return files
+
+
+def _styles(policies: list[str]) -> dict[str, dict[str, Any]]:
+    import matplotlib
+
+    markers = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p", "d", "8"]
+    if len(policies) <= 10:
+        colors = [matplotlib.colormaps["tab10"](i) for i in range(len(policies))]
+    else:  # tab20's dark shades first, then its light ones (with dashed lines)
+        order = list(range(0, 20, 2)) + list(range(1, 20, 2))
+        colors = [matplotlib.colormaps["tab20"](order[i % 20]) for i in range(len(policies))]
+    # Earlier policies get thicker lines and bigger markers, so a later line on top of one never hides it.
+    n = len(policies)
+    return {p: {"color": colors[i], "marker": markers[i % len(markers)], "linestyle": "-" if i < 10 else "--",
+                "linewidth": 1.2 + 1.6 * (n - 1 - i) / max(n - 1, 1), "markersize": 5 + 5 * (n - 1 - i) / max(n - 1, 1)}
+            for i, p in enumerate(policies)}
+
+
+def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, list[float]],
+                 cases: list[Case]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    style = _styles(policies)
+    reps = sorted({r["replicas"] for r in rows})
+    xlabel = "KV cache per replica (fraction of the largest step's need)"
+    files = []
+    for fname, key, ylabel, title in (
+            ("makespan.png", "makespan_s", "makespan (s per RL step, simulated)", "Makespan vs KV size"),
+            ("hit_rate.png", "prefix_hit_rate", "prefix hit rate (cached / prompt tokens)", "Prefix hit rate vs KV size"),
+            ("recompute.png", "recomputed_tokens", "recomputed tokens (tokens)", "Recompute vs KV size")):
+        fig, axes = plt.subplots(1, len(reps), figsize=(5.2 * len(reps) + 1.5, 4.2), squeeze=False)
+        for ax, r in zip(axes[0], reps):
+            for p in policies:
+                pts = sorted((x["kv_fraction"], x.get(key)) for x in rows
+                             if x["policy"] == p and x["replicas"] == r and not x.get("error")
+                             and x.get(key) is not None)
+                if pts:
+                    ax.plot([a for a, _ in pts], [b for _, b in pts], label=p, **style[p])
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{title} ({r} replica{'s' if r > 1 else ''})")
+            ax.grid(True, alpha=0.3)
+        _legend(fig, axes[0][-1], policies, style)
+        files.append(_save(fig, out / fname))
+    # ECDF of trajectory completion times at the smallest KV fraction (one replica count: the smallest)
+    kv0, r0 = min(c.kv_fraction for c in cases), min(c.replicas for c in cases)
+    fig, ax = plt.subplots(figsize=(6.7, 4.2))
+    for p in policies:
+        d = np.sort(np.asarray(trajectory_s.get(Case(p, kv0, r0).name) or [], dtype=float))
+        if d.size:
+            ax.step(d, np.arange(1, d.size + 1) / d.size, where="post", label=p, color=style[p]["color"],
+                    linestyle=style[p]["linestyle"], linewidth=style[p]["linewidth"])
+            ax.plot(d[-1], 1.0, marker=style[p]["marker"], color=style[p]["color"], markersize=style[p]["markersize"])
+    ax.set_xlabel("trajectory completion time (s, simulated)")
+    ax.set_ylabel("fraction of trajectories completed")
+    ax.set_title(f"Trajectory completion ECDF (KV {kv0:g}, {r0} replica{'s' if r0 > 1 else ''})")
+    ax.grid(True, alpha=0.3)
+    _legend(fig, ax, policies, style)
+    files.append(_save(fig, out / "trajectory_ecdf.png"))
+    return files
+
+
+def _legend(fig: Any, ax: Any, policies: list[str], style: dict) -> None:
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=style[p]["color"], marker=style[p]["marker"], linestyle=style[p]["linestyle"],
+                      label=p) for p in policies]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8,
+              title="policy")
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
