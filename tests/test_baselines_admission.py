@@ -36,6 +36,7 @@ from policy.interface import (
 )
 from policy.predictors import DomainMeanLengthPredictor, OracleLengthPredictor
 from policy.registry import create_policy
+from tests.hooks import hook_scheduler as _hook
 
 NAMES = ("vllm-priority", "sjf-predicted", "sortedrl", "heddle", "rolloutpipe", "seer")
 
@@ -484,13 +485,6 @@ def test_seer_reprobes_a_preempted_probe():
 
 
 # ====================================================== on vLLM's scheduler
-def _hook(policy):
-    from serving_hook import KVPilotScheduler, with_policy
-    from serving_hook.config import HookConfig
-
-    return with_policy(KVPilotScheduler, lambda: policy, HookConfig(decision_budget_s=10.0))
-
-
 class _FixedClock:
     def __init__(self, t):
         self.t = t

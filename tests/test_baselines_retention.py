@@ -38,6 +38,7 @@ from policy.interface import (
 )
 from policy.predictors import OracleReusePredictor
 from policy.registry import create_policy
+from tests.hooks import hook_scheduler as _hook
 
 INF = math.inf
 
@@ -337,14 +338,6 @@ class FakeClock:
 
     def __call__(self):
         return self.t
-
-
-def _hook(policy, **cfg):
-    from serving_hook import KVPilotScheduler, with_policy
-    from serving_hook.config import HookConfig
-
-    cfg.setdefault("decision_budget_s", 10.0)
-    return with_policy(KVPilotScheduler, lambda: policy, HookConfig(**cfg))
 
 
 def _run_until_done(s, runner, limit=300):

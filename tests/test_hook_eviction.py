@@ -15,21 +15,9 @@ import pytest
 
 from policy.interface import EvictionDecision, Policy
 
+from tests.hooks import hook_scheduler as _hook, stock_scheduler as _stock
+
 pytestmark = pytest.mark.vllm
-
-
-def _hook(policy, **cfg):
-    from serving_hook import KVPilotScheduler, with_policy
-    from serving_hook.config import HookConfig
-
-    cfg.setdefault("decision_budget_s", 10.0)
-    return with_policy(KVPilotScheduler, lambda: policy, HookConfig(**cfg))
-
-
-def _stock():
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    return Scheduler
 
 
 class EvictPolicy(Policy):
