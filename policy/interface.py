@@ -109,7 +109,9 @@ class RequestMeta:
 
     Read by the hook from ``SamplingParams.extra_args`` (``kvpilot_domain``,
     ``kvpilot_paradigm``, ``kvpilot_group_id``, ``kvpilot_group_size``,
-    ``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``, ``kvpilot_step``).
+    ``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``, ``kvpilot_step``,
+    ``kvpilot_prompt_id``). ``prompt_id`` names the dataset prompt, stable
+    across RL steps when the prompt recurs.
     """
 
     domain: Optional[str] = None
@@ -120,6 +122,7 @@ class RequestMeta:
     turn: Optional[int] = None
     tool: Optional[str] = None
     step: Optional[int] = None
+    prompt_id: Optional[str] = None
 
 
 #: Names of :meth:`CandidateRequest.features`, in order.

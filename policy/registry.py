@@ -55,6 +55,7 @@ def _resolve(factory: PolicyFactory) -> PolicyFactory:
 
 for _name, _target in BASELINES.items():
     _REGISTRY[_name] = _lazy(_target)
+_REGISTRY["lrb-online"] = _lazy("policy.baselines.lrb_online:OnlineLrbEvictionPolicy")
 
 
 def register(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:

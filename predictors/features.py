@@ -16,12 +16,13 @@ columns come from the workload when one is given (joined on ``request_id``):
 previous turn's ``tool``) and ``group_size``. Without a workload they are
 unknown (NaN), as they are online when the RL framework passes no metadata.
 
-**Prompt identity across RL steps.** Telemetry rows carry ``prompt_id`` when the
-hook knew it; request metadata has no ``prompt_id`` key, so online (and in
-telemetry where it is null) the prompt key is derived from ``group_id`` with the
-``s<step>-`` prefix removed (the synthetic workload's convention, ``group_id =
-s<step>-<prompt_id>``). A group id without that prefix is its own prompt key, so
-such prompts never recur (the Search-R1 importer's ids are per step anyway).
+**Prompt identity across RL steps.** The prompt key is ``prompt_id``: the
+request metadata key ``kvpilot_prompt_id`` (``RequestMeta.prompt_id`` online),
+which the hook writes to telemetry's ``requests.prompt_id``. Only where it is
+null (an RL framework that does not pass it) is the key derived from
+``group_id`` with the ``s<step>-`` prefix removed (the synthetic workload's
+convention, ``group_id = s<step>-<prompt_id>``); a group id without that prefix
+is its own prompt key, so such prompts never recur.
 
 Length features (one row per request and decision time)
 -------------------------------------------------------

@@ -152,7 +152,7 @@ class LengthModel(CompiledScoring):
                 self._group[m.group_id].add(y)
             if m.session_id is not None:
                 self._session[m.session_id].add(y)
-            pk = prompt_key(None, m.group_id, m.step)
+            pk = prompt_key(m.prompt_id, m.group_id, m.step)
             if pk is not None:
                 step = m.step or 0
                 self._hist[(pk, None)][step].add(y)
@@ -184,7 +184,7 @@ class LengthModel(CompiledScoring):
             sib_n, sib_mean, sib_max = 0.0, nan, nan
         grp = self._group.get(m.group_id) if m.group_id is not None else None
         sess = self._session.get(m.session_id) if m.session_id is not None else None
-        pk = prompt_key(None, m.group_id, m.step)
+        pk = prompt_key(m.prompt_id, m.group_id, m.step)
         step = m.step or 0
         hn, hmean = self._hist_stats((pk, None), step) if pk is not None else (0, nan)
         _, htmean = self._hist_stats((pk, turn), step) if pk is not None else (0, nan)

@@ -1124,7 +1124,7 @@ class KVPilotMixin:
                 "request_id": rid,
                 "session_id": meta.session_id,
                 "group_id": meta.group_id,
-                "prompt_id": None,
+                "prompt_id": meta.prompt_id,
                 "step": meta.step,
                 "turn": meta.turn,
                 "domain": meta.domain,

@@ -345,6 +345,7 @@ class Simulation:
         self.kind = col("kind")
         self.step = col("step")
         self.group = col("group_id")
+        self.prompt_id = col("prompt_id")
         self.group_size = col("group_size")
         self.session = col("session_id")
         self.turn = col("turn")
@@ -465,6 +466,7 @@ class Simulation:
             "kvpilot_session_id": self.session[row],
             "kvpilot_turn": self.turn[row],
             "kvpilot_step": self.step[row],
+            "kvpilot_prompt_id": self.prompt_id[row],
         }
         if self.tool[row] is not None:
             extra["kvpilot_tool"] = self.tool[row]

@@ -1,0 +1,89 @@
+"""Learned sampled eviction that trains itself online from the run's own past, after LRB.
+
+**Idea and source.** LRB (Learning Relaxed Belady, NSDI'20) keeps a sliding
+window of recent requests, labels each sampled object with its time to next
+request once it is known, retrains a GBDT on recency and frequency features
+periodically, and at eviction time scores a random sample of cached objects
+and evicts the one predicted furthest. It needs no prior training data.
+
+**Mechanism as implemented.** :class:`predictors.online_reuse.OnlineReuseLearner`
+learns, from the eviction lever's candidates and the hook's events only,
+P(a prefix's leading block is used again within ``horizon_s``); see there for
+the objects, labels (never from the future), features and retraining. Until
+its first model (``min_labels`` labels of both classes), and whenever a
+retraining has never succeeded, ``evict()`` answers ``None``: vLLM's LRU. With
+a model, it draws ``sample_size`` candidates (as the ``lrb`` baseline does),
+scores them in one batched LightGBM call, and lists the least likely to be
+reused first until their blocks cover ``cover_blocks`` (default: what one
+engine step can allocate, ``max_num_batched_tokens / block_size``, since the
+order holds for the whole step; at least the allocation that triggered the
+call); the rest keep LRU order.
+
+**Simplified.** A classifier of "used within H" (LRB regresses log time to
+next request); one sample per engine step; prefixes keyed by their leading
+block (a request that shares only the first block counts as a use); the
+model is retrained synchronously inside the eviction call (small window, few
+trees, one thread: its time is measured in :attr:`learner.stats`), where a
+server would retrain off the engine thread. Deterministic given the seed
+(propensity 1.0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from policy.baselines._eviction import check_count
+from policy.baselines.lrb import SampledNextUseEvictionPolicy
+from policy.interface import CachedPrefix, EngineState, EvictionDecision
+from predictors.online_reuse import OnlineReuseLearner
+
+
+class OnlineLrbEvictionPolicy(SampledNextUseEvictionPolicy):
+    """LRB with its reuse model trained online: LRU during warm-up, then the sampled least-likely-reused first."""
+
+    name = "lrb-online"
+    version = "1"
+
+    def __init__(
+        self,
+        sample_size: int = 64,
+        seed: int = 0,
+        horizon_s: float = 30.0,
+        window: int = 4096,
+        retrain_every: int = 512,
+        min_labels: int = 256,
+        samples_per_call: int = 8,
+        num_trees: int = 32,
+        num_threads: int = 1,
+        chain_stride: int = 8,
+        cover_blocks: Optional[int] = None,
+        max_candidates: Optional[int] = None,
+    ) -> None:
+        learner = OnlineReuseLearner(
+            horizon_s=horizon_s, window=window, retrain_every=retrain_every, min_labels=min_labels,
+            samples_per_call=samples_per_call, num_trees=num_trees, num_threads=num_threads,
+            chain_stride=chain_stride, seed=seed,
+        )
+        super().__init__(sample_size=sample_size, seed=seed, reuse_predictor=learner, max_candidates=max_candidates)
+        self.learner = learner
+        self.cover_blocks = check_count("cover_blocks", cover_blocks, allow_none=True)
+        #: eviction calls answered with LRU because no model was trained yet
+        self.lru_calls = 0
+
+    def evict(
+        self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int, state: EngineState
+    ) -> Optional[EvictionDecision]:
+        self.learner.observe_candidates(prefixes, state.time_s)
+        if not prefixes:
+            return None
+        if self.learner.model is None:
+            self.lru_calls += 1
+            return None
+        cover = self.cover_blocks or state.max_num_batched_tokens // max(state.block_size, 1)
+        need = max(1, int(num_blocks_needed), cover)
+        return EvictionDecision(order=self.order(prefixes, need, state.time_s))
+
+    def summary(self) -> dict[str, Any]:
+        """The learner's counters and timings, and how often the policy answered LRU."""
+        return {**self.learner.stats.as_dict(), "lru_calls": self.lru_calls}
