@@ -11,7 +11,8 @@ The oracle runs eviction only (``admission="fcfs"``: vLLM's order), so the
 three differ only in what they evict. ``--requests N`` replays the first N
 requests only (the whole trace takes long on a shared machine).
 
-    python -m benchmarks.bench_lrb_mooncake [--requests N] [--kv-share 0.05] [--json]
+    python -m benchmarks.bench_lrb_mooncake [--requests N] [--kv-share 0.05] [--policies a,b] \
+        [--lrb-options JSON] [--json]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def kv_blocks_for(workload: pa.Table, share: float) -> tuple[int, int, int]:
     return max(target, need), target, need
 
 
-def make_policy(name: str, workload: pa.Table):
+def make_policy(name: str, workload: pa.Table, lrb_options: dict | None = None):
     """A fresh policy instance (kept, to read lrb-online's counters after the run)."""
     from policy.baselines.lrb_online import OnlineLrbEvictionPolicy
     from policy.baselines.oracle import HindsightOraclePolicy
@@ -52,11 +53,12 @@ def make_policy(name: str, workload: pa.Table):
         p.decision_budget_s = None  # the simulator's budget, as for the others (its own 0.1 s would fall back to LRU)
         return p
     if name == "lrb-online":
-        return OnlineLrbEvictionPolicy()
+        return OnlineLrbEvictionPolicy(**(lrb_options or {}))
     return VllmDefaultPolicy()
 
 
-def run(requests: int | None, share: float) -> dict:
+def run(requests: int | None, share: float, policies: tuple[str, ...] = POLICIES,
+        lrb_options: dict | None = None) -> dict:
     from data.importers import import_mooncake
     from simulator.simulation import run_simulation
 
@@ -66,8 +68,8 @@ def run(requests: int | None, share: float) -> dict:
     kv, target, need = kv_blocks_for(workload, share)
     out: dict = {"requests": workload.num_rows, "kv_share": share, "kv_blocks": kv, "kv_target_blocks": target,
                  "largest_request_blocks": need, "rows": []}
-    for name in POLICIES:
-        policy = make_policy(name, workload)
+    for name in policies:
+        policy = make_policy(name, workload, lrb_options)
         t0 = time.perf_counter()
         res = run_simulation(workload, policy, kv_blocks=kv, progress=False)
         s = res.summary
@@ -78,8 +80,8 @@ def run(requests: int | None, share: float) -> dict:
         out["rows"].append(row)
         print(f"{name}: hit rate {row['prefix_hit_rate']:.4f} in {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
     hit = {r["policy"]: r["prefix_hit_rate"] for r in out["rows"]}
-    gap = hit["oracle"] - hit["vllm-default"]
-    out["gap_closed"] = (hit["lrb-online"] - hit["vllm-default"]) / gap if gap > 0 else float("nan")
+    gap = hit["oracle"] - hit["vllm-default"] if {"oracle", "vllm-default"} <= set(hit) else 0.0
+    out["gap_closed"] = (hit["lrb-online"] - hit["vllm-default"]) / gap if gap > 0 and "lrb-online" in hit else None
     return out
 
 
@@ -91,8 +93,11 @@ def render(out: dict) -> str:
     for r in out["rows"]:
         lines.append(f"{r['policy']:<14}{r['prefix_hit_rate']:>10.4f}{r['wall_s']:>9.1f}{r['makespan_s']:>12.1f}"
                      f"{r['recomputed_tokens']:>13,}")
-    lines.append(f"gap LRU -> Belady closed by lrb-online: {out['gap_closed']:.2f} (target >= 0.5)")
-    lr = next(r for r in out["rows"] if r["policy"] == "lrb-online")["learner"]
+    if out["gap_closed"] is not None:
+        lines.append(f"gap LRU -> Belady closed by lrb-online: {out['gap_closed']:.2f} (target >= 0.5)")
+    lr = next((r["learner"] for r in out["rows"] if r["policy"] == "lrb-online"), None)
+    if lr is None:
+        return "\n".join(lines)
     lines.append(f"lrb-online: {lr['retrains']} retrains ({lr['train_failures']} failed), retrain mean "
                  f"{lr['retrain_mean_s'] * 1e3:.1f} ms, max {lr['retrain_max_s'] * 1e3:.1f} ms; scoring "
                  f"{lr['score_mean_s'] * 1e3:.2f} ms per call ({lr['score_calls']} calls); bookkeeping "
@@ -105,12 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--kv-share", type=float, default=0.05, help="KV size as a share of the unique blocks")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma list, a subset of the three")
+    ap.add_argument("--lrb-options", default="{}", help="JSON keyword options for lrb-online")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)
     if not TRACE.exists():
         print(f"skipped: the Mooncake trace is not at {TRACE.resolve()} (../shared/traces is absent)")
         return 0
-    out = run(args.requests, args.kv_share)
+    names = tuple(n for n in args.policies.split(",") if n)
+    if not set(names) <= set(POLICIES):
+        ap.error(f"--policies: choose among {', '.join(POLICIES)}")
+    out = run(args.requests, args.kv_share, names, json.loads(args.lrb_options))
     print(json.dumps(out, indent=2) if args.json else render(out))
     return 0
 
