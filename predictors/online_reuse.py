@@ -13,7 +13,9 @@ learned from what the eviction lever and the events show, with no training data:
 * **Samples and labels.** At each eviction call, ``samples_per_call`` random
   candidates are snapshotted (features at that time ``t``). A snapshot is
   labelled 1 as soon as a use of its key by another request, scheduled in
-  ``(t, t + horizon_s]``, is learned; 0 once ``now >= t + horizon_s`` and no
+  ``(t, t + horizon_s]``, is learned (with ``label_depth`` > 0, only a use
+  whose chain shares at least that fraction of the prefix's cached blocks:
+  the deep blocks are the ones eviction takes first); 0 once ``now >= t + horizon_s`` and no
   request scheduled by ``t + horizon_s`` is still unknown (every such request
   had its chain offered, or finished before the previous call and was never
   offered). So a label is formed only from what was known when it was formed;
@@ -97,7 +99,20 @@ class _Sample:
     owner: str
     t: float
     x: list[float]
+    chain: tuple = ()
     label: Optional[float] = None
+
+
+def _shared(chain: Sequence[int], other: set) -> int:
+    """Leading blocks of ``chain`` in ``other`` (chained hashes: a shared block's whole prefix is shared)."""
+    lo, hi = 0, len(chain)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chain[mid - 1] in other:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass
@@ -132,7 +147,7 @@ class OnlineReuseLearner:
 
     def __init__(self, horizon_s: float = 30.0, window: int = 4096, retrain_every: int = 512,
                  min_labels: int = 256, samples_per_call: int = 8, num_trees: int = 32, num_threads: int = 1,
-                 chain_stride: int = 8, seed: int = 0) -> None:
+                 chain_stride: int = 8, label_depth: float = 0.0, seed: int = 0) -> None:
         for name, v in (("horizon_s", horizon_s),):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"option {name} must be a finite number > 0, got {v!r}")
@@ -141,7 +156,10 @@ class OnlineReuseLearner:
                         ("num_threads", num_threads), ("chain_stride", chain_stride)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"option {name} must be a positive integer, got {v!r}")
+        if isinstance(label_depth, bool) or not isinstance(label_depth, (int, float)) or not 0 <= label_depth <= 1:
+            raise ValueError(f"option label_depth must be a number in [0, 1], got {label_depth!r}")
         self.horizon_s = float(horizon_s)
+        self.label_depth = float(label_depth)
         self.retrain_every, self.min_labels = retrain_every, min_labels
         self.samples_per_call, self.num_trees = samples_per_call, num_trees
         self.num_threads, self.chain_stride = num_threads, chain_stride
@@ -189,7 +207,8 @@ class OnlineReuseLearner:
         if prefixes:
             k = min(self.samples_per_call, len(prefixes))
             for p in self.rng.sample(list(prefixes), k):
-                s = _Sample(int(p.block_hashes[0]), p.owner_request_id, now_s, self.features(p, now_s))
+                s = _Sample(int(p.block_hashes[0]), p.owner_request_id, now_s, self.features(p, now_s),
+                            p.block_hashes if self.label_depth > 0 else ())
                 self._pending.append(s)
                 self._pending_by_key.setdefault(s.key, []).append(s)
                 self.stats.samples += 1
@@ -208,9 +227,11 @@ class OnlineReuseLearner:
         key = int(hashes[0])
         use = self._sched.get(rid, p.last_used_s)
         self._keys.setdefault(key, _Key()).add(use)
+        mine = set(hashes) if self.label_depth > 0 else None
         for s in self._pending_by_key.get(key, ()):
             if s.label is None and s.owner != rid and s.t < use <= s.t + self.horizon_s:
-                self._label(s, 1.0, now_s, use)
+                if mine is None or _shared(s.chain, mine) >= self.label_depth * len(s.chain):
+                    self._label(s, 1.0, now_s, use)
         lst = self._pending_by_key.get(key)
         if lst is not None:
             lst[:] = [s for s in lst if s.label is None]

@@ -195,3 +195,17 @@ def test_registered_with_options():
     assert isinstance(p, OnlineLrbEvictionPolicy) and p.learner.horizon_s == 5.0 and p.learner.window.maxlen == 100
     with pytest.raises(ValueError, match="retrain_every"):
         create_policy("lrb-online", retrain_every=0)
+
+
+def test_label_depth_needs_a_deep_share():
+    """With ``label_depth`` 0.5, a later request sharing only the leading block does not make a positive."""
+    lr = OnlineReuseLearner(horizon_s=5.0, samples_per_call=1, label_depth=0.5)
+    _use(lr, "a", 0.0)
+    lr.observe_candidates([_prefix("a", 1, 4, 0.5)], 1.0)  # a's chain: 1000..1003
+    _use(lr, "b", 2.0)
+    shallow = CachedPrefix("b", "b", OwnerState.FINISHED, RequestMeta(), (0, 1, 2), (1000, 7, 8), 2.5)
+    lr.observe_candidates([shallow], 3.0)
+    assert lr.stats.labels == 0
+    _use(lr, "c", 4.0)
+    lr.observe_candidates([_prefix("c", 1, 3, 4.5)], 5.0)  # shares 3 of a's 4 blocks
+    assert list(lr.labelled)[0] == (1.0, 5.0, 1.0, 4.0)

@@ -57,13 +57,14 @@ class OnlineLrbEvictionPolicy(SampledNextUseEvictionPolicy):
         num_trees: int = 32,
         num_threads: int = 1,
         chain_stride: int = 8,
+        label_depth: float = 0.0,
         cover_blocks: Optional[int] = None,
         max_candidates: Optional[int] = None,
     ) -> None:
         learner = OnlineReuseLearner(
             horizon_s=horizon_s, window=window, retrain_every=retrain_every, min_labels=min_labels,
             samples_per_call=samples_per_call, num_trees=num_trees, num_threads=num_threads,
-            chain_stride=chain_stride, seed=seed,
+            chain_stride=chain_stride, label_depth=label_depth, seed=seed,
         )
         super().__init__(sample_size=sample_size, seed=seed, reuse_predictor=learner, max_candidates=max_candidates)
         self.learner = learner
