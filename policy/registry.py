@@ -55,6 +55,8 @@ def _resolve(factory: PolicyFactory) -> PolicyFactory:
 
 for _name, _target in BASELINES.items():
     _REGISTRY[_name] = _lazy(_target)
+# The hook serving the MLflow registry's model (KVPILOT_MODEL_URI), hot-swapped between steps.
+_REGISTRY["registry"] = _lazy("serving_hook.model_source:RegistryPolicy")
 
 
 def register(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
