@@ -231,8 +231,8 @@ def check_manifest(manifest: dict, policy_dir: Path, label: str) -> None:
 class RegistryPolicy(Policy):
     """Serves the registry's model: delegates to the current version, swapped only by the scheduler.
 
-    Declares every decision lever; a lever the current model does not use answers ``None`` (vLLM's
-    behaviour). Without a model, :attr:`has_model` is false and the hook falls back for the step.
+    Declares the levers ``LearnedPolicy`` uses (the hook sets them up once, at start-up); a lever the
+    current model does not use answers ``None`` (vLLM's behaviour). Without a model, :attr:`has_model` is false and the hook falls back for the step.
     """
 
     name = "registry"
@@ -244,10 +244,10 @@ class RegistryPolicy(Policy):
         loaded = self.source.load()  # start-up: the first step already runs the champion
         if loaded is not None:
             self._install(loaded)
-        # Levers are set up once, at engine start: declare every decision lever (a later version may use
-        # any of them); events only when the learned policy observes them.
-        self.uses_admission = self.uses_preemption = self.uses_retention = self.uses_eviction = True
-        self.uses_events = _learned_uses_events() or self.current.uses_events
+        # The hook sets its levers up once, at engine start: those LearnedPolicy declares (every version
+        # is one), plus any the start-up model declares.
+        for flag, on in zip(_LEVERS, _learned_levers()):
+            setattr(self, flag, on or getattr(self.current, flag))
 
     @property
     def has_model(self) -> bool:
@@ -303,10 +303,13 @@ class RegistryPolicy(Policy):
             p.on_event(event)
 
 
-def _learned_uses_events() -> bool:
-    """Whether ``LearnedPolicy`` declares that it observes events (False when it cannot be imported)."""
+_LEVERS = ("uses_admission", "uses_preemption", "uses_retention", "uses_eviction", "uses_events")
+
+
+def _learned_levers() -> tuple[bool, ...]:
+    """The levers ``LearnedPolicy`` declares (every decision lever when it cannot be imported)."""
     try:
         from policy.learned import LearnedPolicy
     except Exception:
-        return False
-    return bool(LearnedPolicy.uses_events)
+        return True, True, True, True, False
+    return tuple(bool(getattr(LearnedPolicy, f)) for f in _LEVERS)
