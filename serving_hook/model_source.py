@@ -43,6 +43,8 @@ logger = logging.getLogger("kvpilot.hook")
 DEFAULT_MODEL_URI = "models:/kvpilot@champion"  # = training.registry.DEFAULT_MODEL_URI (no mlflow import here)
 DEFAULT_POLL_S = 60.0
 
+_MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
 #: Loads a POLICY_DIR into a policy; raises on a bad bundle.
 Loader = Callable[[Path], Policy]
 
@@ -92,10 +94,15 @@ class ModelSource:
     """Loads the registry's current version of ``uri``; stages new versions for the scheduler to take."""
 
     def __init__(self, uri: Optional[str] = None, loader: Loader = learned_loader) -> None:
+        # A dead MLflow server must not hold engine start-up for minutes (MLflow's defaults: 7 retries with
+        # back-off, 120 s timeouts); the poll retries anyway. Explicit settings win.
+        for var, value in _MLFLOW_HTTP.items():
+            os.environ.setdefault(var, value)
         self.uri = uri or model_uri()
         self.loader = loader
         self.stats = SourceStats()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending
+        self._poll_lock = threading.Lock()  # one poll at a time (the thread, poll_now)
         self._pending: Optional[LoadedModel] = None
         self._known: Optional[str] = None  # the newest version loaded (served or staged)
         self._bad: set[str] = set()  # versions that failed to load: immutable, never retried
@@ -152,7 +159,7 @@ class ModelSource:
             except Exception as e:  # RegistryError, PolicyLoadError, anything the loader raises
                 self._bad.add(version)
                 msg = str(e)
-                kind = "schema" if ("schema" in msg or "version" in msg) else "load"
+                kind = "schema" if "this kvpilot" in msg else "load"  # PolicyLoadError's mismatch messages
                 raise ModelError(kind, f"{label}: {type(e).__name__}: {msg}", key=label) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # the policy holds what it needs in memory
@@ -175,13 +182,14 @@ class ModelSource:
     # ------------------------------------------------------------ polling
     def poll_now(self) -> bool:
         """One poll: stage the version the alias names if it is new and loads; True when one was staged."""
-        self.stats.polls += 1
-        loaded = self.load()
-        if loaded is None:
-            return False
-        with self._lock:
-            self._pending = loaded
-        return True
+        with self._poll_lock:
+            self.stats.polls += 1
+            loaded = self.load()
+            if loaded is None:
+                return False
+            with self._lock:
+                self._pending = loaded
+            return True
 
     def take(self) -> Optional[LoadedModel]:
         """The staged model, if any (the scheduler calls this between steps)."""
@@ -238,7 +246,13 @@ class RegistryPolicy(Policy):
     name = "registry"
 
     def __init__(self, uri: Optional[str] = None, loader: Loader = learned_loader) -> None:
+        from training.registry import ModelRef, RegistryError
+
         self.source = ModelSource(uri, loader)
+        try:
+            ModelRef.parse(self.source.uri)  # a malformed URI is a configuration error: fail at start-up
+        except RegistryError as e:
+            raise ValueError(f"KVPILOT_MODEL_URI / option uri: {e}") from None
         self.current: Policy = VllmDefaultPolicy()
         self.model_version: Optional[str] = None
         loaded = self.source.load()  # start-up: the first step already runs the champion

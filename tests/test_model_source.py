@@ -307,3 +307,11 @@ def test_unreachable_registry_during_polls_keeps_serving(store, dirs, vllm_engin
     by_step = one_version_per_step(decisions)
     assert {v for s, v in by_step.items() if s <= 6} == {f"{name}/1"}
     assert {v for s, v in by_step.items() if s > 6} == {f"{name}/2"}
+
+
+def test_malformed_model_uri_fails_at_start_up(monkeypatch):
+    from serving_hook.config import HookConfig, HookConfigError, build_policy
+
+    monkeypatch.setenv("KVPILOT_MODEL_URI", "kvpilot:champion")
+    with pytest.raises(HookConfigError, match="KVPILOT_MODEL_URI.*kvpilot:champion"):
+        build_policy(HookConfig(policy="registry"))
