@@ -45,7 +45,7 @@ from policy.learned import RUNTIME_DEFAULTS, LearnedPolicy, build_scorer
 from policy.learned_features import FEATURES, RAW, R, model_features
 from policy.rewards import RewardModel, decision_rewards
 
-__all__ = ["OfflineConfig", "Decisions", "load_decisions", "train_policy", "fit_scorer", "evaluate_policy_on"]
+__all__ = ["OfflineConfig", "Decisions", "load_decisions", "logged_rewards", "train_policy", "fit_scorer", "evaluate_policy_on"]
 
 KINDS = {"admit": 0, "preempt": 1}
 
@@ -164,6 +164,36 @@ def _phase_fn(req: pd.DataFrame):
     return phase
 
 
+def _usable(dec) -> np.ndarray:
+    """Row indices of the decisions that can be learned from: admit / preempt, >= 2 candidates, an action."""
+    kinds = dec.column("kind").to_numpy(zero_copy_only=False)
+    ncand = np.array([len(c) for c in dec.column("candidate_ids").to_pylist()]) if dec.num_rows else np.zeros(0)
+    keep = np.isin(kinds, list(KINDS)) & (ncand >= 2) & (dec.column("chosen").to_numpy() >= 0)
+    return np.nonzero(keep)[0]
+
+
+def _rewards(d: pd.DataFrame, req: pd.DataFrame, steps: pd.DataFrame, config: OfflineConfig) -> np.ndarray:
+    """:mod:`policy.rewards` of decisions ``d`` (columns replica, time_s), per replica."""
+    out = np.zeros(len(d))
+    for rep in sorted(req["replica"].unique()):
+        m = RewardModel.from_log(req[req["replica"] == rep], steps[steps["replica"] == rep])
+        sel = (d["replica"] == rep).to_numpy()
+        out[sel] = decision_rewards(d.loc[sel, "time_s"].to_numpy(float), m, config.reward_window_s)
+    return out
+
+
+def logged_rewards(log_dir: str | Path, config: OfflineConfig | None = None) -> np.ndarray:
+    """The rewards of a run's own usable decisions: the value the simulator measured for the policy that ran."""
+    from data.io import read_telemetry
+
+    config = config or OfflineConfig()
+    tdir = _telemetry_dir(Path(log_dir))
+    dec = read_telemetry(tdir, "decisions", columns=["kind", "candidate_ids", "chosen", "replica", "time_s"])
+    d = dec.take(_usable(dec)).select(["replica", "time_s"]).to_pandas()
+    return _rewards(d, read_telemetry(tdir, "requests").to_pandas(), read_telemetry(tdir, "steps").to_pandas(),
+                    config)
+
+
 def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig, log_index: int = 0,
                    rng: Optional[np.random.Generator] = None) -> Decisions:
     """The decisions of one log directory as a :class:`Decisions` batch (see the module docstring)."""
@@ -175,11 +205,7 @@ def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig
     dec = read_telemetry(tdir, "decisions")
     req = read_telemetry(tdir, "requests").to_pandas()
     steps = read_telemetry(tdir, "steps").to_pandas()
-    kinds = dec.column("kind").to_numpy(zero_copy_only=False)
-    ncand = np.array([len(c) for c in dec.column("candidate_ids").to_pylist()]) if dec.num_rows else np.zeros(0)
-    chosen_all = dec.column("chosen").to_numpy()
-    keep = np.isin(kinds, list(KINDS)) & (ncand >= 2) & (chosen_all >= 0)
-    idx = np.nonzero(keep)[0]
+    idx = _usable(dec)
     if len(idx) > config.max_decisions:
         idx = np.sort(rng.choice(idx, config.max_decisions, replace=False))
     d = dec.take(idx).to_pandas()
@@ -190,12 +216,7 @@ def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig
     # engine state per (replica, engine_step); total blocks per replica = free blocks at their most free
     steps = steps.set_index(["replica", "engine_step"]).sort_index()
     total = (steps["free_blocks"].groupby(level=0).max()).to_dict()
-    models = {rep: RewardModel.from_log(req[req["replica"] == rep], steps.loc[rep].reset_index())
-              for rep in sorted(req["replica"].unique())}
-    rewards = np.zeros(len(d))
-    for rep, m in models.items():
-        sel = (d["replica"] == rep).to_numpy()
-        rewards[sel] = decision_rewards(d.loc[sel, "time_s"].to_numpy(float), m, config.reward_window_s)
+    rewards = _rewards(d, req, steps.reset_index(), config)
     xs, trs, sizes, chosen = [], [], [], []
     for row in d.itertuples(index=False):
         f = np.asarray(np.stack(row.features), dtype=np.float64)
