@@ -37,6 +37,42 @@ out; a replica that makes no progress for ``stall_steps`` such steps while
 nothing else can happen (no event pending but other stalled replicas' steps) is
 an error.
 
+Decode stride
+-------------
+With ``decode_stride`` k > 1 the fake runner returns up to k sampled tokens per
+request per step (never past its script: the EOS or ``max_tokens``), as a model
+runner does with accepted speculative tokens: vLLM's ``update_from_output``
+appends them all and checks each for a stop, and the next ``schedule()`` gives
+the request those k uncomputed tokens as one chunk, allocating their KV. One
+simulated step so stands for k engine iterations, and a run makes about k times
+fewer scheduler calls (the cost of a run is almost all vLLM's own
+``schedule()`` / ``update_from_output()``, one call per decoded token at k = 1).
+
+* Cost: :meth:`~simulator.cost_model.CostModel.strided_step_time`: the step's
+  prefill once, plus one decode iteration per sampled token, each with its own
+  context (:meth:`Simulation._strided_output`). A request of L output tokens is
+  charged its prefill and L - 1 decode iterations, as at k = 1.
+* Token budget: vLLM gets ``k x max_num_batched_tokens``. k iterations would
+  each have had the budget, so prefill gets ``k x (budget - decoding
+  sequences)`` tokens per step, the same admission rate per simulated second
+  as at k = 1 (with the plain budget, k x the decode tokens would eat it and
+  starve prefill). Policies see this budget in ``EngineState``.
+* Telemetry: the hook's ``kvpilot_decode_stride`` is k, so ``steps`` rows
+  count a decode chunk's tokens (not its sequences) in ``decode_tokens``.
+* What is approximate: the scheduler (and a policy) decides once per k
+  iterations, so preemption, admission and eviction happen at step
+  granularity; a request's KV grows in chunks of k tokens; events inside a
+  step (a finish, a tool's return, an arrival) take effect at its end, up to
+  one step (k iterations, ~k x 15-30 ms on H200-7B) late instead of one
+  iteration; a request's last sampled batch (up to k tokens) is never
+  computed, so a next turn's prompt can miss the one block holding it, and a
+  preempted request's recompute is counted up to k - 1 tokens short.
+  ``benchmarks/bench_stride.py`` measures the effect on makespan, preemptions,
+  hit rate and policy ratios. ``simulate`` defaults to k = 1 (exact: a single
+  run's numbers should not carry this approximation), ``evaluate`` to
+  :data:`training.evaluate.DEFAULT_DECODE_STRIDE` (a grid of many runs, where
+  policy ratios at that stride match the exact ones within ~1-2 %).
+
 Drivers
 -------
 * **Synchronous RL steps** (every ``arrival_s`` null): step s is released when
@@ -878,7 +914,7 @@ class Simulation:
         summary.update(
             policy=self._policy_name, router=self.router_name if self.n_replicas > 1 else None,
             replicas=self.n_replicas, kv_blocks=self.kv_blocks, kv_fraction=self.kv_fraction, preset=self.preset,
-            engine_steps=self._engine_steps, aborted_trajectories=self._aborted_trajs,
+            decode_stride=self.stride, engine_steps=self._engine_steps, aborted_trajectories=self._aborted_trajs,
             telemetry_dropped_rows=dropped, wall_s=result.wall_s, scheduler_s=result.scheduler_s,
             hook_s=result.hook_s, simulator_overhead=result.overhead,
         )
