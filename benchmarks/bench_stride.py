@@ -64,8 +64,6 @@ def main() -> None:
     from simulator import engine
 
     strides, kvs, policies = _csv(args.strides, int), _csv(args.kv_fractions, float), _csv(args.policies, str)
-    if 1 not in strides:
-        strides.insert(0, 1)
     results = args.results or engine.cache_dir() / "bench-stride"
     results.mkdir(parents=True, exist_ok=True)
     if not args.report:
@@ -82,7 +80,7 @@ def main() -> None:
                         row = _run(workload, p, kv, k)
                         path.write_text(json.dumps(row, indent=1))
                         print(f"ran {path.name}: {row['wall_s']:.1f} s wall", flush=True)
-    report(results, strides, kvs, policies)
+    report(results, sorted({1, *strides}), kvs, policies)
 
 
 def report(results: Path, strides: list[int], kvs: list[float], policies: list[str]) -> None:
