@@ -45,7 +45,7 @@ from policy.learned import RUNTIME_DEFAULTS, LearnedPolicy, build_scorer
 from policy.learned_features import FEATURES, RAW, R, model_features
 from policy.rewards import RewardModel, decision_rewards
 
-__all__ = ["OfflineConfig", "Decisions", "load_decisions", "train_policy", "fit_scorer", "evaluate_policy_on"]
+__all__ = ["OfflineConfig", "Decisions", "load_decisions", "logged_rewards", "train_policy", "fit_scorer", "evaluate_policy_on"]
 
 KINDS = {"admit": 0, "preempt": 1}
 
@@ -72,7 +72,9 @@ class OfflineConfig:
     max_decisions: int = 40_000
     max_candidates: int = 256
     holdout_fraction: float = 0.25
-    shuffle_rewards: bool = False  # a control: rewards permuted across decisions
+    #: a control (tests, promotion gates): rewards permuted across decisions and the hindsight
+    #: labels across candidate rows, so nothing learned comes from outcomes
+    shuffle_rewards: bool = False
     seed: int = 0
     runtime: dict = field(default_factory=lambda: dict(RUNTIME_DEFAULTS))
 
@@ -162,6 +164,36 @@ def _phase_fn(req: pd.DataFrame):
     return phase
 
 
+def _usable(dec) -> np.ndarray:
+    """Row indices of the decisions that can be learned from: admit / preempt, >= 2 candidates, an action."""
+    kinds = dec.column("kind").to_numpy(zero_copy_only=False)
+    ncand = np.array([len(c) for c in dec.column("candidate_ids").to_pylist()]) if dec.num_rows else np.zeros(0)
+    keep = np.isin(kinds, list(KINDS)) & (ncand >= 2) & (dec.column("chosen").to_numpy() >= 0)
+    return np.nonzero(keep)[0]
+
+
+def _rewards(d: pd.DataFrame, req: pd.DataFrame, steps: pd.DataFrame, config: OfflineConfig) -> np.ndarray:
+    """:mod:`policy.rewards` of decisions ``d`` (columns replica, time_s), per replica."""
+    out = np.zeros(len(d))
+    for rep in sorted(req["replica"].unique()):
+        m = RewardModel.from_log(req[req["replica"] == rep], steps[steps["replica"] == rep])
+        sel = (d["replica"] == rep).to_numpy()
+        out[sel] = decision_rewards(d.loc[sel, "time_s"].to_numpy(float), m, config.reward_window_s)
+    return out
+
+
+def logged_rewards(log_dir: str | Path, config: OfflineConfig | None = None) -> np.ndarray:
+    """The rewards of a run's own usable decisions: the value the simulator measured for the policy that ran."""
+    from data.io import read_telemetry
+
+    config = config or OfflineConfig()
+    tdir = _telemetry_dir(Path(log_dir))
+    dec = read_telemetry(tdir, "decisions", columns=["kind", "candidate_ids", "chosen", "replica", "time_s"])
+    d = dec.take(_usable(dec)).select(["replica", "time_s"]).to_pandas()
+    return _rewards(d, read_telemetry(tdir, "requests").to_pandas(), read_telemetry(tdir, "steps").to_pandas(),
+                    config)
+
+
 def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig, log_index: int = 0,
                    rng: Optional[np.random.Generator] = None) -> Decisions:
     """The decisions of one log directory as a :class:`Decisions` batch (see the module docstring)."""
@@ -173,11 +205,7 @@ def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig
     dec = read_telemetry(tdir, "decisions")
     req = read_telemetry(tdir, "requests").to_pandas()
     steps = read_telemetry(tdir, "steps").to_pandas()
-    kinds = dec.column("kind").to_numpy(zero_copy_only=False)
-    ncand = np.array([len(c) for c in dec.column("candidate_ids").to_pylist()]) if dec.num_rows else np.zeros(0)
-    chosen_all = dec.column("chosen").to_numpy()
-    keep = np.isin(kinds, list(KINDS)) & (ncand >= 2) & (chosen_all >= 0)
-    idx = np.nonzero(keep)[0]
+    idx = _usable(dec)
     if len(idx) > config.max_decisions:
         idx = np.sort(rng.choice(idx, config.max_decisions, replace=False))
     d = dec.take(idx).to_pandas()
@@ -188,12 +216,7 @@ def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig
     # engine state per (replica, engine_step); total blocks per replica = free blocks at their most free
     steps = steps.set_index(["replica", "engine_step"]).sort_index()
     total = (steps["free_blocks"].groupby(level=0).max()).to_dict()
-    models = {rep: RewardModel.from_log(req[req["replica"] == rep], steps.loc[rep].reset_index())
-              for rep in sorted(req["replica"].unique())}
-    rewards = np.zeros(len(d))
-    for rep, m in models.items():
-        sel = (d["replica"] == rep).to_numpy()
-        rewards[sel] = decision_rewards(d.loc[sel, "time_s"].to_numpy(float), m, config.reward_window_s)
+    rewards = _rewards(d, req, steps.reset_index(), config)
     xs, trs, sizes, chosen = [], [], [], []
     for row in d.itertuples(index=False):
         f = np.asarray(np.stack(row.features), dtype=np.float64)
@@ -230,7 +253,9 @@ def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig
         except KeyError:
             pass
         t = float(row.time_s)
-        raw[:, R["step_phase"]] = [phase(req_step.get(rid, 0), t) for rid in ids]
+        cand_steps = [req_step.get(rid, 0) for rid in ids]
+        ph = {st: phase(st, t) for st in set(cand_steps)}
+        raw[:, R["step_phase"]] = [ph[st] for st in cand_steps]
         xs.append(model_features(raw))
         trs.append(np.array([out_tokens.get(rid, np.nan) for rid in ids]) - f[:, 3])
         sizes.append(n)
@@ -288,6 +313,16 @@ def _segments(data: Decisions):
     return seg
 
 
+def _segment_log_softmax(s, seg, n: int):
+    """log softmax of ``s`` within each segment (candidate rows of one decision)."""
+    import torch
+
+    mx = torch.full((n,), -1e30).index_reduce(0, seg, s.detach(), "amax", include_self=True)
+    e = torch.exp(s - mx[seg])
+    z = torch.zeros(n).index_add(0, seg, e)
+    return s - mx[seg] - torch.log(z[seg])
+
+
 def fit_scorer(train: Decisions, config: OfflineConfig, progress: bool = False) -> tuple[Any, RidgeQ, dict]:
     """Fit the scorer (torch) on ``train``; returns (scorer, reward model, training metrics)."""
     import torch
@@ -295,20 +330,20 @@ def fit_scorer(train: Decisions, config: OfflineConfig, progress: bool = False) 
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     reward = train.reward.copy()
-    if config.shuffle_rewards:
+    true_rem = train.true_rem
+    if config.shuffle_rewards:  # the control: every outcome permuted (rewards and hindsight labels)
         reward = rng.permutation(reward)
+        true_rem = rng.permutation(true_rem)
     # standardised rewards per kind (the policy's objective is scale-free)
     rz = np.zeros_like(reward)
     for k in (0, 1):
         m = train.kind == k
         if m.any():
             rz[m] = (reward[m] - reward[m].mean()) / (reward[m].std() + 1e-9)
-    data = Decisions(train.x, train.true_rem, train.offsets, train.kind, train.chosen, train.propensity, rz,
+    data = Decisions(train.x, true_rem, train.offsets, train.kind, train.chosen, train.propensity, rz,
                      train.time, train.log)
     q = RidgeQ(config.ridge).fit(data)
-    seg = _segments(data)
-    kind_rows = data.kind[seg]
-    q_rows = q.predict_rows(data.x, kind_rows)
+    q_rows = q.predict_rows(data.x, data.kind[_segments(data)])
     scorer = build_scorer(len(FEATURES), config.hidden)
     x_all = torch.from_numpy(data.x)
     mean = x_all.mean(0)
@@ -327,57 +362,54 @@ def fit_scorer(train: Decisions, config: OfflineConfig, progress: bool = False) 
         from tqdm import tqdm
 
         ep_iter = tqdm(ep_iter, desc="train policy", leave=False)
+    sizes = np.diff(data.offsets)
+    ranges = [np.arange(data.offsets[i], data.offsets[i + 1]) for i in range(D)]
+    x_t = torch.from_numpy(data.x)
+    kind_t = torch.from_numpy(data.kind)
+    p_t = torch.from_numpy(np.maximum(data.propensity, config.propensity_clip)).float()
+    r_t = torch.from_numpy(data.reward).float()
+    q_t = torch.from_numpy(q_rows).float()
+    il_t = torch.from_numpy(imit_logit).float()
     for ep in ep_iter:
         perm = rng.permutation(D)
         tot_loss = tot_imit = tot_val = 0.0
         for b0 in range(0, D, config.batch_decisions):
-            bidx = np.sort(perm[b0:b0 + config.batch_decisions])
-            sub = data.subset(bidx)
-            bseg = torch.from_numpy(_segments(sub))
+            bidx = perm[b0:b0 + config.batch_decisions]
             nb = len(bidx)
-            rows = np.concatenate([np.arange(data.offsets[i], data.offsets[i + 1]) for i in bidx])
-            x = torch.from_numpy(sub.x)
-            kind_r = torch.from_numpy(sub.kind)[bseg]
-            out = scorer(x)
+            bs = sizes[bidx]
+            rows = torch.from_numpy(np.concatenate([ranges[i] for i in bidx]))
+            bseg = torch.from_numpy(np.repeat(np.arange(nb), bs))
+            starts = np.concatenate([[0], np.cumsum(bs)[:-1]])
+            first = torch.from_numpy(starts + data.chosen[bidx])
+            bidx_t = torch.from_numpy(bidx)
+            kind_b = kind_t[bidx_t]
+            kind_r = kind_b[bseg]
+            out = scorer(x_t[rows])
             s = torch.where(kind_r == 0, out[:, 0], out[:, 1]) / config.temperature
-            mx = torch.full((nb,), -1e30).index_reduce(0, bseg, s.detach(), "amax", include_self=True)
-            e = torch.exp(s - mx[bseg])
-            z = torch.zeros(nb).index_add(0, bseg, e)
-            logp = s - mx[bseg] - torch.log(z[bseg])
+            logp = _segment_log_softmax(s, bseg, nb)
             pi = torch.exp(logp)
-            first = torch.from_numpy(sub.offsets[:-1] + sub.chosen)
-            loss = torch.zeros(())
-            # off-policy value of pi
-            p = torch.from_numpy(np.maximum(sub.propensity, config.propensity_clip)).float()
-            r = torch.from_numpy(sub.reward).float()
-            w = pi[first] / p
+            w = pi[first] / p_t[bidx_t]
+            r = r_t[bidx_t]
             if config.objective == "dr":
-                qr = torch.from_numpy(q_rows[rows]).float()
+                qr = q_t[rows]
                 v = torch.zeros(nb).index_add(0, bseg, pi * qr)
                 value = (v + w * (r - qr[first])).mean()
             else:
                 value = (w * r).mean()
-            loss = loss - config.dr_weight * value
+            loss = -config.dr_weight * value
             imit = torch.zeros(())
-            if config.imitation_weight > 0:
-                am = (kind_r == 0)
-                if am.any():
-                    il = torch.from_numpy(imit_logit[rows]).float()
-                    imx = torch.full((nb,), -1e30).index_reduce(0, bseg, il, "amax", include_self=True)
-                    ie = torch.exp(il - imx[bseg])
-                    iz = torch.zeros(nb).index_add(0, bseg, ie)
-                    qt = ie / iz[bseg]
-                    ce = -(qt * logp)
-                    ce_seg = torch.zeros(nb).index_add(0, bseg, torch.where(am, ce, torch.zeros_like(ce)))
-                    n_admit = max(int((torch.from_numpy(sub.kind) == 0).sum()), 1)
-                    imit = ce_seg.sum() / n_admit
-                    loss = loss + config.imitation_weight * imit
+            am = kind_r == 0
+            if config.imitation_weight > 0 and bool(am.any()):
+                qt = torch.exp(_segment_log_softmax(il_t[rows], bseg, nb))
+                ce = torch.where(am, -(qt * logp), torch.zeros_like(logp))
+                imit = ce.sum() / max(int((kind_b == 0).sum()), 1)
+                loss = loss + config.imitation_weight * imit
             opt.zero_grad()
             loss.backward()
             opt.step()
-            tot_loss += float(loss) * nb
-            tot_imit += float(imit) * nb
-            tot_val += float(value) * nb
+            tot_loss += float(loss.detach()) * nb
+            tot_imit += float(imit.detach()) * nb
+            tot_val += float(value.detach()) * nb
         metrics = {"train.loss": tot_loss / max(D, 1), "train.imitation_ce": tot_imit / max(D, 1),
                    "train.value_z": tot_val / max(D, 1), "train.epochs": float(ep + 1)}
     return scorer, q, metrics
