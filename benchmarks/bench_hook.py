@@ -57,8 +57,16 @@ def p99(xs):
     return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
 
 
-def build(engine, cls, running, mode):
-    """A scheduler with ``running`` decoding requests and WAITING queued ones (after warm-up)."""
+def group_meta(i):
+    """Request ``i``'s metadata: GRPO groups of 8."""
+    return {"kvpilot_group_id": f"g{i // 8}", "kvpilot_group_size": 8}
+
+
+def build(engine, cls, running, mode, meta=group_meta):
+    """A scheduler with ``running`` decoding requests and WAITING queued ones (after warm-up).
+
+    ``meta(i)``: the ``extra_args`` (kvpilot metadata) of request ``i``.
+    """
     blocks = (running + WAITING) * 16 + 64  # no preemption during the measurement
     s = engine.make_scheduler(
         cls,
@@ -76,7 +84,7 @@ def build(engine, cls, running, mode):
                     engine.prompt_tokens(f"bench-{i}", PROMPT),
                     100_000,
                     arrival_time=float(i),
-                    extra_args={"kvpilot_group_id": f"g{i // 8}", "kvpilot_group_size": 8},
+                    extra_args=meta(i),
                 )
             )
 
