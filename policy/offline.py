@@ -72,7 +72,9 @@ class OfflineConfig:
     max_decisions: int = 40_000
     max_candidates: int = 256
     holdout_fraction: float = 0.25
-    shuffle_rewards: bool = False  # a control: rewards permuted across decisions
+    #: a control (tests, promotion gates): rewards permuted across decisions and the hindsight
+    #: labels across candidate rows, so nothing learned comes from outcomes
+    shuffle_rewards: bool = False
     seed: int = 0
     runtime: dict = field(default_factory=lambda: dict(RUNTIME_DEFAULTS))
 
@@ -230,7 +232,9 @@ def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig
         except KeyError:
             pass
         t = float(row.time_s)
-        raw[:, R["step_phase"]] = [phase(req_step.get(rid, 0), t) for rid in ids]
+        cand_steps = [req_step.get(rid, 0) for rid in ids]
+        ph = {st: phase(st, t) for st in set(cand_steps)}
+        raw[:, R["step_phase"]] = [ph[st] for st in cand_steps]
         xs.append(model_features(raw))
         trs.append(np.array([out_tokens.get(rid, np.nan) for rid in ids]) - f[:, 3])
         sizes.append(n)
@@ -288,6 +292,16 @@ def _segments(data: Decisions):
     return seg
 
 
+def _segment_log_softmax(s, seg, n: int):
+    """log softmax of ``s`` within each segment (candidate rows of one decision)."""
+    import torch
+
+    mx = torch.full((n,), -1e30).index_reduce(0, seg, s.detach(), "amax", include_self=True)
+    e = torch.exp(s - mx[seg])
+    z = torch.zeros(n).index_add(0, seg, e)
+    return s - mx[seg] - torch.log(z[seg])
+
+
 def fit_scorer(train: Decisions, config: OfflineConfig, progress: bool = False) -> tuple[Any, RidgeQ, dict]:
     """Fit the scorer (torch) on ``train``; returns (scorer, reward model, training metrics)."""
     import torch
@@ -295,20 +309,20 @@ def fit_scorer(train: Decisions, config: OfflineConfig, progress: bool = False) 
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     reward = train.reward.copy()
-    if config.shuffle_rewards:
+    true_rem = train.true_rem
+    if config.shuffle_rewards:  # the control: every outcome permuted (rewards and hindsight labels)
         reward = rng.permutation(reward)
+        true_rem = rng.permutation(true_rem)
     # standardised rewards per kind (the policy's objective is scale-free)
     rz = np.zeros_like(reward)
     for k in (0, 1):
         m = train.kind == k
         if m.any():
             rz[m] = (reward[m] - reward[m].mean()) / (reward[m].std() + 1e-9)
-    data = Decisions(train.x, train.true_rem, train.offsets, train.kind, train.chosen, train.propensity, rz,
+    data = Decisions(train.x, true_rem, train.offsets, train.kind, train.chosen, train.propensity, rz,
                      train.time, train.log)
     q = RidgeQ(config.ridge).fit(data)
-    seg = _segments(data)
-    kind_rows = data.kind[seg]
-    q_rows = q.predict_rows(data.x, kind_rows)
+    q_rows = q.predict_rows(data.x, data.kind[_segments(data)])
     scorer = build_scorer(len(FEATURES), config.hidden)
     x_all = torch.from_numpy(data.x)
     mean = x_all.mean(0)
@@ -327,57 +341,54 @@ def fit_scorer(train: Decisions, config: OfflineConfig, progress: bool = False) 
         from tqdm import tqdm
 
         ep_iter = tqdm(ep_iter, desc="train policy", leave=False)
+    sizes = np.diff(data.offsets)
+    ranges = [np.arange(data.offsets[i], data.offsets[i + 1]) for i in range(D)]
+    x_t = torch.from_numpy(data.x)
+    kind_t = torch.from_numpy(data.kind)
+    p_t = torch.from_numpy(np.maximum(data.propensity, config.propensity_clip)).float()
+    r_t = torch.from_numpy(data.reward).float()
+    q_t = torch.from_numpy(q_rows).float()
+    il_t = torch.from_numpy(imit_logit).float()
     for ep in ep_iter:
         perm = rng.permutation(D)
         tot_loss = tot_imit = tot_val = 0.0
         for b0 in range(0, D, config.batch_decisions):
-            bidx = np.sort(perm[b0:b0 + config.batch_decisions])
-            sub = data.subset(bidx)
-            bseg = torch.from_numpy(_segments(sub))
+            bidx = perm[b0:b0 + config.batch_decisions]
             nb = len(bidx)
-            rows = np.concatenate([np.arange(data.offsets[i], data.offsets[i + 1]) for i in bidx])
-            x = torch.from_numpy(sub.x)
-            kind_r = torch.from_numpy(sub.kind)[bseg]
-            out = scorer(x)
+            bs = sizes[bidx]
+            rows = torch.from_numpy(np.concatenate([ranges[i] for i in bidx]))
+            bseg = torch.from_numpy(np.repeat(np.arange(nb), bs))
+            starts = np.concatenate([[0], np.cumsum(bs)[:-1]])
+            first = torch.from_numpy(starts + data.chosen[bidx])
+            bidx_t = torch.from_numpy(bidx)
+            kind_b = kind_t[bidx_t]
+            kind_r = kind_b[bseg]
+            out = scorer(x_t[rows])
             s = torch.where(kind_r == 0, out[:, 0], out[:, 1]) / config.temperature
-            mx = torch.full((nb,), -1e30).index_reduce(0, bseg, s.detach(), "amax", include_self=True)
-            e = torch.exp(s - mx[bseg])
-            z = torch.zeros(nb).index_add(0, bseg, e)
-            logp = s - mx[bseg] - torch.log(z[bseg])
+            logp = _segment_log_softmax(s, bseg, nb)
             pi = torch.exp(logp)
-            first = torch.from_numpy(sub.offsets[:-1] + sub.chosen)
-            loss = torch.zeros(())
-            # off-policy value of pi
-            p = torch.from_numpy(np.maximum(sub.propensity, config.propensity_clip)).float()
-            r = torch.from_numpy(sub.reward).float()
-            w = pi[first] / p
+            w = pi[first] / p_t[bidx_t]
+            r = r_t[bidx_t]
             if config.objective == "dr":
-                qr = torch.from_numpy(q_rows[rows]).float()
+                qr = q_t[rows]
                 v = torch.zeros(nb).index_add(0, bseg, pi * qr)
                 value = (v + w * (r - qr[first])).mean()
             else:
                 value = (w * r).mean()
-            loss = loss - config.dr_weight * value
+            loss = -config.dr_weight * value
             imit = torch.zeros(())
-            if config.imitation_weight > 0:
-                am = (kind_r == 0)
-                if am.any():
-                    il = torch.from_numpy(imit_logit[rows]).float()
-                    imx = torch.full((nb,), -1e30).index_reduce(0, bseg, il, "amax", include_self=True)
-                    ie = torch.exp(il - imx[bseg])
-                    iz = torch.zeros(nb).index_add(0, bseg, ie)
-                    qt = ie / iz[bseg]
-                    ce = -(qt * logp)
-                    ce_seg = torch.zeros(nb).index_add(0, bseg, torch.where(am, ce, torch.zeros_like(ce)))
-                    n_admit = max(int((torch.from_numpy(sub.kind) == 0).sum()), 1)
-                    imit = ce_seg.sum() / n_admit
-                    loss = loss + config.imitation_weight * imit
+            am = kind_r == 0
+            if config.imitation_weight > 0 and bool(am.any()):
+                qt = torch.exp(_segment_log_softmax(il_t[rows], bseg, nb))
+                ce = torch.where(am, -(qt * logp), torch.zeros_like(logp))
+                imit = ce.sum() / max(int((kind_b == 0).sum()), 1)
+                loss = loss + config.imitation_weight * imit
             opt.zero_grad()
             loss.backward()
             opt.step()
-            tot_loss += float(loss) * nb
-            tot_imit += float(imit) * nb
-            tot_val += float(value) * nb
+            tot_loss += float(loss.detach()) * nb
+            tot_imit += float(imit.detach()) * nb
+            tot_val += float(value.detach()) * nb
         metrics = {"train.loss": tot_loss / max(D, 1), "train.imitation_ce": tot_imit / max(D, 1),
                    "train.value_z": tot_val / max(D, 1), "train.epochs": float(ep + 1)}
     return scorer, q, metrics

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from data.errors import DataValidationError
+from training.policy_cli import register as register_train_policy
 from training.predictors_cli import predictors_app, train_app
 
 app = typer.Typer(
@@ -26,6 +27,7 @@ app = typer.Typer(
 )
 workload_app = typer.Typer(help="Generate, import, validate and describe workloads.", no_args_is_help=True)
 app.add_typer(workload_app, name="workload")
+register_train_policy(train_app)
 app.add_typer(train_app, name="train")
 app.add_typer(predictors_app, name="predictors")
 
@@ -236,6 +238,8 @@ def evaluate_cmd(
     jobs: Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (each imports vLLM once).")] = 1,
     preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+    model: Annotated[Optional[Path], typer.Option(
+        "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`).")] = None,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import EvaluationError, build_cases, evaluate, resolve_policies
@@ -256,7 +260,8 @@ def evaluate_cmd(
     t0 = time.perf_counter()
     try:
         result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
-                          jobs=jobs, progress=progress)
+                          jobs=jobs, progress=progress,
+                          policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None
     failed = [r for r in result.rows if r.get("error")]
