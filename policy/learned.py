@@ -57,6 +57,7 @@ from policy.interface import (
     PreemptionDecision,
 )
 from policy.learned_features import FEATURES, RAW, model_features
+from policy.learned_inputs import CandidateInputs
 
 __all__ = [
     "FORMAT",
@@ -180,7 +181,11 @@ class StepPhase:
 def candidate_raw(
     cands: Sequence[CandidateRequest], preds: Sequence[tuple[float, float]], state: EngineState, phase: StepPhase
 ) -> np.ndarray:
-    """The (n, len(RAW)) raw matrix of one decision's candidates (see :mod:`policy.learned_features`)."""
+    """The (n, len(RAW)) raw matrix of one decision's candidates (see :mod:`policy.learned_features`).
+
+    The reference definition; the policies build the same matrix faster with
+    :class:`policy.learned_inputs.CandidateInputs`.
+    """
     nan = math.nan
     tot = max(state.num_total_blocks, 1)
     st = (state.kv_usage, state.num_pinned_blocks / tot, float(state.num_running), float(state.num_waiting))
@@ -195,16 +200,6 @@ def candidate_raw(
         for c, p in zip(cands, preds)
     ]
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(RAW))
-
-
-def _predict(predictor: Any, cands: Sequence[CandidateRequest]) -> list[tuple[float, float]]:
-    """(p50, p90) per candidate; also written to ``candidate.predictions`` so the hook logs them."""
-    if predictor is None:
-        return [(math.nan, math.nan)] * len(cands)
-    preds = predictor.predict(cands)
-    for c, p in zip(cands, preds):
-        c.predictions = {"len_p50": float(p[0]), "len_p90": float(p[1])}
-    return preds
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -258,11 +253,13 @@ class _Sampler(Policy):
             check_positive("max_wait_s", max_wait_s, allow_none=True),
         )
         self.phase = StepPhase()
+        self.inputs = CandidateInputs(predictor)
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
         self._observe = getattr(predictor, "observe", None)
 
     def on_event(self, event: Event) -> None:
+        self.inputs.observe(event)
         self.phase.observe(event)
         self.starvation.observe(event)
         if self._observe is not None:
@@ -326,7 +323,7 @@ class LearnedPolicy(_Sampler):
     # --------------------------------------------------------------------------- scoring
     def scores(self, cands: Sequence[CandidateRequest], state: EngineState, head: int) -> np.ndarray:
         """The ``head`` score (ADMIT or PREEMPT) of each candidate: one forward pass for all of them."""
-        raw = candidate_raw(cands, _predict(self.predictor, cands), state, self.phase)
+        raw = self.inputs.raw(cands, state, self.phase)
         return self.scorer(model_features(raw))[:, head].astype(np.float64)
 
     def _probs(self, s: np.ndarray) -> np.ndarray:
@@ -516,7 +513,7 @@ class LoggingPolicy(_Sampler):
         self.preempt_w = _weights("preempt_weights", preempt_weights, LOGGING_PREEMPT)
 
     def _remaining(self, cands: Sequence[CandidateRequest], state: EngineState) -> np.ndarray:
-        raw = candidate_raw(cands, _predict(self.predictor, cands), state, self.phase)
+        raw = self.inputs.raw(cands, state, self.phase)
         return np.expm1(model_features(raw)[:, FEATURES.index("log_pred_remaining")].astype(np.float64))
 
     def _pick(self, weights: dict[str, float]) -> str:
