@@ -161,11 +161,13 @@ def breakdown(engine, model: Path, running: int, steps: int) -> dict[str, list[f
 
         return wrapper
 
-    saved = {n: getattr(L, n) for n in ("_predict", "candidate_raw", "model_features")}
+    saved = L.model_features
     try:
-        for n, fn in saved.items():
-            setattr(L, n, timed(n, fn))
+        L.model_features = timed("features", saved)
+        pol.inputs.raw = timed("inputs (predictions, raw matrix)", pol.inputs.raw)
         pol.scorer = timed("scorer", pol.scorer)
+        pol.starvation.starved = timed("starvation", pol.starvation.starved)
+        pol._order = timed("ranking", pol._order)
         gc.collect()
         gc.disable()
         for _ in range(steps):
@@ -174,13 +176,12 @@ def breakdown(engine, model: Path, running: int, steps: int) -> dict[str, list[f
             total = policy_time(s)
             for n, v in acc.items():
                 parts.setdefault(n, []).append(v)
-            parts.setdefault("rest (starvation, ranking)", []).append(total - sum(acc.values()))
+            parts.setdefault("rest", []).append(total - sum(acc.values()))
             parts.setdefault("policy total", []).append(total)
             s.update_from_output(out, runner.model_output(s, out))
     finally:
         gc.enable()
-        for n, fn in saved.items():
-            setattr(L, n, fn)
+        L.model_features = saved
     return parts
 
 
@@ -247,7 +248,7 @@ def main(argv=None):
             "<= 1.10); policy = the learned policy's decision time per step (the hook's measure of its policy "
             "calls); /stock = policy over stock's median; hook = the hook's own time without the policy."
         )
-        print(f"\nparts of the learned policy's admission decision per step (instrumented run), ms median [p99]")
+        print("\nparts of the learned policy's admission decision per step (instrumented run), ms median [p99]")
         for n, _ in rows:
             parts = breakdown(engine, model, n, max(20, a.steps // 4))
             print(f"{n:>7} running: " + "; ".join(

@@ -224,6 +224,15 @@ class _Starvation:
         out = []
         ms = self.max_wait_steps if self.max_wait_steps is not None else math.inf
         mt = self.max_wait_s if self.max_wait_s is not None else math.inf
+        # Entries are only added (now) and removed, so the first one is the oldest: when it
+        # is not starved, nobody is, and only new requests need an entry.
+        oldest = next(iter(since.values()), None)
+        if oldest is None or (state.engine_step - oldest[0] < ms and state.time_s - oldest[1] < mt):
+            now = (state.engine_step, state.time_s)
+            setdefault = since.setdefault
+            for c in waiting:
+                setdefault(c.request_id, now)
+            return out
         for i, c in enumerate(waiting):
             s = since.get(c.request_id)
             if s is None:
@@ -279,7 +288,8 @@ class _Sampler(Policy):
             part = np.argpartition(-keys, take)[:take] if take else np.empty(0, dtype=int)
             top = part[np.argsort(-keys[part], kind="stable")]
         ids = [waiting[i].request_id for i in first]
-        ids.extend(waiting[int(i)].request_id for i in top[:take] if int(i) not in first)
+        skip = set(first)
+        ids.extend(waiting[i].request_id for i in top[:take].tolist() if i not in skip)
         return ids
 
 
