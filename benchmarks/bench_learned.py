@@ -30,7 +30,11 @@ default one built with the learned policy's own API: a LightGBM length model
 (100 trees per quantile) fitted on a synthetic workload's requests, and a scorer
 with seeded random weights (the decision time does not depend on the weights).
 
-Run: ``python -m benchmarks.bench_learned [--steps 200] [--running 128 512] [--model DIR]``.
+Times are the scheduler thread's CPU time by default (``--clock cpu``): on a
+shared machine, wall times mostly measure when the OS deschedules the process;
+``--clock wall`` gives wall times (the hook's own time is always wall time).
+
+Run: ``python -m benchmarks.bench_learned [--steps 200] [--running 128 512] [--model DIR] [--clock cpu|wall]``.
 Garbage collection is paused inside the timed loops only.
 """
 
@@ -50,7 +54,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 for _v in ("KVPILOT_POLICY", "KVPILOT_POLICY_OPTIONS", "KVPILOT_TELEMETRY_DIR"):
     os.environ.pop(_v, None)
 
-from benchmarks.bench_hook import WAITING, build, p99  # noqa: E402
+from benchmarks.bench_hook import CLOCKS, WAITING, build, p99  # noqa: E402
 
 MS = 1e3
 DOMAINS = ("math", "math", "code", "agentic")  # the synthetic workload's mix (50 / 25 / 25)
@@ -109,15 +113,32 @@ def schedulers(engine, model: Path, running: int) -> dict:
 
 
 def policy_time(s) -> float:
-    """The time the hook measured inside policy calls in the scheduler's last step."""
+    """The (wall) time the hook measured inside policy calls in the scheduler's last step."""
     return s._kvp_budget - s._kvp_budget_left
 
 
-def bench(engine, model: Path, running: int, steps: int) -> dict:
+def clocked(policy, clock, acc: list) -> None:
+    """Time ``policy``'s decision calls with ``clock``, summed into ``acc[0]``."""
+    for name in ("admit", "preempt"):
+        fn = getattr(policy, name)
+
+        def wrapper(*a, _fn=fn):
+            t = clock()
+            try:
+                return _fn(*a)
+            finally:
+                acc[0] += clock() - t
+
+        setattr(policy, name, wrapper)
+
+
+def bench(engine, model: Path, running: int, steps: int, clock) -> dict:
     built = schedulers(engine, model, running)
     keys = list(built)
     times = {k: [] for k in keys}
     pol, own = [], []
+    acc = [0.0]
+    clocked(built["learned"][0].kvpilot_policy, clock, acc)
     gc.collect()
     gc.disable()
     try:
@@ -125,13 +146,13 @@ def bench(engine, model: Path, running: int, steps: int) -> dict:
             j = i % len(keys)
             for k in keys[j:] + keys[:j]:  # rotate: no variant always runs first
                 s, runner = built[k]
-                t = time.perf_counter()
+                acc[0] = 0.0
+                t = clock()
                 out = s.schedule()
-                times[k].append(time.perf_counter() - t)
+                times[k].append(clock() - t)
                 if k == "learned":
-                    p = policy_time(s)
-                    pol.append(p)
-                    own.append(s.kvpilot_stats.last_hook_time_s - p)
+                    pol.append(acc[0])
+                    own.append(s.kvpilot_stats.last_hook_time_s - policy_time(s))
                 s.update_from_output(out, runner.model_output(s, out))
     finally:
         gc.enable()
@@ -142,7 +163,7 @@ def bench(engine, model: Path, running: int, steps: int) -> dict:
     return {"times": times, "policy": pol, "hook_own": own, "scheduler": s}
 
 
-def breakdown(engine, model: Path, running: int, steps: int) -> dict[str, list[float]]:
+def breakdown(engine, model: Path, running: int, steps: int, clock) -> dict[str, list[float]]:
     """Per-step time of each part of the learned policy's admission decision (instrumented run)."""
     import policy.learned as L
 
@@ -153,11 +174,11 @@ def breakdown(engine, model: Path, running: int, steps: int) -> dict[str, list[f
 
     def timed(name, fn):
         def wrapper(*a, **kw):
-            t = time.perf_counter()
+            t = clock()
             try:
                 return fn(*a, **kw)
             finally:
-                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+                acc[name] = acc.get(name, 0.0) + clock() - t
 
         return wrapper
 
@@ -168,16 +189,17 @@ def breakdown(engine, model: Path, running: int, steps: int) -> dict[str, list[f
         pol.scorer = timed("scorer", pol.scorer)
         pol.starvation.starved = timed("starvation", pol.starvation.starved)
         pol._order = timed("ranking", pol._order)
+        pol.admit = timed("admit", pol.admit)
         gc.collect()
         gc.disable()
         for _ in range(steps):
             acc.clear()
             out = s.schedule()
-            total = policy_time(s)
+            total = acc.pop("admit", 0.0)
             for n, v in acc.items():
                 parts.setdefault(n, []).append(v)
             parts.setdefault("rest", []).append(total - sum(acc.values()))
-            parts.setdefault("policy total", []).append(total)
+            parts.setdefault("admit() total", []).append(total)
             s.update_from_output(out, runner.model_output(s, out))
     finally:
         gc.enable()
@@ -194,15 +216,15 @@ def schedulers_learned(engine, model: Path, running: int):
     return build(engine, cls, running, "kv", meta=synth_meta)
 
 
-def preempt_time(s, calls: int = 50) -> tuple[float, float]:
+def preempt_time(s, clock, calls: int = 50) -> tuple[float, float]:
     """Median and p99 of one ``preempt()`` decision over all running requests (candidates built by the hook)."""
     now = s.kvpilot_clock()
     ts = []
     for _ in range(calls):
-        t = time.perf_counter()
+        t = clock()
         cands = s._kvp_candidates(list(s.running), now)
         s.kvpilot_policy.preempt(cands, s._kvp_state(now))
-        ts.append(time.perf_counter() - t)
+        ts.append(clock() - t)
     return statistics.median(ts), p99(ts)
 
 
@@ -211,14 +233,19 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--running", type=int, nargs="*", default=[128, 512])
     ap.add_argument("--model", type=Path, default=None, help="a POLICY_DIR (default: built here)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="times taken by thread CPU or wall time")
     a = ap.parse_args(argv)
+    clock = CLOCKS[a.clock]
     from simulator import engine
 
     engine.make_vllm_config()  # first ModelConfig outside the timing
     with tempfile.TemporaryDirectory(prefix="kvpilot-bench-learned-") as tmp:
         model = a.model or make_policy_dir(Path(tmp))
         print(f"learned policy from {'--model ' + str(a.model) if a.model else 'a POLICY_DIR built here'}")
-        print(f"\n{WAITING} waiting, vLLM tries to admit every step (KV-bound); {a.steps} decode steps; times in ms")
+        print(
+            f"\n{WAITING} waiting, vLLM tries to admit every step (KV-bound); {a.steps} decode steps; "
+            f"times in ms ({a.clock} clock)"
+        )
         head = (
             f"{'running':>7} | {'stock':>7} | {'default':>7} {'ratio':>6} | {'full':>7} {'ratio':>6} | "
             f"{'learned':>7} {'p99':>7} {'ratio':>6} | {'policy':>7} {'p99':>7} {'/stock':>6} | {'hook':>6}"
@@ -227,7 +254,7 @@ def main(argv=None):
         print("-" * len(head))
         rows = []
         for n in a.running:
-            r = bench(engine, model, n, a.steps)
+            r = bench(engine, model, n, a.steps, clock)
             t = r["times"]
             sm = statistics.median(t["stock"])
 
@@ -245,17 +272,18 @@ def main(argv=None):
             rows.append((n, r["scheduler"]))
         print(
             "ratio = median over steps of variant/stock schedule() time, paired step by step (target for learned: "
-            "<= 1.10); policy = the learned policy's decision time per step (the hook's measure of its policy "
-            "calls); /stock = policy over stock's median; hook = the hook's own time without the policy."
+            "<= 1.10); policy = the learned policy's decision time per step (its admit/preempt calls: predictions, "
+            "features, scorer, ranking); /stock = policy over stock's median; hook = the hook's own wall time "
+            "without the policy (candidates, engine state, queue order)."
         )
         print("\nparts of the learned policy's admission decision per step (instrumented run), ms median [p99]")
         for n, _ in rows:
-            parts = breakdown(engine, model, n, max(20, a.steps // 4))
+            parts = breakdown(engine, model, n, max(20, a.steps // 4), clock)
             print(f"{n:>7} running: " + "; ".join(
                 f"{k} {statistics.median(v) * MS:.3f} [{p99(v) * MS:.3f}]" for k, v in parts.items()
             ))
         for n, s in rows:
-            m, q = preempt_time(s)
+            m, q = preempt_time(s, clock)
             print(f"one preemption decision over {n} running (candidates + preempt()): {m * MS:.3f} ms [p99 {q * MS:.3f}]")
 
 
