@@ -55,7 +55,7 @@ class OfflineConfig:
     """Every hyper-parameter of offline policy learning (stored in the POLICY_DIR manifest)."""
 
     hidden: tuple[int, ...] = (32, 32)
-    epochs: int = 30
+    epochs: int = 10
     batch_decisions: int = 256
     lr: float = 3e-3
     weight_decay: float = 1e-4
@@ -69,7 +69,7 @@ class OfflineConfig:
     oracle_rule: str = "lpt"  # "lpt" or "srpt"
     ridge: float = 1.0
     reward_window_s: float = 5.0
-    max_decisions: int = 40_000
+    max_decisions: int = 20_000
     max_candidates: int = 256
     holdout_fraction: float = 0.25
     #: a control (tests, promotion gates): rewards permuted across decisions and the hindsight
