@@ -45,7 +45,7 @@ from policy.learned import RUNTIME_DEFAULTS, LearnedPolicy, build_scorer
 from policy.learned_features import FEATURES, RAW, R, model_features
 from policy.rewards import RewardModel, decision_rewards
 
-__all__ = ["OfflineConfig", "Decisions", "load_decisions", "logged_rewards", "train_policy", "fit_scorer", "evaluate_policy_on"]
+__all__ = ["OfflineConfig", "Decisions", "load_decisions", "logged_rewards", "ope_on_log", "train_policy", "fit_scorer", "evaluate_policy_on"]
 
 KINDS = {"admit": 0, "preempt": 1}
 
@@ -448,9 +448,23 @@ def evaluate_policy_on(scorer_fn, q: Optional[RidgeQ], data: Decisions, config: 
         v = qr[data.offsets[:-1] + act]
     else:
         q_logged = v = None
-    est = estimates(pi, data.propensity, data.reward, q_logged, v, clip=config.propensity_clip, n_boot=n_boot,
-                    seed=config.seed)
+    # block bootstrap: decisions of one reward window share their outcome
+    groups = data.log * 10**9 + np.floor(data.time / config.reward_window_s).astype(np.int64)
+    est = estimates(pi, data.propensity, data.reward, q_logged, v, clip=config.propensity_clip, groups=groups,
+                    n_boot=n_boot, seed=config.seed)
     return {("behaviour.value" if k == "behaviour.value" else f"ope.{k}"): v for k, v in est.items()}
+
+
+def ope_on_log(policy_dir: str | Path, log_dir: str | Path, config: OfflineConfig | None = None,
+               n_boot: int = 500) -> dict[str, float]:
+    """OPE of the greedy policy in ``policy_dir`` on one held-out log (``ope.*`` keys and ``behaviour.value``).
+
+    The DR reward model is fitted on the log itself (ridge on the logged actions' features).
+    """
+    policy = LearnedPolicy.load(policy_dir)
+    config = config or OfflineConfig()
+    data = load_decisions(log_dir, policy.predictor, config)
+    return evaluate_policy_on(policy.scorer, RidgeQ(config.ridge).fit(data), data, config, n_boot=n_boot)
 
 
 def train_policy(
