@@ -1,6 +1,6 @@
 """kvpilot's learned admission / preemption policy, and the exploring behaviour policy that logs for it.
 
-**The scorer.** A small MLP (:class:`Scorer`, torch) maps each candidate's
+**The scorer.** A small MLP (:func:`build_scorer`, torch) maps each candidate's
 :data:`policy.learned_features.FEATURES` (its own features, the LightGBM length
 model's p50 / p90 and the predicted remaining output, and an engine-state
 summary: KV usage, pinned blocks, running / waiting counts, the RL step's
@@ -62,7 +62,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "PolicyLoadError",
-    "Scorer",
+    "build_scorer",
     "NumpyScorer",
     "StepPhase",
     "LearnedPolicy",
@@ -98,7 +98,7 @@ def _torch():
 
 
 def build_scorer(n_in: int = len(FEATURES), hidden: Sequence[int] = (32, 32)):
-    """A fresh :class:`Scorer` (torch is imported only here and in training)."""
+    """A fresh scorer module (torch is imported only here and in training)."""
     torch = _torch()
     nn = torch.nn
 
@@ -121,9 +121,6 @@ def build_scorer(n_in: int = len(FEATURES), hidden: Sequence[int] = (32, 32)):
             return self.net((x - self.mean) / self.scale)
 
     return Scorer()
-
-
-Scorer = build_scorer  # the name of the contract: ``Scorer()`` builds one
 
 
 class NumpyScorer:
