@@ -182,10 +182,11 @@ def breakdown(engine, model: Path, running: int, steps: int, clock) -> dict[str,
 
         return wrapper
 
-    saved = L.model_features
+    saved = {n: getattr(L, n) for n in ("_predict", "candidate_raw", "model_features")}
+    names = {"_predict": "predictions", "candidate_raw": "raw matrix", "model_features": "features"}
     try:
-        L.model_features = timed("features", saved)
-        pol.inputs.raw = timed("inputs (predictions, raw matrix)", pol.inputs.raw)
+        for n, fn in saved.items():
+            setattr(L, n, timed(names[n], fn))
         pol.scorer = timed("scorer", pol.scorer)
         pol.starvation.starved = timed("starvation", pol.starvation.starved)
         pol._order = timed("ranking", pol._order)
@@ -203,7 +204,8 @@ def breakdown(engine, model: Path, running: int, steps: int, clock) -> dict[str,
             s.update_from_output(out, runner.model_output(s, out))
     finally:
         gc.enable()
-        L.model_features = saved
+        for n, fn in saved.items():
+            setattr(L, n, fn)
     return parts
 
 

@@ -45,7 +45,7 @@ from policy.learned import RUNTIME_DEFAULTS, LearnedPolicy, build_scorer
 from policy.learned_features import FEATURES, RAW, R, model_features
 from policy.rewards import RewardModel, decision_rewards
 
-__all__ = ["OfflineConfig", "Decisions", "load_decisions", "train_policy", "fit_scorer", "evaluate_policy_on"]
+__all__ = ["OfflineConfig", "Decisions", "load_decisions", "logged_rewards", "ope_on_log", "train_policy", "fit_scorer", "evaluate_policy_on"]
 
 KINDS = {"admit": 0, "preempt": 1}
 
@@ -55,7 +55,7 @@ class OfflineConfig:
     """Every hyper-parameter of offline policy learning (stored in the POLICY_DIR manifest)."""
 
     hidden: tuple[int, ...] = (32, 32)
-    epochs: int = 30
+    epochs: int = 10
     batch_decisions: int = 256
     lr: float = 3e-3
     weight_decay: float = 1e-4
@@ -69,7 +69,7 @@ class OfflineConfig:
     oracle_rule: str = "lpt"  # "lpt" or "srpt"
     ridge: float = 1.0
     reward_window_s: float = 5.0
-    max_decisions: int = 40_000
+    max_decisions: int = 20_000
     max_candidates: int = 256
     holdout_fraction: float = 0.25
     #: a control (tests, promotion gates): rewards permuted across decisions and the hindsight
@@ -164,6 +164,36 @@ def _phase_fn(req: pd.DataFrame):
     return phase
 
 
+def _usable(dec) -> np.ndarray:
+    """Row indices of the decisions that can be learned from: admit / preempt, >= 2 candidates, an action."""
+    kinds = dec.column("kind").to_numpy(zero_copy_only=False)
+    ncand = np.array([len(c) for c in dec.column("candidate_ids").to_pylist()]) if dec.num_rows else np.zeros(0)
+    keep = np.isin(kinds, list(KINDS)) & (ncand >= 2) & (dec.column("chosen").to_numpy() >= 0)
+    return np.nonzero(keep)[0]
+
+
+def _rewards(d: pd.DataFrame, req: pd.DataFrame, steps: pd.DataFrame, config: OfflineConfig) -> np.ndarray:
+    """:mod:`policy.rewards` of decisions ``d`` (columns replica, time_s), per replica."""
+    out = np.zeros(len(d))
+    for rep in sorted(req["replica"].unique()):
+        m = RewardModel.from_log(req[req["replica"] == rep], steps[steps["replica"] == rep])
+        sel = (d["replica"] == rep).to_numpy()
+        out[sel] = decision_rewards(d.loc[sel, "time_s"].to_numpy(float), m, config.reward_window_s)
+    return out
+
+
+def logged_rewards(log_dir: str | Path, config: OfflineConfig | None = None) -> np.ndarray:
+    """The rewards of a run's own usable decisions: the value the simulator measured for the policy that ran."""
+    from data.io import read_telemetry
+
+    config = config or OfflineConfig()
+    tdir = _telemetry_dir(Path(log_dir))
+    dec = read_telemetry(tdir, "decisions", columns=["kind", "candidate_ids", "chosen", "replica", "time_s"])
+    d = dec.take(_usable(dec)).select(["replica", "time_s"]).to_pandas()
+    return _rewards(d, read_telemetry(tdir, "requests").to_pandas(), read_telemetry(tdir, "steps").to_pandas(),
+                    config)
+
+
 def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig, log_index: int = 0,
                    rng: Optional[np.random.Generator] = None) -> Decisions:
     """The decisions of one log directory as a :class:`Decisions` batch (see the module docstring)."""
@@ -175,11 +205,7 @@ def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig
     dec = read_telemetry(tdir, "decisions")
     req = read_telemetry(tdir, "requests").to_pandas()
     steps = read_telemetry(tdir, "steps").to_pandas()
-    kinds = dec.column("kind").to_numpy(zero_copy_only=False)
-    ncand = np.array([len(c) for c in dec.column("candidate_ids").to_pylist()]) if dec.num_rows else np.zeros(0)
-    chosen_all = dec.column("chosen").to_numpy()
-    keep = np.isin(kinds, list(KINDS)) & (ncand >= 2) & (chosen_all >= 0)
-    idx = np.nonzero(keep)[0]
+    idx = _usable(dec)
     if len(idx) > config.max_decisions:
         idx = np.sort(rng.choice(idx, config.max_decisions, replace=False))
     d = dec.take(idx).to_pandas()
@@ -190,12 +216,7 @@ def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig
     # engine state per (replica, engine_step); total blocks per replica = free blocks at their most free
     steps = steps.set_index(["replica", "engine_step"]).sort_index()
     total = (steps["free_blocks"].groupby(level=0).max()).to_dict()
-    models = {rep: RewardModel.from_log(req[req["replica"] == rep], steps.loc[rep].reset_index())
-              for rep in sorted(req["replica"].unique())}
-    rewards = np.zeros(len(d))
-    for rep, m in models.items():
-        sel = (d["replica"] == rep).to_numpy()
-        rewards[sel] = decision_rewards(d.loc[sel, "time_s"].to_numpy(float), m, config.reward_window_s)
+    rewards = _rewards(d, req, steps.reset_index(), config)
     xs, trs, sizes, chosen = [], [], [], []
     for row in d.itertuples(index=False):
         f = np.asarray(np.stack(row.features), dtype=np.float64)
@@ -427,9 +448,23 @@ def evaluate_policy_on(scorer_fn, q: Optional[RidgeQ], data: Decisions, config: 
         v = qr[data.offsets[:-1] + act]
     else:
         q_logged = v = None
-    est = estimates(pi, data.propensity, data.reward, q_logged, v, clip=config.propensity_clip, n_boot=n_boot,
-                    seed=config.seed)
+    # block bootstrap: decisions of one reward window share their outcome
+    groups = data.log * 10**9 + np.floor(data.time / config.reward_window_s).astype(np.int64)
+    est = estimates(pi, data.propensity, data.reward, q_logged, v, clip=config.propensity_clip, groups=groups,
+                    n_boot=n_boot, seed=config.seed)
     return {("behaviour.value" if k == "behaviour.value" else f"ope.{k}"): v for k, v in est.items()}
+
+
+def ope_on_log(policy_dir: str | Path, log_dir: str | Path, config: OfflineConfig | None = None,
+               n_boot: int = 500) -> dict[str, float]:
+    """OPE of the greedy policy in ``policy_dir`` on one held-out log (``ope.*`` keys and ``behaviour.value``).
+
+    The DR reward model is fitted on the log itself (ridge on the logged actions' features).
+    """
+    policy = LearnedPolicy.load(policy_dir)
+    config = config or OfflineConfig()
+    data = load_decisions(log_dir, policy.predictor, config)
+    return evaluate_policy_on(policy.scorer, RidgeQ(config.ridge).fit(data), data, config, n_boot=n_boot)
 
 
 def train_policy(

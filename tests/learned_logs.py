@@ -2,7 +2,8 @@
 
 :func:`tiny_workload` is the default domain mix with short code outputs;
 :func:`simulate` runs it on vLLM's real scheduler through the hook and returns
-the run directory (telemetry under ``run/telemetry``).
+the run directory (telemetry under ``run/telemetry``). :func:`learned_runs` is a
+session fixture (import it into a test module) with exploring-policy logs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 
 #: A KV size at which the tiny workload preempts (so admission and preemption decisions are logged).
 KV_FRACTION = 0.25
@@ -43,3 +45,15 @@ def predictors_from(log_dir: Path, out_dir: Path) -> Path:
     bundle = train_bundle(load_logs([log_dir]), num_trees=20, reuse=False)
     bundle.save(out_dir)
     return out_dir
+
+
+@pytest.fixture(scope="session")
+def learned_runs(vllm_engine, tmp_path_factory) -> dict[str, Path]:
+    """Logs of the exploring policy on two training workloads and one held-out workload (another seed), the
+    predictors trained on the first, and the held-out workload itself (``"heldout_workload"``)."""
+    root = tmp_path_factory.mktemp("learned")
+    runs = {name: simulate(tiny_workload(seed), "logging", root / name)
+            for name, seed in (("train1", 1), ("train2", 2), ("heldout", 3))}
+    runs["predictors"] = predictors_from(runs["train1"], root / "pred")
+    runs["root"] = root
+    return runs

@@ -162,12 +162,16 @@ def simulate(
     max_num_batched_tokens: Annotated[
         int, typer.Option("--max-num-batched-tokens", help="vLLM max_num_batched_tokens (chunked prefill).")
     ] = 8192,
+    decode_stride: Annotated[
+        int, typer.Option("--decode-stride", help="Tokens each request decodes per simulated step (1: exact; "
+                          "k > 1: k times fewer scheduler calls, approximate).")
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
     summary = _simulate(workload, out_dir, policy, policy_options, replicas, router, kv_blocks, kv_fraction, preset,
-                        max_num_seqs, max_num_batched_tokens, progress)
+                        max_num_seqs, max_num_batched_tokens, progress, decode_stride)
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -179,7 +183,7 @@ def simulate(
 
 def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Optional[str], replicas: int, router: str,
               kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: int,
-              max_num_batched_tokens: int, progress: bool) -> dict:
+              max_num_batched_tokens: int, progress: bool, decode_stride: int = 1) -> dict:
     """Read, check and simulate; user errors exit with status 2 before anything runs."""
     from data.io import read_workload
 
@@ -203,7 +207,7 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
         result = run_simulation(
             table, policy, policy_options=options, replicas=replicas, router=router, kv_blocks=kv_blocks,
             kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, progress=progress, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, validate=False,
+            max_num_batched_tokens=max_num_batched_tokens, validate=False, decode_stride=decode_stride,
         )
     except SimulationError as err:
         raise _fail(str(err)) from None
@@ -237,6 +241,11 @@ def evaluate_cmd(
     ] = "round-robin",
     jobs: Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (each imports vLLM once).")] = 1,
     preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
+    decode_stride: Annotated[
+        Optional[int], typer.Option("--decode-stride", help="Tokens each request decodes per simulated step; "
+                                    "1 is exact. Default: training.evaluate.DEFAULT_DECODE_STRIDE, chosen with "
+                                    "benchmarks/bench_stride.py.")
+    ] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
     model: Annotated[Optional[Path], typer.Option(
         "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`).")] = None,
@@ -248,6 +257,10 @@ def evaluate_cmd(
     reps = _number_list(replicas, int, "--replicas")
     if jobs < 1:
         raise _fail(f"--jobs must be >= 1, got {jobs}")
+    if decode_stride is None:
+        from training.evaluate import DEFAULT_DECODE_STRIDE as decode_stride
+    if decode_stride < 1:
+        raise _fail(f"--decode-stride must be >= 1, got {decode_stride}")
     if not workload.exists():
         raise _fail(f"no such workload: {workload}")
     try:
@@ -256,11 +269,12 @@ def evaluate_cmd(
     except EvaluationError as err:
         raise _fail(str(err)) from None
     console.print(f"evaluating {len(names)} policies x {len(set(kvs))} KV size(s) x {len(set(reps))} replica "
-                  f"count(s) = {len(cases)} simulations, {jobs} job(s)", highlight=False)
+                  f"count(s) = {len(cases)} simulations, {jobs} job(s), decode stride {decode_stride}",
+                  highlight=False)
     t0 = time.perf_counter()
     try:
         result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
-                          jobs=jobs, progress=progress,
+                          jobs=jobs, progress=progress, decode_stride=decode_stride,
                           policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None

@@ -6,6 +6,8 @@ with :func:`simulator.simulation.run_simulation`, each into
 processes (spawn context; each worker imports vLLM once, reads the workload
 once and runs several cases). A case that fails is a row with an ``error``,
 not a failed evaluation. ``vllm-default`` is always run, for the ratios.
+Cases run at the simulator's decode stride :data:`DEFAULT_DECODE_STRIDE`
+(``decode_stride``; 1 is the exact path, see :mod:`simulator.simulation`).
 
 It writes, under ``out_dir``:
 
@@ -39,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT = "vllm-default"
+#: The simulator's decode stride for evaluations (benchmarks/bench_stride.py: policy makespan ratios at this
+#: stride stay within ~1-2 % of the exact path's, at a fraction of its engine steps).
+DEFAULT_DECODE_STRIDE = 8
 RATIOS = {
     "makespan_ratio_vs_default": "makespan_s",
     "recompute_ratio_vs_default": "recomputed_tokens",
@@ -175,6 +180,7 @@ def evaluate(
     preset: str = "H200-7B",
     jobs: int = 1,
     progress: bool = True,
+    decode_stride: int = DEFAULT_DECODE_STRIDE,
     sim_options: dict[str, Any] | None = None,
     on_case: Callable[[Case, dict[str, Any]], None] | None = None,
     policy_options: dict[str, dict[str, Any]] | None = None,
@@ -187,6 +193,9 @@ def evaluate(
     cases = build_cases(names, kv_fractions, replicas)
     if jobs < 1:
         raise EvaluationError(f"jobs must be >= 1, got {jobs}")
+    if not isinstance(decode_stride, int) or decode_stride < 1:
+        raise EvaluationError(f"decode_stride must be an integer >= 1, got {decode_stride!r}")
+    sim_options = {"decode_stride": decode_stride, **(sim_options or {})}
     from data.io import read_workload
 
     try:
