@@ -28,8 +28,10 @@ per step as the hook measures it (its work before, inside and after vLLM's
 and the ``super()`` call) is too small to see in a whole step, so it is also
 measured in isolation over a no-op base.
 
-Run: ``.venv/bin/python benchmarks/bench_hook.py [--steps 300]``. Garbage
-collection is paused inside the timed loop only.
+Run: ``python -m benchmarks.bench_hook [--steps 300] [--running 32 128 512]
+[--clock wall|cpu]``; ``--clock cpu`` times ``schedule()`` by the thread's CPU
+time, steadier on a shared machine (the hook's own time is always wall time).
+Garbage collection is paused inside the timed loop only.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ for _v in ("KVPILOT_POLICY", "KVPILOT_POLICY_OPTIONS", "KVPILOT_TELEMETRY_DIR"):
 WAITING = 256
 PROMPT = 64
 MS = 1e3
+#: ``--clock``: wall time, or the scheduler thread's CPU time (steadier on a shared machine:
+#: time the thread spends descheduled by the OS is not counted).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = time.perf_counter
 
 
 def p99(xs):
@@ -57,8 +63,16 @@ def p99(xs):
     return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
 
 
-def build(engine, cls, running, mode):
-    """A scheduler with ``running`` decoding requests and WAITING queued ones (after warm-up)."""
+def group_meta(i):
+    """Request ``i``'s metadata: GRPO groups of 8."""
+    return {"kvpilot_group_id": f"g{i // 8}", "kvpilot_group_size": 8}
+
+
+def build(engine, cls, running, mode, meta=group_meta):
+    """A scheduler with ``running`` decoding requests and WAITING queued ones (after warm-up).
+
+    ``meta(i)``: the ``extra_args`` (kvpilot metadata) of request ``i``.
+    """
     blocks = (running + WAITING) * 16 + 64  # no preemption during the measurement
     s = engine.make_scheduler(
         cls,
@@ -76,7 +90,7 @@ def build(engine, cls, running, mode):
                     engine.prompt_tokens(f"bench-{i}", PROMPT),
                     100_000,
                     arrival_time=float(i),
-                    extra_args={"kvpilot_group_id": f"g{i // 8}", "kvpilot_group_size": 8},
+                    extra_args=meta(i),
                 )
             )
 
@@ -110,9 +124,9 @@ def bench(engine, running, steps, mode):
         for i in range(steps):
             for k in keys[i % 3 :] + keys[: i % 3]:  # rotate: no variant always runs first
                 s, runner = built[k]
-                t = time.perf_counter()
+                t = clock()
                 out = s.schedule()
-                times[k].append(time.perf_counter() - t)
+                times[k].append(clock() - t)
                 s.update_from_output(out, runner.model_output(s, out))
                 if k == "full":
                     hook_own.append(s.kvpilot_stats.last_hook_time_s)
@@ -180,11 +194,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--running", type=int, nargs="*", default=[32, 128, 512])
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="schedule() timed by wall or thread CPU time")
     a = ap.parse_args(argv)
+    global clock
+    clock = CLOCKS[a.clock]
     from simulator import engine
 
     engine.make_vllm_config()  # first ModelConfig outside the timing
-    print("vLLM schedule() beside the kvpilot hook (stock / default = VllmDefaultPolicy / full = explicit path)")
+    print(
+        "vLLM schedule() beside the kvpilot hook (stock / default = VllmDefaultPolicy / full = explicit path); "
+        f"schedule() timed by {a.clock} clock"
+    )
     table(engine, "seq", "admission bound by max_num_seqs (= running)", a.steps, a.running)
     table(engine, "kv", "admission bound by KV blocks (the queue head fails to allocate)", a.steps, a.running)
     own = passthrough_overhead()

@@ -39,13 +39,25 @@ def remaining(p50: np.ndarray, p90: np.ndarray, generated: np.ndarray, max_token
     return np.minimum(r, cap)
 
 
+#: Raw columns that enter the scorer as ``log1p(max(nan_to_num(v), 0))``, and their feature columns.
+_LOG_RAW = [R[k] for k in ("prompt_tokens", "output_tokens", "computed_tokens", "max_tokens", "group_size", "wait_s",
+                           "preemptions", "num_running", "num_waiting")]
+_LOG_X = [0, 1, 2, 3, 5, 8, 9, 19, 20]
+#: Raw columns that enter as ``nan_to_num(v)``, and their feature columns.
+_NUM_RAW = [R[k] for k in ("is_running", "kv_usage", "pinned_frac", "step_phase")]
+_NUM_X = [10, 17, 18, 21]
+_GROUP_RAW = [R["group_finished"], R["group_running"]]
+
+
 def model_features(raw: np.ndarray) -> np.ndarray:
-    """(n, len(FEATURES)) float32 scorer input of one decision's candidates from their (n, len(RAW)) raw values."""
+    """(n, len(FEATURES)) float32 scorer input of one decision's candidates from their (n, len(RAW)) raw values.
+
+    Element-wise transforms are applied to blocks of columns at once (fewer numpy calls inside the scheduler step).
+    """
     raw = np.asarray(raw, dtype=np.float64)
     n = raw.shape[0]
     x = np.empty((n, len(FEATURES)), dtype=np.float64)
     c = lambda k: raw[:, R[k]]  # noqa: E731
-    l1p = lambda v: np.log1p(np.maximum(np.nan_to_num(v, nan=0.0), 0.0))  # noqa: E731
     out = c("output_tokens")
     mx = np.nan_to_num(c("max_tokens"), nan=0.0)
     p50 = c("pred_p50")
@@ -57,27 +69,15 @@ def model_features(raw: np.ndarray) -> np.ndarray:
     rem = np.where(np.isfinite(rem), rem, p90)
     gs = c("group_size")
     gsz = np.where(np.isfinite(gs) & (gs > 0), gs, np.nan)
-    x[:, 0] = l1p(c("prompt_tokens"))
-    x[:, 1] = l1p(out)
-    x[:, 2] = l1p(c("computed_tokens"))
-    x[:, 3] = l1p(mx)
+    x[:, _LOG_X] = np.log1p(np.maximum(np.nan_to_num(raw[:, _LOG_RAW], nan=0.0), 0.0))
     x[:, 4] = np.minimum(np.nan_to_num(c("turn"), nan=0.0), 16.0)
-    x[:, 5] = l1p(gs)
-    x[:, 6] = np.nan_to_num(c("group_finished") / gsz, nan=0.0)
-    x[:, 7] = np.nan_to_num(c("group_running") / gsz, nan=0.0)
-    x[:, 8] = l1p(c("wait_s"))
-    x[:, 9] = l1p(c("preemptions"))
-    x[:, 10] = np.nan_to_num(c("is_running"), nan=0.0)
+    x[:, 6:8] = np.nan_to_num(raw[:, _GROUP_RAW] / gsz[:, None], nan=0.0)
+    x[:, _NUM_X] = np.nan_to_num(raw[:, _NUM_RAW], nan=0.0)
     x[:, 11] = np.log1p(p50)
     x[:, 12] = np.log1p(p90)
     lr = np.log1p(rem)
     x[:, 13] = lr
-    x[:, 14] = l1p(c("prompt_tokens") + out + rem)
+    x[:, 14] = np.log1p(np.maximum(np.nan_to_num(c("prompt_tokens") + out + rem, nan=0.0), 0.0))
     x[:, 15] = lr - (lr.max() if n else 0.0)
     x[:, 16] = (np.argsort(np.argsort(lr, kind="stable"), kind="stable") / max(n - 1, 1)) if n else lr
-    x[:, 17] = np.nan_to_num(c("kv_usage"), nan=0.0)
-    x[:, 18] = np.nan_to_num(c("pinned_frac"), nan=0.0)
-    x[:, 19] = l1p(c("num_running"))
-    x[:, 20] = l1p(c("num_waiting"))
-    x[:, 21] = np.nan_to_num(c("step_phase"), nan=0.0)
     return x.astype(np.float32)

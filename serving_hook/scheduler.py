@@ -622,10 +622,48 @@ class KVPilotMixin:
             g = self._kvp_groups[gid] = [0, 0, ()]
         return g
 
-    def _kvp_candidate(self, r: Any, now: float) -> CandidateRequest:
-        info = self._kvp_reqs.get(r.request_id)
-        if info is None:
-            info = self._kvp_reqs[r.request_id] = _ReqInfo(request_meta(r), r.arrival_time)
+    def _kvp_candidates(self, reqs: list, now: float) -> list[CandidateRequest]:
+        """The candidates for ``reqs``: one object per request, built once and refreshed in place.
+
+        One inlined loop (no call per request): this runs over every waiting
+        request in each step in which vLLM could admit.
+        """
+        infos = self._kvp_reqs
+        groups = self._kvp_groups
+        v_running, v_preempted = VRS.RUNNING, VRS.PREEMPTED
+        running, preempted, waiting = RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.WAITING
+        out: list[CandidateRequest] = []
+        append = out.append
+        for r in reqs:
+            info = infos.get(r.request_id)
+            if info is None:
+                info = infos[r.request_id] = _ReqInfo(request_meta(r), r.arrival_time)
+            c = info.cand
+            if c is None:
+                append(self._kvp_new_candidate(r, info, now))
+                continue
+            s = r.status
+            if s is v_running:
+                c.status = running
+                c.wait_s = 0.0
+            else:
+                c.status = preempted if s is v_preempted else waiting
+                w = now - r.arrival_time
+                c.wait_s = w if w > 0.0 else 0.0
+            c.num_cached_tokens = info.cached_tokens
+            c.num_computed_tokens = r.num_computed_tokens
+            c.num_output_tokens = r.num_output_tokens
+            c.num_preemptions = r.num_preemptions
+            gid = info.meta.group_id
+            if gid is not None:
+                g = groups.get(gid)
+                if g:
+                    c.group_finished, c.group_running, c.sibling_output_tokens = g
+            c.predictions = info.predictions
+            append(c)
+        return out
+
+    def _kvp_new_candidate(self, r: Any, info: _ReqInfo, now: float) -> CandidateRequest:
         meta = info.meta
         s = r.status
         if s == VRS.RUNNING:
@@ -635,19 +673,6 @@ class KVPilotMixin:
             status = RequestStatus.PREEMPTED if s == VRS.PREEMPTED else RequestStatus.WAITING
             wait = max(0.0, now - r.arrival_time)
         g = self._kvp_groups.get(meta.group_id) if meta.group_id is not None else None
-        c = info.cand
-        if c is not None:
-            # Refresh the reused candidate (cheaper than building one per step).
-            c.status = status
-            c.num_cached_tokens = info.cached_tokens
-            c.num_computed_tokens = r.num_computed_tokens
-            c.num_output_tokens = r.num_output_tokens
-            c.wait_s = wait
-            c.num_preemptions = r.num_preemptions
-            if g:
-                c.group_finished, c.group_running, c.sibling_output_tokens = g
-            c.predictions = info.predictions
-            return c
         c = info.cand = CandidateRequest(
             request_id=r.request_id,
             meta=meta,
@@ -737,7 +762,7 @@ class KVPilotMixin:
     def _kvp_admit(self, now: float):
         waiting = self.waiting
         reqs = list(waiting)
-        cands = [self._kvp_candidate(r, now) for r in reqs]
+        cands = self._kvp_candidates(reqs, now)
         try:
             dec = self._kvp_call("admit", self.kvpilot_policy.admit, cands, self._kvp_state(now))
         except _StepFallback:
@@ -747,19 +772,20 @@ class KVPilotMixin:
         if not isinstance(dec, AdmissionDecision):
             self._kvp_fail("admit", "exception", TypeError(f"admit() returned {type(dec).__name__}"))
             return [], None
-        by_id = {r.request_id: r for r in reqs}
-        ordered: list = []
-        seen: set = set()
-        if dec.order is not None:
-            for rid in dec.order:
+        order = dec.order
+        if order is None or _keeps_order(order, cands):
+            ordered = reqs
+        else:
+            by_id = {r.request_id: r for r in reqs}
+            ordered = []
+            seen: set = set()
+            for rid in order:
                 r = by_id.get(rid)
                 if r is not None and rid not in seen:
                     seen.add(rid)
                     ordered.append(r)
             if len(ordered) < len(reqs):
                 ordered.extend(r for r in reqs if r.request_id not in seen)
-        else:
-            ordered = reqs
         hold = dec.hold
         held = [r for r in ordered if r.request_id in hold] if hold else []
         if self.kvpilot_telemetry is not None:
@@ -774,7 +800,7 @@ class KVPilotMixin:
                 dec.propensity,
                 action=f"hold:{len(held)}" if held else None,
             )
-        changed = any(a is not b for a, b in zip(ordered, reqs))
+        changed = ordered is not reqs and any(a is not b for a, b in zip(ordered, reqs))
         if not changed and not held:
             return [], None
         heldset = {id(r) for r in held}
@@ -844,7 +870,7 @@ class KVPilotMixin:
         if len(pool) <= 1:
             return  # vLLM preempts the request itself: there is no other choice
         now = self.kvpilot_clock()
-        cands = [self._kvp_candidate(r, now) for r in pool]
+        cands = self._kvp_candidates(pool, now)
         try:
             dec = self._kvp_call("preempt", self.kvpilot_policy.preempt, cands, self._kvp_state(now))
         except _StepFallback:
@@ -1214,6 +1240,11 @@ class KVPilotMixin:
             except Exception as e:
                 self._kvp_internal_error("kv_events", e)
         return events
+
+
+def _keeps_order(order: Any, cands: list) -> bool:
+    """True when ``order`` lists the first ``len(order)`` candidates in their own order (nothing moves)."""
+    return len(order) <= len(cands) and all(rid == c.request_id for rid, c in zip(order, cands))
 
 
 def _bh(h: Any) -> Any:

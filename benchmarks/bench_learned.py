@@ -1,0 +1,293 @@
+"""Benchmark: the learned policy's decision time per scheduler step beside vLLM's ``schedule()``.
+
+Issue #7's target: the learned policy adds at most 10% to ``schedule()`` at 128
+and 512 running requests with 256 waiting. The setting is ``bench_hook``'s
+``kv`` regime (steady decode on vLLM 0.33's real scheduler, CPU, fake runner):
+``max_num_seqs`` leaves room, so vLLM tries to admit every step and the head of
+the queue fails to allocate KV blocks; the learned policy ranks all 256 waiting
+requests in every step (its worst case: in a step where the running set is
+full, the hook does not call it at all). Requests carry the synthetic
+workload's metadata (GRPO groups of 8, math / code / agentic domains, RL step 0).
+
+Four schedulers step side by side, alternating step by step in rotating order so
+that they see the same machine conditions:
+
+* ``stock``:   ``vllm.v1.core.sched.scheduler.Scheduler``;
+* ``default``: ``KVPilotScheduler`` with ``VllmDefaultPolicy`` (zero-cost path);
+* ``full``:    ``VllmDefaultPolicy(explicit=True)`` (every lever consulted);
+* ``learned``: the ``learned`` policy in serving mode (greedy), from a POLICY_DIR.
+
+Printed per size: the median ``schedule()`` time of each; the ratio to stock
+(median over steps of the paired per-step ratio; target for ``learned``: <= 1.10);
+the learned policy's own decision time per step (the time the hook measured
+inside its policy calls: predictor, feature building, scorer and ranking), median
+and p99, and over stock's median; and the hook's own time without the policy.
+A second table splits the policy's time into its parts (a separate, instrumented
+run), and a last line times one preemption decision over all running requests.
+
+POLICY_DIR: ``--model DIR`` (e.g. one written by ``kvpilot train policy``), or by
+default one built with the learned policy's own API: a LightGBM length model
+(100 trees per quantile) fitted on a synthetic workload's requests, and a scorer
+with seeded random weights (the decision time does not depend on the weights).
+
+Times are the scheduler thread's CPU time by default (``--clock cpu``): on a
+shared machine, wall times mostly measure when the OS deschedules the process;
+``--clock wall`` gives wall times (the hook's own time is always wall time).
+
+Run: ``python -m benchmarks.bench_learned [--steps 200] [--running 128 512] [--model DIR] [--clock cpu|wall]``.
+Garbage collection is paused inside the timed loops only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+for _v in ("KVPILOT_POLICY", "KVPILOT_POLICY_OPTIONS", "KVPILOT_TELEMETRY_DIR"):
+    os.environ.pop(_v, None)
+
+from benchmarks.bench_hook import CLOCKS, WAITING, build, p99  # noqa: E402
+
+MS = 1e3
+DOMAINS = ("math", "math", "code", "agentic")  # the synthetic workload's mix (50 / 25 / 25)
+
+
+def synth_meta(i: int) -> dict:
+    """Request ``i``'s metadata, as the synthetic workload's rollouts carry it."""
+    g = i // 8
+    dom = DOMAINS[g % len(DOMAINS)]
+    meta = {
+        "kvpilot_domain": dom,
+        "kvpilot_paradigm": {"math": "verifier", "code": "unit_tests", "agentic": "tool"}[dom],
+        "kvpilot_group_id": f"s0-p{g}",
+        "kvpilot_group_size": 8,
+        "kvpilot_step": 0,
+    }
+    if dom == "agentic":
+        meta.update(kvpilot_session_id=f"s0-p{g}-{i % 8}", kvpilot_turn=0, kvpilot_tool="search")
+    return meta
+
+
+def make_policy_dir(root: Path) -> Path:
+    """A POLICY_DIR built with the learned policy's API (see the module docstring)."""
+    import torch
+
+    from data.synth import SynthConfig, generate
+    from policy.learned import LearnedPolicy, build_scorer
+    from predictors.features import workload_as_requests
+    from predictors.length import LengthModel
+
+    length = LengthModel.fit(workload_as_requests(generate(SynthConfig(steps=2))))
+    preds = root / "predictors"
+    length.save(preds / "length")
+    torch.manual_seed(0)
+    state = {k: v.detach().numpy() for k, v in build_scorer().state_dict().items()}
+    policy = LearnedPolicy(state, length, predictors_dir=preds)
+    return policy.save(root / "policy")
+
+
+def schedulers(engine, model: Path, running: int) -> dict:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from policy.registry import create_policy
+    from policy.vllm_default import VllmDefaultPolicy
+    from serving_hook import KVPilotScheduler, with_policy
+    from serving_hook.config import HookConfig
+
+    cfg = HookConfig(decision_budget_s=1.0)  # measure, never fall back
+    variants = {
+        "stock": Scheduler,
+        "default": KVPilotScheduler,
+        "full": with_policy(KVPilotScheduler, lambda: VllmDefaultPolicy(explicit=True), cfg),
+        "learned": with_policy(KVPilotScheduler, lambda: create_policy("learned", model=str(model)), cfg),
+    }
+    return {k: build(engine, cls, running, "kv", meta=synth_meta) for k, cls in variants.items()}
+
+
+def policy_time(s) -> float:
+    """The (wall) time the hook measured inside policy calls in the scheduler's last step."""
+    return s._kvp_budget - s._kvp_budget_left
+
+
+def clocked(policy, clock, acc: list) -> None:
+    """Time ``policy``'s decision calls with ``clock``, summed into ``acc[0]``."""
+    for name in ("admit", "preempt"):
+        fn = getattr(policy, name)
+
+        def wrapper(*a, _fn=fn):
+            t = clock()
+            try:
+                return _fn(*a)
+            finally:
+                acc[0] += clock() - t
+
+        setattr(policy, name, wrapper)
+
+
+def bench(engine, model: Path, running: int, steps: int, clock) -> dict:
+    built = schedulers(engine, model, running)
+    keys = list(built)
+    times = {k: [] for k in keys}
+    pol, own = [], []
+    acc = [0.0]
+    clocked(built["learned"][0].kvpilot_policy, clock, acc)
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(steps):
+            j = i % len(keys)
+            for k in keys[j:] + keys[:j]:  # rotate: no variant always runs first
+                s, runner = built[k]
+                acc[0] = 0.0
+                t = clock()
+                out = s.schedule()
+                times[k].append(clock() - t)
+                if k == "learned":
+                    pol.append(acc[0])
+                    own.append(s.kvpilot_stats.last_hook_time_s - policy_time(s))
+                s.update_from_output(out, runner.model_output(s, out))
+    finally:
+        gc.enable()
+    s = built["learned"][0]
+    st = s.kvpilot_stats
+    assert st.fallback_steps == 0, st.fallbacks
+    assert st.policy_calls >= steps, "the learned policy was not asked every step"
+    return {"times": times, "policy": pol, "hook_own": own, "scheduler": s}
+
+
+def breakdown(engine, model: Path, running: int, steps: int, clock) -> dict[str, list[float]]:
+    """Per-step time of each part of the learned policy's admission decision (instrumented run)."""
+    import policy.learned as L
+
+    s, runner = schedulers_learned(engine, model, running)
+    pol = s.kvpilot_policy
+    parts: dict[str, list[float]] = {}
+    acc: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[name] = acc.get(name, 0.0) + clock() - t
+
+        return wrapper
+
+    saved = {n: getattr(L, n) for n in ("_predict", "candidate_raw", "model_features")}
+    names = {"_predict": "predictions", "candidate_raw": "raw matrix", "model_features": "features"}
+    try:
+        for n, fn in saved.items():
+            setattr(L, n, timed(names[n], fn))
+        pol.scorer = timed("scorer", pol.scorer)
+        pol.starvation.starved = timed("starvation", pol.starvation.starved)
+        pol._order = timed("ranking", pol._order)
+        pol.admit = timed("admit", pol.admit)
+        gc.collect()
+        gc.disable()
+        for _ in range(steps):
+            acc.clear()
+            out = s.schedule()
+            total = acc.pop("admit", 0.0)
+            for n, v in acc.items():
+                parts.setdefault(n, []).append(v)
+            parts.setdefault("rest", []).append(total - sum(acc.values()))
+            parts.setdefault("admit() total", []).append(total)
+            s.update_from_output(out, runner.model_output(s, out))
+    finally:
+        gc.enable()
+        for n, fn in saved.items():
+            setattr(L, n, fn)
+    return parts
+
+
+def schedulers_learned(engine, model: Path, running: int):
+    from policy.registry import create_policy
+    from serving_hook import KVPilotScheduler, with_policy
+    from serving_hook.config import HookConfig
+
+    cls = with_policy(KVPilotScheduler, lambda: create_policy("learned", model=str(model)), HookConfig(decision_budget_s=1.0))
+    return build(engine, cls, running, "kv", meta=synth_meta)
+
+
+def preempt_time(s, clock, calls: int = 50) -> tuple[float, float]:
+    """Median and p99 of one ``preempt()`` decision over all running requests (candidates built by the hook)."""
+    now = s.kvpilot_clock()
+    ts = []
+    for _ in range(calls):
+        t = clock()
+        cands = s._kvp_candidates(list(s.running), now)
+        s.kvpilot_policy.preempt(cands, s._kvp_state(now))
+        ts.append(clock() - t)
+    return statistics.median(ts), p99(ts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--running", type=int, nargs="*", default=[128, 512])
+    ap.add_argument("--model", type=Path, default=None, help="a POLICY_DIR (default: built here)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="times taken by thread CPU or wall time")
+    a = ap.parse_args(argv)
+    clock = CLOCKS[a.clock]
+    from simulator import engine
+
+    engine.make_vllm_config()  # first ModelConfig outside the timing
+    with tempfile.TemporaryDirectory(prefix="kvpilot-bench-learned-") as tmp:
+        model = a.model or make_policy_dir(Path(tmp))
+        print(f"learned policy from {'--model ' + str(a.model) if a.model else 'a POLICY_DIR built here'}")
+        print(
+            f"\n{WAITING} waiting, vLLM tries to admit every step (KV-bound); {a.steps} decode steps; "
+            f"times in ms ({a.clock} clock)"
+        )
+        head = (
+            f"{'running':>7} | {'stock':>7} | {'default':>7} {'ratio':>6} | {'full':>7} {'ratio':>6} | "
+            f"{'learned':>7} {'p99':>7} {'ratio':>6} | {'policy':>7} {'p99':>7} {'/stock':>6} | {'hook':>6}"
+        )
+        print(head)
+        print("-" * len(head))
+        rows = []
+        for n in a.running:
+            r = bench(engine, model, n, a.steps, clock)
+            t = r["times"]
+            sm = statistics.median(t["stock"])
+
+            def ratio(k):
+                return statistics.median(x / y for x, y in zip(t[k], t["stock"], strict=True))
+
+            pm = statistics.median(r["policy"])
+            print(
+                f"{n:>7} | {sm * MS:>7.3f} | {statistics.median(t['default']) * MS:>7.3f} {ratio('default'):>6.3f} | "
+                f"{statistics.median(t['full']) * MS:>7.3f} {ratio('full'):>6.3f} | "
+                f"{statistics.median(t['learned']) * MS:>7.3f} {p99(t['learned']) * MS:>7.3f} {ratio('learned'):>6.3f} | "
+                f"{pm * MS:>7.3f} {p99(r['policy']) * MS:>7.3f} {pm / sm:>6.3f} | "
+                f"{statistics.median(r['hook_own']) * MS:>6.3f}"
+            )
+            rows.append((n, r["scheduler"]))
+        print(
+            "ratio = median over steps of variant/stock schedule() time, paired step by step (target for learned: "
+            "<= 1.10); policy = the learned policy's decision time per step (its admit/preempt calls: predictions, "
+            "features, scorer, ranking); /stock = policy over stock's median; hook = the hook's own wall time "
+            "without the policy (candidates, engine state, queue order)."
+        )
+        print("\nparts of the learned policy's admission decision per step (instrumented run), ms median [p99]")
+        for n, _ in rows:
+            parts = breakdown(engine, model, n, max(20, a.steps // 4), clock)
+            print(f"{n:>7} running: " + "; ".join(
+                f"{k} {statistics.median(v) * MS:.3f} [{p99(v) * MS:.3f}]" for k, v in parts.items()
+            ))
+        for n, s in rows:
+            m, q = preempt_time(s, clock)
+            print(f"one preemption decision over {n} running (candidates + preempt()): {m * MS:.3f} ms [p99 {q * MS:.3f}]")
+
+
+if __name__ == "__main__":
+    main()
