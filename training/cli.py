@@ -379,43 +379,16 @@ def promote_cmd(
         raise typer.Exit(1)
 
 
-#: The demo's KV size: small enough that the default workload preempts and evicts.
-DEMO_KV_FRACTION = 0.3
-
-
 @app.command("demo")
 def demo(
     out_dir: Annotated[Path, typer.Option("-o", "--out-dir", help="Where the demo writes its files.")] = Path(
         "kvpilot-demo"
     ),
 ) -> None:
-    """Run the main job end to end on embedded defaults."""
-    from data.io import read_workload, write_workload
-    from data.stats import render_stats, workload_stats as compute
-    from data.synth import SynthConfig, generate
+    """Run the whole loop on embedded defaults: log, train, register, promote, serve from the registry, compare."""
+    from training.demo import run_demo
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    workload_path = out_dir / "workload.parquet"
-    console.rule("1. generate the default synthetic workload")
-    t0 = time.perf_counter()
-    write_workload(generate(SynthConfig()), workload_path)
-    console.print(f"{workload_path} in {time.perf_counter() - t0:.2f} s")
-    console.rule("2. validate it")
-    table = read_workload(workload_path)
-    console.print(f"valid: {table.num_rows:,} requests")
-    console.rule("3. summary")
-    typer.echo(render_stats(compute(table)))
-    console.rule(f"4. simulate it: vllm-default, one H200-7B replica, KV {DEMO_KV_FRACTION:g} x its need")
-    from simulator.metrics import render_summary
-
-    import shutil
-
-    shutil.rmtree(out_dir / "sim-vllm-default", ignore_errors=True)  # the demo's own output of an earlier run
-    summary = _simulate(workload_path, out_dir / "sim-vllm-default", "vllm-default", None, 1, "round-robin", None,
-                        DEMO_KV_FRACTION, "H200-7B", 256, 8192, True)
-    typer.echo(render_summary(summary))
-    console.print(f"simulated in {summary['wall_s']:.1f} s; telemetry in {out_dir / 'sim-vllm-default'}",
-                  highlight=False)
+    run_demo(out_dir, console=console)
 
 
 def main() -> None:
