@@ -334,6 +334,9 @@ def train(
         return
     if not logs:
         raise _fail("kvpilot train needs --logs DIR (repeatable), or a subcommand (see --help)")
+    missing = [str(p) for p in logs if not p.exists()]
+    if missing:
+        raise _fail(f"no such log: {', '.join(missing)}")
     from training.train import PredictorParams, TrainError, train_and_register
 
     steps = predictors_cli._steps(test_steps)

@@ -14,6 +14,7 @@ set; the demo ends with the ``mlflow ui`` command that opens it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 from rich.console import Console
 
+from data.synth import SynthConfig
 from training.train import HELDOUT_SEED, HeldoutParams
 
 #: The demo's KV size: small enough that vLLM default preempts on the demo workloads.
@@ -31,16 +33,20 @@ DEMO_KV_FRACTION = 0.3
 REFERENCES = ("oracle",)
 
 
+def _baselines() -> tuple[str, ...]:
+    from policy.baselines import BASELINES
+
+    return tuple(n for n in BASELINES if n not in REFERENCES)
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     """The demo's sizes, sized to finish in under 15 minutes on 2 cores."""
 
-    train_seed: int = 0
-    train_steps: int = 4
-    prompts_per_step: int = 16
-    heldout_seed: int = HELDOUT_SEED
-    heldout_steps: int = 1
+    train: SynthConfig = SynthConfig(seed=0, steps=4, prompts_per_step=16)
+    heldout: SynthConfig = SynthConfig(seed=HELDOUT_SEED, steps=1, prompts_per_step=16)
     kv_fraction: float = DEMO_KV_FRACTION
+    baselines: tuple[str, ...] = field(default_factory=_baselines)
     jobs: int = 2  # worker processes for the baselines
     sim_options: dict[str, Any] = field(default_factory=dict)  # run_simulation options for every simulation
     policy_options: dict[str, Any] = field(default_factory=dict)  # OfflineConfig overrides
@@ -56,11 +62,11 @@ class DemoResult:
     files: list[Path]
 
 
-def _synth(seed: int, steps: int, prompts: int, path: Path) -> Path:
+def _synth(cfg: SynthConfig, path: Path) -> Path:
     from data.io import write_workload
-    from data.synth import SynthConfig, generate
+    from data.synth import generate
 
-    write_workload(generate(SynthConfig(seed=seed, steps=steps, prompts_per_step=prompts)), path)
+    write_workload(generate(cfg), path)
     return path
 
 
@@ -76,7 +82,6 @@ def _simulate(workload: Path, policy: str, out_dir: Path, cfg: DemoConfig) -> di
 
 def run_demo(out_dir: Path, cfg: DemoConfig = DemoConfig(), console: Console | None = None) -> DemoResult:
     """Run the loop (see the module docstring) under ``out_dir``."""
-    from policy.baselines import BASELINES
     from policy.offline import OfflineConfig
     from training import registry
     from training.evaluate import evaluate
@@ -91,10 +96,11 @@ def run_demo(out_dir: Path, cfg: DemoConfig = DemoConfig(), console: Console | N
         console.rule(f"[bold]{n}/7 {text}[/]  ({time.perf_counter() - t_start:.0f} s)")
 
     stage(1, "generate the training and held-out workloads")
-    train_wl = _synth(cfg.train_seed, cfg.train_steps, cfg.prompts_per_step, out_dir / "workload-train.parquet")
-    heldout_wl = _synth(cfg.heldout_seed, cfg.heldout_steps, cfg.prompts_per_step, out_dir / "workload-heldout.parquet")
-    console.print(f"{train_wl} (seed {cfg.train_seed}, {cfg.train_steps} RL steps x {cfg.prompts_per_step} prompts); "
-                  f"{heldout_wl} (seed {cfg.heldout_seed})", highlight=False)
+    train_wl = _synth(cfg.train, out_dir / "workload-train.parquet")
+    heldout_wl = _synth(cfg.heldout, out_dir / "workload-heldout.parquet")
+    for path, w in ((train_wl, cfg.train), (heldout_wl, cfg.heldout)):
+        console.print(f"{path}: seed {w.seed}, {w.steps} RL step(s) x {w.prompts_per_step} prompts x "
+                      f"{w.group_size} samples", highlight=False)
 
     stage(2, f"simulate the training workload with the exploring `logging` policy, KV {cfg.kv_fraction:g}")
     log_dir = out_dir / "logs" / "logging"
@@ -105,8 +111,6 @@ def run_demo(out_dir: Path, cfg: DemoConfig = DemoConfig(), console: Console | N
 
     stage(3, "kvpilot train: predictors and policy in one MLflow run")
     heldout = HeldoutParams(workload=heldout_wl, kv_fraction=cfg.kv_fraction, sim_options=dict(cfg.sim_options))
-    import dataclasses
-
     trained = train_and_register([log_dir], out_dir / "train", experiment=cfg.experiment, heldout=heldout,
                                  policy_config=dataclasses.replace(OfflineConfig(), **cfg.policy_options),
                                  console=console)
@@ -116,13 +120,19 @@ def run_demo(out_dir: Path, cfg: DemoConfig = DemoConfig(), console: Console | N
     console.print(render_comparison(gate), highlight=False)
 
     stage(5, "vLLM default and the baselines on the held-out workload")
-    names = [n for n in BASELINES if n not in REFERENCES]
-    base = evaluate(heldout_wl, names, out_dir / "baselines", kv_fractions=[cfg.kv_fraction], jobs=cfg.jobs,
+    base = evaluate(heldout_wl, list(cfg.baselines), out_dir / "baselines", kv_fractions=[cfg.kv_fraction], jobs=cfg.jobs,
                     sim_options=cfg.sim_options or None)
 
     stage(6, "the hook serving models:/kvpilot@champion from the registry (policy `registry`)")
+    before_uri = os.environ.get("KVPILOT_MODEL_URI")
     os.environ["KVPILOT_MODEL_URI"] = registry.DEFAULT_MODEL_URI
-    served = _simulate(heldout_wl, "registry", out_dir / "serve-champion", cfg)
+    try:
+        served = _simulate(heldout_wl, "registry", out_dir / "serve-champion", cfg)
+    finally:
+        if before_uri is None:
+            del os.environ["KVPILOT_MODEL_URI"]
+        else:
+            os.environ["KVPILOT_MODEL_URI"] = before_uri
     champion = registry.get_champion()
 
     stage(7, "before / after")

@@ -1,0 +1,104 @@
+"""`kvpilot promote` on a real MLflow SQLite store with real small simulations: the first version becomes champion,
+a deliberately worse candidate (the trained scorer inverted) is refused, a better one is accepted, --force skips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.loop_fixtures import KV, inverted, logged_run, mlflow_store, tiny_workload  # noqa: F401 - a fixture
+from training.train import HeldoutParams
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> tuple[Path, Path]:
+    """(trained POLICY_DIR, its inverted copy) from the tiny logged run."""
+    from policy.offline import train_policy
+    from predictors.logs import load_logs
+    from predictors.pipeline import train_bundle
+
+    root = tmp_path_factory.mktemp("policies")
+    run = logged_run(root)
+    predictors = train_bundle(load_logs([run]), num_trees=20, num_threads=1).save(root / "predictors")
+    good = root / "good"
+    train_policy([run], predictors, good, progress=False)
+    return good, inverted(good, root / "bad")
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory: pytest.TempPathFactory) -> HeldoutParams:
+    return HeldoutParams(workload=tiny_workload(tmp_path_factory.mktemp("heldout") / "w.parquet", seed=77, steps=1),
+                         kv_fraction=KV)
+
+
+def _register(policy_dir: Path) -> str:
+    import mlflow
+
+    from training import registry
+
+    registry.configure("promote-test")
+    with mlflow.start_run():
+        return str(registry.log_policy_model(policy_dir).version)
+
+
+def _champion() -> str:
+    from training import registry
+
+    return str(registry.get_champion().version)
+
+
+def test_gate(mlflow_store: Path, policies: tuple[Path, Path], heldout: HeldoutParams, tmp_path: Path) -> None:
+    from training.cli import app
+    from training.promote import passes_gate, promote, render_comparison
+
+    good, bad = policies
+    v1 = _register(bad)
+    first = promote(v1, heldout=heldout)
+    assert first.promoted and first.champion_before is None and not first.rows  # no comparison for the first
+    assert _champion() == v1
+
+    v2 = _register(good)
+    better = promote(v2, heldout=heldout, out_dir=tmp_path / "g2", progress=False)
+    text = render_comparison(better)
+    assert better.promoted, text
+    assert _champion() == v2
+    assert f"candidate v{v2}" in text and f"champion v{v1}" in text and "vllm-default" in text
+
+    v3 = _register(bad)
+    res = CliRunner().invoke(app, ["promote", "--version", v3, "--workload", str(heldout.workload), "--kv-fraction",
+                                   str(KV), "-o", str(tmp_path / "g3"), "--no-progress"])
+    assert res.exit_code == 1, res.output  # refused
+    assert f"candidate v{v3}" in res.output and f"champion v{v2}" in res.output and "not promoted" in res.output
+    assert _champion() == v2
+    # what it refused: worse than the champion on the same run's numbers, by more than the tolerance
+    rows = json.loads((tmp_path / "g3" / "evaluation" / "summary.json").read_text())
+    cand, champ = (next(r for r in rows if r["policy"] == f"kvpilot-v{v}") for v in (v3, v2))
+    assert not passes_gate(cand, champ)[0]
+    assert cand["makespan_s"] > champ["makespan_s"] or cand["recomputed_tokens"] > champ["recomputed_tokens"]
+
+    forced = promote(v3, force=True, heldout=heldout)
+    assert forced.promoted and not forced.rows and _champion() == v3
+
+
+def test_passes_gate_tolerances() -> None:
+    from training.promote import MAKESPAN_TOLERANCE, passes_gate
+
+    champ = {"makespan_s": 100.0, "recomputed_tokens": 1000}
+    assert passes_gate({"makespan_s": 100.0, "recomputed_tokens": 1000}, champ)[0]  # equal: no worse
+    assert passes_gate({"makespan_s": 100.0 * (1 + MAKESPAN_TOLERANCE) - 1e-9, "recomputed_tokens": 0}, champ)[0]
+    ok, why = passes_gate({"makespan_s": 102.0, "recomputed_tokens": 900}, champ)
+    assert not ok and "worse on makespan" in why
+    ok, why = passes_gate({"makespan_s": 90.0, "recomputed_tokens": 2000}, champ)
+    assert not ok and "worse on recompute" in why
+
+
+def test_unknown_version_is_a_clear_error(mlflow_store: Path) -> None:
+    from training.cli import app
+
+    res = CliRunner().invoke(app, ["promote", "--version", "999", "--no-progress"])
+    assert res.exit_code == 2 and "no version 999" in res.output
