@@ -32,17 +32,30 @@ def logged_run(root: Path) -> Path:
     return run
 
 
-def inverted(policy_dir: Path, out: Path) -> Path:
-    """A deliberately worse POLICY_DIR: the same one with its scorer's last layer negated (every ranking reversed)."""
+def most_recompute(policy_dir: Path, out: Path) -> Path:
+    """A deliberately worse POLICY_DIR: its scorer rewired to preempt the running request with the most computed
+    tokens (the most to recompute, again and again) and to admit in arrival order (all admission scores equal).
+
+    Built from the manifest's feature schema and heads: the first hidden unit carries the standardised
+    ``log_computed_tokens`` plus a large offset (so every ReLU passes it), the output's preempt head reads it."""
+    import json
+
     import torch
 
     shutil.copytree(policy_dir, out)
+    schema = json.loads((out / "policy.json").read_text())["feature_schema"]
+    feature, head = schema["features"].index("log_computed_tokens"), schema["heads"].index("preempt")
     state = torch.load(out / "policy.pt", weights_only=True)
-    last = [k for k, v in state.items() if k.endswith("weight") and v.dim() == 2][-1]
-    state[last] = -state[last]
-    bias = last[: -len("weight")] + "bias"
-    if bias in state:
-        state[bias] = -state[bias]
+    layers = [k[: -len("weight")] for k, v in state.items() if k.endswith("weight") and v.dim() == 2]
+    for i, layer in enumerate(layers):
+        w, b = torch.zeros_like(state[layer + "weight"]), torch.zeros_like(state[layer + "bias"])
+        if i == 0:
+            w[0, feature], b[0] = 1.0, 100.0
+        elif i < len(layers) - 1:
+            w[0, 0] = 1.0
+        else:
+            w[head, 0] = 1.0
+        state[layer + "weight"], state[layer + "bias"] = w, b
     torch.save(state, out / "policy.pt")
     return out
 

@@ -1,5 +1,5 @@
 """`kvpilot promote` on a real MLflow SQLite store with real small simulations: the first version becomes champion,
-a deliberately worse candidate (the trained scorer inverted) is refused, a better one is accepted, --force skips."""
+a deliberately worse candidate (a scorer that preempts the request with the most to recompute) is refused, a better one is accepted, --force skips."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.loop_fixtures import KV, inverted, logged_run, mlflow_store, tiny_workload  # noqa: F401 - a fixture
+from tests.loop_fixtures import KV, logged_run, most_recompute, mlflow_store, tiny_workload  # noqa: F401 - a fixture
 from training.train import HeldoutParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> tuple[Path, Path]:
-    """(trained POLICY_DIR, its inverted copy) from the tiny logged run."""
+    """(trained POLICY_DIR, a deliberately worse one) from the tiny logged run."""
     from policy.offline import train_policy
     from predictors.logs import load_logs
     from predictors.pipeline import train_bundle
@@ -27,7 +27,7 @@ def policies(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> tuple[Pat
     predictors = train_bundle(load_logs([run]), num_trees=20, num_threads=1).save(root / "predictors")
     good = root / "good"
     train_policy([run], predictors, good, progress=False)
-    return good, inverted(good, root / "bad")
+    return good, most_recompute(good, root / "bad")
 
 
 @pytest.fixture(scope="module")

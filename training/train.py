@@ -148,7 +148,7 @@ def train_and_register(
     import mlflow
 
     from predictors.logs import load_logs
-    from predictors.pipeline import train_bundle
+    from predictors.pipeline import render_report, train_bundle
     from training import registry
 
     console = console or Console(stderr=True)
@@ -183,18 +183,24 @@ def train_and_register(
                            "log_dirs": ",".join(str(p) for p in log_dirs)})
 
         _stage(console, "2/4 predictors: LightGBM length and reuse models")
-        bundle = train_bundle(frame, test_steps=predictor_params.test_steps, horizon_s=predictor_params.horizon_s,
-                              num_trees=predictor_params.num_trees, num_threads=predictor_params.num_threads)
+        try:
+            bundle = train_bundle(frame, test_steps=predictor_params.test_steps,
+                                  horizon_s=predictor_params.horizon_s, num_trees=predictor_params.num_trees,
+                                  num_threads=predictor_params.num_threads)
+        except ValueError as err:  # too few steps or rows to split and fit
+            raise TrainError(f"predictors: {err}") from None
         with tempfile.TemporaryDirectory(prefix="kvpilot-predictors-") as tmp:
             predictors_dir = bundle.save(Path(tmp) / "predictors")
-            from predictors.pipeline import render_report
-
             console.print(render_report(bundle.report), highlight=False)
             metrics = flat_metrics({k: v for k, v in bundle.report.items() if k in ("length", "reuse")},
                                    "predictors")
 
             _stage(console, "3/4 policy: offline contextual bandit from logged decisions")
-            policy_metrics = train_policy_fn(log_dirs, predictors_dir, policy_dir, policy_config, progress=progress)
+            try:
+                policy_metrics = train_policy_fn(log_dirs, predictors_dir, policy_dir, policy_config,
+                                                 progress=progress)
+            except ValueError as err:  # no usable decisions, a bad log
+                raise TrainError(f"policy: {err}") from None
         metrics.update({k: float(v) for k, v in policy_metrics.items()})
         console.print("  ".join(f"{k} {v:.4g}" for k, v in policy_metrics.items()), highlight=False)
 
