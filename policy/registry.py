@@ -56,6 +56,10 @@ def _resolve(factory: PolicyFactory) -> PolicyFactory:
 for _name, _target in BASELINES.items():
     _REGISTRY[_name] = _lazy(_target)
 
+#: The learned policy (``model=POLICY_DIR``) and its exploring behaviour policy.
+_REGISTRY["learned"] = _lazy("policy.learned:create_learned")
+_REGISTRY["logging"] = _lazy("policy.learned:LoggingPolicy")
+
 
 def register(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
     """Register ``factory`` under ``name`` (``replace=True`` to override)."""

@@ -214,6 +214,9 @@ class KVPilotMixin:
         #: Clock for TTLs, wait times and telemetry (seconds). vLLM stamps
         #: ``Request.arrival_time`` with ``time.time()``; the simulator replaces it.
         self.kvpilot_clock: Callable[[], float] = time.time
+        #: Most tokens a running request decodes in one step; the simulator's decode
+        #: stride sets it (telemetry counts a chunk of up to this many as decode tokens).
+        self.kvpilot_decode_stride = 1
         budget = policy.decision_budget_s
         self._kvp_budget = float(budget) if budget else cfg.decision_budget_s
         self._kvp_replica = cfg.replica
@@ -1058,9 +1061,10 @@ class KVPilotMixin:
         total = out.total_num_scheduled_tokens
         decode = 0
         admitted_set = set(admitted)
+        stride = self.kvpilot_decode_stride
         for rid, n in nst.items():
-            if n == 1 and rid not in admitted_set:
-                decode += 1
+            if n <= stride and rid not in admitted_set:
+                decode += n
         pool = self._kvp_pool
         # Written at the step's end (update_from_output), when its duration is known.
         self._kvp_step_rows.append(

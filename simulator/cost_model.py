@@ -34,6 +34,14 @@ per bf16 element)::
 
 An empty step (P = S = 0) runs no forward pass and costs 0.
 
+:meth:`CostModel.strided_step_time` prices one simulator step that stands for
+several consecutive engine iterations (the simulator's decode stride): the first
+iteration runs the step's prefill and its first decode batch, each later one a
+decode batch only, and each is a :meth:`~CostModel.step_time` of its own (its
+overhead and weight reads included)::
+
+    strided = step_time(P, A_p, S_1, A_d1) + sum_{j >= 2} step_time(0, 0, S_j, A_dj)
+
 Why max within, sum across: a GEMM kernel streams the weights while it computes,
 so its time is the larger of its compute and memory times (roofline); the
 attention kernels run after the GEMMs of the same layer and overlap little with
@@ -74,6 +82,7 @@ Presets are ``<GPU>-<model>``: ``H200-7B``, ``H200-32B``, ``H100-7B``, ``H100-32
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,3 +222,26 @@ class CostModel:
         attn_s = self._pair_flops * (prefill_context_tokens + decode_context_tokens) / self._flops
         kv_s = self._kv_bytes * decode_context_tokens / self._bandwidth
         return self.step_overhead_s + max(linear_s, self._weight_s) + max(attn_s, kv_s)
+
+    def strided_step_time(
+        self,
+        prefill_tokens: int,
+        prefill_context_tokens: int,
+        decode_seqs: Sequence[int],
+        decode_context_tokens: Sequence[int],
+    ) -> float:
+        """Seconds of consecutive iterations: the prefill once, then iteration j decodes ``decode_seqs[j]``.
+
+        ``decode_seqs[j]`` sequences reading ``decode_context_tokens[j]`` KV tokens in all decode in
+        iteration j; the first iteration also runs the prefill (see the module docstring). Iterations
+        without work cost nothing.
+        """
+        if len(decode_seqs) != len(decode_context_tokens):
+            raise ValueError("decode_seqs and decode_context_tokens must have one entry per iteration")
+        if not len(decode_seqs):
+            return self.step_time(prefill_tokens, prefill_context_tokens, 0, 0)
+        total = self.step_time(prefill_tokens, prefill_context_tokens, decode_seqs[0], decode_context_tokens[0])
+        for seqs, ctx in zip(decode_seqs[1:], decode_context_tokens[1:]):
+            if seqs:
+                total += self.step_time(0, 0, seqs, ctx)
+        return total

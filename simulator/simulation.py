@@ -37,6 +37,42 @@ out; a replica that makes no progress for ``stall_steps`` such steps while
 nothing else can happen (no event pending but other stalled replicas' steps) is
 an error.
 
+Decode stride
+-------------
+With ``decode_stride`` k > 1 the fake runner returns up to k sampled tokens per
+request per step (never past its script: the EOS or ``max_tokens``), as a model
+runner does with accepted speculative tokens: vLLM's ``update_from_output``
+appends them all and checks each for a stop, and the next ``schedule()`` gives
+the request those k uncomputed tokens as one chunk, allocating their KV. One
+simulated step so stands for k engine iterations, and a run makes about k times
+fewer scheduler calls (the cost of a run is almost all vLLM's own
+``schedule()`` / ``update_from_output()``, one call per decoded token at k = 1).
+
+* Cost: :meth:`~simulator.cost_model.CostModel.strided_step_time`: the step's
+  prefill once, plus one decode iteration per sampled token, each with its own
+  context (:meth:`Simulation._strided_output`). A request of L output tokens is
+  charged its prefill and L - 1 decode iterations, as at k = 1.
+* Token budget: vLLM gets ``k x max_num_batched_tokens``. k iterations would
+  each have had the budget, so prefill gets ``k x (budget - decoding
+  sequences)`` tokens per step, the same admission rate per simulated second
+  as at k = 1 (with the plain budget, k x the decode tokens would eat it and
+  starve prefill). Policies see this budget in ``EngineState``.
+* Telemetry: the hook's ``kvpilot_decode_stride`` is k, so ``steps`` rows
+  count a decode chunk's tokens (not its sequences) in ``decode_tokens``.
+* What is approximate: the scheduler (and a policy) decides once per k
+  iterations, so preemption, admission and eviction happen at step
+  granularity; a request's KV grows in chunks of k tokens; events inside a
+  step (a finish, a tool's return, an arrival) take effect at its end, up to
+  one step (k iterations, ~k x 15-30 ms on H200-7B) late instead of one
+  iteration; a request's last sampled batch (up to k tokens) is never
+  computed, so a next turn's prompt can miss the one block holding it, and a
+  preempted request's recompute is counted up to k - 1 tokens short.
+  ``benchmarks/bench_stride.py`` measures the effect on makespan, preemptions,
+  hit rate and policy ratios. ``simulate`` defaults to k = 1 (exact: a single
+  run's numbers should not carry this approximation), ``evaluate`` to
+  :data:`training.evaluate.DEFAULT_DECODE_STRIDE` (a grid of many runs, where
+  policy ratios at that stride match the exact ones within ~1-2 %).
+
 Drivers
 -------
 * **Synchronous RL steps** (every ``arrival_s`` null): step s is released when
@@ -247,6 +283,7 @@ class Simulation:
         idle_step_s: float = 0.004,
         stall_steps: int = 100_000,
         validate: bool = True,
+        decode_stride: int = 1,
     ) -> None:
         t0 = time.perf_counter()
         # ---- configuration checks, all before anything runs
@@ -260,6 +297,8 @@ class Simulation:
             raise SimulationError("give at most one of kv_blocks and kv_fraction")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise SimulationError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not isinstance(decode_stride, int) or isinstance(decode_stride, bool) or decode_stride < 1:
+            raise SimulationError(f"decode_stride must be an integer >= 1, got {decode_stride!r}")
         if workload.num_rows == 0:
             raise SimulationError("the workload has no requests")
         if validate:
@@ -329,6 +368,7 @@ class Simulation:
         self.decision_budget_s = decision_budget_s
         self.idle_step_s = idle_step_s
         self.stall_steps = stall_steps
+        self.stride = decode_stride
         self.out_dir = Path(out_dir) if out_dir is not None else None
         # Longest context a request reaches, for vLLM's max_model_len.
         full = workload.column("prompt_tokens").to_numpy().astype(np.int64) + output
@@ -405,12 +445,13 @@ class Simulation:
             cfg = engine.make_vllm_config(
                 num_blocks=self.kv_blocks,
                 max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_batched_tokens=self.max_num_batched_tokens * self.stride,
                 max_model_len=self.max_model_len,
             )
             sched = engine.make_scheduler(cls, num_blocks=self.kv_blocks, vllm_config=cfg)
             rep = _Replica(i, sched)
             sched.kvpilot_clock = _clock_of(rep)
+            sched.kvpilot_decode_stride = self.stride
             reps.append(rep)
         return reps
 
@@ -506,7 +547,31 @@ class Simulation:
         t0 = time.perf_counter()
         out = sched.schedule()
         self._sched_s += time.perf_counter() - t0
-        # The fake model's output and the step's cost inputs, in one pass.
+        if self.stride > 1:
+            req_ids, sampled, dt = self._strided_output(rep, out)
+        else:
+            req_ids, sampled, dt = self._output(rep, out)
+        rep.out = out
+        rep.mro = self._mro_cls(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                sampled_token_ids=sampled)
+        if req_ids:
+            rep.idle_steps = 0
+        else:
+            dt = self.idle_step_s
+            rep.idle_steps += 1
+            if rep.idle_steps >= self.stall_steps and all(  # nothing but other stalled replicas' idle steps left
+                    e[3] in (_STEP_END, _KICK) and e[4].idle_steps >= self.stall_steps for e in self._heap):
+                raise SimulationError(
+                    f"replica {rep.index} stalled: {len(sched.waiting)} request(s) waiting, none schedulable for "
+                    f"{rep.idle_steps} steps and nothing else pending (KV cache too small, or a policy holds "
+                    "everything back)")
+        rep.busy = True
+        rep.steps += 1
+        self._engine_steps += 1
+        self._push(t + dt, _STEP_END, rep)
+
+    def _output(self, rep: _Replica, out: Any) -> tuple[list[str], list[list[int]], float]:
+        """The fake model's output (one token per request) and the step's cost, in one pass."""
         requests = rep.requests
         scripts = self._scripts
         req_ids = []
@@ -530,25 +595,62 @@ class Simulation:
                 prefill += n
                 pairs += n * before + n * (n + 1) // 2
             sampled.append([scripts[rid][r.num_output_tokens]])
-        rep.out = out
-        rep.mro = self._mro_cls(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
-        if req_ids:
-            dt = self.cost.step_time(prefill, pairs, decode, context)
-            rep.idle_steps = 0
-        else:
-            dt = self.idle_step_s
-            rep.idle_steps += 1
-            if rep.idle_steps >= self.stall_steps and all(  # nothing but other stalled replicas' idle steps left
-                    e[3] in (_STEP_END, _KICK) and e[4].idle_steps >= self.stall_steps for e in self._heap):
-                raise SimulationError(
-                    f"replica {rep.index} stalled: {len(sched.waiting)} request(s) waiting, none schedulable for "
-                    f"{rep.idle_steps} steps and nothing else pending (KV cache too small, or a policy holds "
-                    "everything back)")
-        rep.busy = True
-        rep.steps += 1
-        self._engine_steps += 1
-        self._push(t + dt, _STEP_END, rep)
+        return req_ids, sampled, self.cost.step_time(prefill, pairs, decode, context)
+
+    def _strided_output(self, rep: _Replica, out: Any) -> tuple[list[str], list[list[int]], float]:
+        """Decode stride k: up to k tokens per request (never past its script) and the k iterations' cost.
+
+        A request whose scheduled chunk is at most k tokens past its prompt is decoding: it computes the
+        tokens it sampled last step and samples e more, one per iteration (contexts before + 1 .. before + e).
+        A prefill chunk that completes samples its first token in iteration 1 and decodes the other e - 1 in
+        iterations 2 .. e. So a request of L output tokens is charged its prefill and L - 1 decode
+        iterations, as at k = 1.
+        """
+        k = self.stride
+        requests = rep.requests
+        scripts = self._scripts
+        req_ids = []
+        sampled = []
+        prefill = pairs = 0
+        ends = [0] * (k + 1)  # requests decoding through iteration e
+        bases = [0] * (k + 1)  # their context base: iteration j reads base + j
+        late = late_base = 0  # prefill completers, which do not decode in iteration 1
+        empty: list = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req_ids.append(rid)
+            r = requests[rid]
+            computed = r.num_computed_tokens  # schedule() already advanced it by n
+            before = computed - n
+            if computed < r.num_tokens:  # inside a partial chunk: no token
+                prefill += n
+                pairs += n * before + n * (n + 1) // 2
+                sampled.append(empty)
+                continue
+            script = scripts[rid]
+            pos = r.num_output_tokens
+            e = min(k, len(script) - pos)
+            sampled.append(script[pos:pos + e])
+            if n <= k and before >= r.num_prompt_tokens:
+                ends[e] += 1
+                bases[e] += before
+            else:
+                prefill += n
+                pairs += n * before + n * (n + 1) // 2
+                ends[e] += 1
+                bases[e] += computed - 1
+                late += 1
+                late_base += computed - 1
+        seqs = [0] * k
+        ctx = [0] * k
+        s = b = 0
+        for j in range(k, 0, -1):
+            s += ends[j]
+            b += bases[j]
+            seqs[j - 1] = s
+            ctx[j - 1] = b + j * s
+        seqs[0] -= late
+        ctx[0] -= late_base + late
+        return req_ids, sampled, self.cost.strided_step_time(prefill, pairs, seqs, ctx)
 
     def _end_step(self, rep: _Replica, t: float) -> None:
         rep.now = t
@@ -812,7 +914,7 @@ class Simulation:
         summary.update(
             policy=self._policy_name, router=self.router_name if self.n_replicas > 1 else None,
             replicas=self.n_replicas, kv_blocks=self.kv_blocks, kv_fraction=self.kv_fraction, preset=self.preset,
-            engine_steps=self._engine_steps, aborted_trajectories=self._aborted_trajs,
+            decode_stride=self.stride, engine_steps=self._engine_steps, aborted_trajectories=self._aborted_trajs,
             telemetry_dropped_rows=dropped, wall_s=result.wall_s, scheduler_s=result.scheduler_s,
             hook_s=result.hook_s, simulator_overhead=result.overhead,
         )

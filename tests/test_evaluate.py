@@ -18,6 +18,7 @@ from tests.test_sim_run import small_config
 from training.cli import app
 from training.evaluate import (
     DEFAULT,
+    DEFAULT_DECODE_STRIDE,
     EvaluationError,
     build_cases,
     evaluate,
@@ -64,6 +65,12 @@ def test_cli_unknown_policy_fails_before_running(workload_path: Path, tmp_path: 
     res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "e"),
                                    "--kv-fractions", "0.2,x", "--no-progress"])
     assert res.exit_code == 2, res.output
+    res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "e"),
+                                   "--decode-stride", "0", "--no-progress"])
+    assert res.exit_code == 2 and "--decode-stride must be >= 1" in res.output, res.output
+    with pytest.raises(EvaluationError, match="decode_stride"):
+        evaluate(workload_path, ["sortedrl"], tmp_path / "e", decode_stride=0, progress=False)
+    assert not (tmp_path / "e").exists()
 
 
 @pytest.mark.vllm
@@ -85,7 +92,7 @@ def test_evaluate_grid(vllm_engine: Any, workload_path: Path, tmp_path: Path) ->
         if r["kv_fraction"] == 1e-4:
             assert "smaller than the largest request" in r["error"] and r["makespan_ratio_vs_default"] is None
             continue
-        assert r["error"] is None and r["makespan_s"] > 0
+        assert r["error"] is None and r["makespan_s"] > 0 and r["decode_stride"] == DEFAULT_DECODE_STRIDE
         assert math.isclose(r["makespan_ratio_vs_default"], r["makespan_s"] / default[r["kv_fraction"]]["makespan_s"])
         assert math.isclose(r["hit_rate_ratio_vs_default"],
                             r["prefix_hit_rate"] / default[r["kv_fraction"]]["prefix_hit_rate"])
@@ -109,11 +116,12 @@ def test_cli_two_replicas(vllm_engine: Any, workload_path: Path, tmp_path: Path)
     out = tmp_path / "eval2"
     res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(out), "--policies",
                                    "vllm-default", "--kv-fractions", "0.5", "--replicas", "2",
-                                   "--router", "least-loaded", "--no-progress"])
+                                   "--router", "least-loaded", "--decode-stride", "4", "--no-progress"])
     assert res.exit_code == 0, res.output
+    assert "decode stride 4" in res.output
     rows = json.loads((out / "summary.json").read_text())
     assert [(r["policy"], r["replicas"], r["makespan_ratio_vs_default"]) for r in rows] == [(DEFAULT, 2, 1.0)]
-    assert rows[0]["router"] == "least-loaded"
+    assert rows[0]["router"] == "least-loaded" and rows[0]["decode_stride"] == 4
 
 
 @pytest.mark.vllm

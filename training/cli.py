@@ -18,6 +18,7 @@ from rich.console import Console
 
 from data.errors import DataValidationError
 from training import predictors_cli
+from training.policy_cli import register as register_train_policy
 from training.predictors_cli import predictors_app
 from training.train import HELDOUT_KV_FRACTION, HELDOUT_SEED
 
@@ -28,13 +29,13 @@ app = typer.Typer(
 )
 workload_app = typer.Typer(help="Generate, import, validate and describe workloads.", no_args_is_help=True)
 app.add_typer(workload_app, name="workload")
-#: ``kvpilot train --logs ...`` trains everything (the group's own callback); ``kvpilot train predictors`` and the
-#: other subcommands come from the modules that own them: every command registered on their ``train_app``.
+#: ``kvpilot train --logs ...`` trains everything (the group's own callback); its subcommands come from the modules
+#: that own them: ``train predictors`` (every command on predictors_cli's ``train_app``) and ``train policy``.
 train_app = typer.Typer(help="Train kvpilot's models: with --logs, predictors and policy into one MLflow run; or one "
                         "part with a subcommand.", no_args_is_help=True, invoke_without_command=True,
                         pretty_exceptions_enable=False)
-for _owner in (predictors_cli.train_app,):
-    train_app.registered_commands.extend(_owner.registered_commands)
+train_app.registered_commands.extend(predictors_cli.train_app.registered_commands)
+register_train_policy(train_app)
 app.add_typer(train_app, name="train")
 app.add_typer(predictors_app, name="predictors")
 
@@ -169,12 +170,16 @@ def simulate(
     max_num_batched_tokens: Annotated[
         int, typer.Option("--max-num-batched-tokens", help="vLLM max_num_batched_tokens (chunked prefill).")
     ] = 8192,
+    decode_stride: Annotated[
+        int, typer.Option("--decode-stride", help="Tokens each request decodes per simulated step (1: exact; "
+                          "k > 1: k times fewer scheduler calls, approximate).")
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
     summary = _simulate(workload, out_dir, policy, policy_options, replicas, router, kv_blocks, kv_fraction, preset,
-                        max_num_seqs, max_num_batched_tokens, progress)
+                        max_num_seqs, max_num_batched_tokens, progress, decode_stride)
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -186,7 +191,7 @@ def simulate(
 
 def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Optional[str], replicas: int, router: str,
               kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: int,
-              max_num_batched_tokens: int, progress: bool) -> dict:
+              max_num_batched_tokens: int, progress: bool, decode_stride: int = 1) -> dict:
     """Read, check and simulate; user errors exit with status 2 before anything runs."""
     from data.io import read_workload
 
@@ -210,7 +215,7 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
         result = run_simulation(
             table, policy, policy_options=options, replicas=replicas, router=router, kv_blocks=kv_blocks,
             kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, progress=progress, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, validate=False,
+            max_num_batched_tokens=max_num_batched_tokens, validate=False, decode_stride=decode_stride,
         )
     except SimulationError as err:
         raise _fail(str(err)) from None
@@ -244,7 +249,14 @@ def evaluate_cmd(
     ] = "round-robin",
     jobs: Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (each imports vLLM once).")] = 1,
     preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
+    decode_stride: Annotated[
+        Optional[int], typer.Option("--decode-stride", help="Tokens each request decodes per simulated step; "
+                                    "1 is exact. Default: training.evaluate.DEFAULT_DECODE_STRIDE, chosen with "
+                                    "benchmarks/bench_stride.py.")
+    ] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+    model: Annotated[Optional[Path], typer.Option(
+        "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`).")] = None,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import EvaluationError, build_cases, evaluate, resolve_policies
@@ -253,6 +265,10 @@ def evaluate_cmd(
     reps = _number_list(replicas, int, "--replicas")
     if jobs < 1:
         raise _fail(f"--jobs must be >= 1, got {jobs}")
+    if decode_stride is None:
+        from training.evaluate import DEFAULT_DECODE_STRIDE as decode_stride
+    if decode_stride < 1:
+        raise _fail(f"--decode-stride must be >= 1, got {decode_stride}")
     if not workload.exists():
         raise _fail(f"no such workload: {workload}")
     try:
@@ -261,11 +277,13 @@ def evaluate_cmd(
     except EvaluationError as err:
         raise _fail(str(err)) from None
     console.print(f"evaluating {len(names)} policies x {len(set(kvs))} KV size(s) x {len(set(reps))} replica "
-                  f"count(s) = {len(cases)} simulations, {jobs} job(s)", highlight=False)
+                  f"count(s) = {len(cases)} simulations, {jobs} job(s), decode stride {decode_stride}",
+                  highlight=False)
     t0 = time.perf_counter()
     try:
         result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
-                          jobs=jobs, progress=progress)
+                          jobs=jobs, progress=progress, decode_stride=decode_stride,
+                          policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None
     failed = [r for r in result.rows if r.get("error")]
@@ -292,7 +310,7 @@ def _policy_config(options: Optional[str]):
         return dataclasses.replace(OfflineConfig(), **values)
     except (ValueError, TypeError) as err:
         known = ", ".join(f.name for f in dataclasses.fields(OfflineConfig))
-        raise _fail(f"--policy-options: {err} (OfflineConfig fields: {known})") from None
+        raise _fail(f"--policy-config: {err} (OfflineConfig fields: {known})") from None
 
 
 def _heldout(workload: Optional[Path], kv_fraction: float, seed: int):
@@ -316,8 +334,8 @@ def train(
     test_steps: Annotated[Optional[str], typer.Option(
         "--test-steps", help="Predictors' held-out RL steps, e.g. '6-7'; default: the last quarter.")] = None,
     trees: Annotated[int, typer.Option("--trees", help="Boosting rounds per predictor.")] = 100,
-    policy_options: Annotated[Optional[str], typer.Option(
-        "--policy-options", help="JSON object of policy.offline.OfflineConfig fields.")] = None,
+    policy_config: Annotated[Optional[str], typer.Option(
+        "--policy-config", help="JSON object of policy.offline.OfflineConfig fields, e.g. '{\"epochs\": 20}'.")] = None,
     heldout_workload: Annotated[Optional[Path], typer.Option(
         "--heldout-workload", help="Held-out workload for the simulator evaluation; default: a fresh synthetic "
         "one with an unseen seed.")] = None,
@@ -343,7 +361,7 @@ def train(
     params = PredictorParams(test_steps=tuple(steps) if steps else None, num_trees=trees)
     try:
         result = train_and_register(logs, out, experiment=experiment, predictor_params=params,
-                                    policy_config=_policy_config(policy_options),
+                                    policy_config=_policy_config(policy_config),
                                     heldout=_heldout(heldout_workload, kv_fraction, heldout_seed), progress=progress,
                                     console=console)
     except (TrainError, DataValidationError) as err:

@@ -6,6 +6,8 @@ with :func:`simulator.simulation.run_simulation`, each into
 processes (spawn context; each worker imports vLLM once, reads the workload
 once and runs several cases). A case that fails is a row with an ``error``,
 not a failed evaluation. ``vllm-default`` is always run, for the ratios.
+Cases run at the simulator's decode stride :data:`DEFAULT_DECODE_STRIDE`
+(``decode_stride``; 1 is the exact path, see :mod:`simulator.simulation`).
 
 It writes, under ``out_dir``:
 
@@ -39,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT = "vllm-default"
+#: The simulator's decode stride for evaluations (benchmarks/bench_stride.py: policy makespan ratios at this
+#: stride stay within ~1-2 % of the exact path's, at a fraction of its engine steps).
+DEFAULT_DECODE_STRIDE = 8
 RATIOS = {
     "makespan_ratio_vs_default": "makespan_s",
     "recompute_ratio_vs_default": "recomputed_tokens",
@@ -126,8 +131,12 @@ def _init_worker(workload_path: str) -> None:
 
 
 def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-robin", preset: str = "H200-7B",
-             sim_options: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[float]]:
-    """Simulate one case; returns its row (``error`` set instead of raising) and its trajectory durations."""
+             sim_options: dict[str, Any] | None = None,
+             policy_options: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[float]]:
+    """Simulate one case; returns its row (``error`` set instead of raising) and its trajectory durations.
+
+    ``policy_options`` maps a policy name to its keyword options (e.g. ``{"learned": {"model": POLICY_DIR}}``).
+    """
     from simulator.simulation import run_simulation
 
     row: dict[str, Any] = {"policy": case.policy, "kv_fraction": case.kv_fraction, "replicas": case.replicas,
@@ -138,9 +147,12 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-r
 
         shutil.rmtree(run_dir)  # an earlier evaluation's run of this case
     try:
+        opts = dict(sim_options or {})
+        if policy_options and case.policy in policy_options:
+            opts["policy_options"] = {**opts.get("policy_options", {}), **policy_options[case.policy]}
         result = run_simulation(workload, case.policy, replicas=case.replicas, router=router,
                                 kv_fraction=case.kv_fraction, preset=preset, out_dir=run_dir, progress=False,
-                                validate=False, **(sim_options or {}))
+                                validate=False, **opts)
     except Exception as e:  # noqa: BLE001 - reported in the table, not a crash of the evaluation
         row["error"] = f"{type(e).__name__}: {e}"
         return row, []
@@ -151,9 +163,10 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-r
     return row, [t.end_s - t.start_s for t in result.trajectories]
 
 
-def _worker_case(case: Case, out_dir: str, router: str, preset: str,
-                 sim_options: dict[str, Any] | None) -> tuple[dict[str, Any], list[float]]:
-    return run_case(_WORKER["workload"], case, Path(out_dir), router=router, preset=preset, sim_options=sim_options)
+def _worker_case(case: Case, out_dir: str, router: str, preset: str, sim_options: dict[str, Any] | None,
+                 policy_options: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[float]]:
+    return run_case(_WORKER["workload"], case, Path(out_dir), router=router, preset=preset, sim_options=sim_options,
+                    policy_options=policy_options)
 
 
 def evaluate(
@@ -167,14 +180,22 @@ def evaluate(
     preset: str = "H200-7B",
     jobs: int = 1,
     progress: bool = True,
+    decode_stride: int = DEFAULT_DECODE_STRIDE,
     sim_options: dict[str, Any] | None = None,
     on_case: Callable[[Case, dict[str, Any]], None] | None = None,
+    policy_options: dict[str, dict[str, Any]] | None = None,
 ) -> EvaluationResult:
-    """Run the grid (see the module docstring); bad requests raise :class:`EvaluationError` before running."""
+    """Run the grid (see the module docstring); bad requests raise :class:`EvaluationError` before running.
+
+    ``policy_options``: per-policy keyword options, by policy name (``learned`` needs ``model``).
+    """
     names = resolve_policies(policies)
     cases = build_cases(names, kv_fractions, replicas)
     if jobs < 1:
         raise EvaluationError(f"jobs must be >= 1, got {jobs}")
+    if not isinstance(decode_stride, int) or decode_stride < 1:
+        raise EvaluationError(f"decode_stride must be an integer >= 1, got {decode_stride!r}")
+    sim_options = {"decode_stride": decode_stride, **(sim_options or {})}
     from data.io import read_workload
 
     try:
@@ -197,9 +218,11 @@ def evaluate(
     try:
         if jobs == 1 or len(cases) == 1:
             for case in cases:
-                done(case, run_case(workload, case, out, router=router, preset=preset, sim_options=sim_options))
+                done(case, run_case(workload, case, out, router=router, preset=preset, sim_options=sim_options,
+                                    policy_options=policy_options))
         else:
-            _run_parallel(cases, str(Path(workload_path)), str(out), router, preset, sim_options, jobs, done)
+            _run_parallel(cases, str(Path(workload_path)), str(out), router, preset, sim_options, jobs, done,
+                          policy_options)
     finally:
         if bar is not None:
             bar.stop()
@@ -229,7 +252,8 @@ def _progress(enabled: bool, total: int) -> tuple[Any, Any]:
 
 
 def _run_parallel(cases: list[Case], workload_path: str, out_dir: str, router: str, preset: str,
-                  sim_options: dict[str, Any] | None, jobs: int, done: Callable) -> None:
+                  sim_options: dict[str, Any] | None, jobs: int, done: Callable,
+                  policy_options: dict[str, dict[str, Any]] | None = None) -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -237,7 +261,8 @@ def _run_parallel(cases: list[Case], workload_path: str, out_dir: str, router: s
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(cases)), mp_context=ctx, initializer=_init_worker,
                              initargs=(workload_path,)) as pool:
-        futures = {pool.submit(_worker_case, c, out_dir, router, preset, sim_options): c for c in cases}
+        futures = {pool.submit(_worker_case, c, out_dir, router, preset, sim_options, policy_options): c
+                   for c in cases}
         for fut in as_completed(futures):
             case = futures[fut]
             try:

@@ -1,0 +1,591 @@
+"""kvpilot's learned admission / preemption policy, and the exploring behaviour policy that logs for it.
+
+**The scorer.** A small MLP (:class:`Scorer`, torch) maps each candidate's
+:data:`policy.learned_features.FEATURES` (its own features, the LightGBM length
+model's p50 / p90 and the predicted remaining output, and an engine-state
+summary: KV usage, pinned blocks, running / waiting counts, the RL step's
+phase) to two scores: one for admission (higher = admitted first) and one for
+preemption (higher = the victim). All candidates of a decision go through one
+forward pass; inside the scheduler the forward pass runs in numpy from the
+torch weights (:class:`NumpyScorer`, the same numbers: a test checks), since
+torch's per-call overhead is larger than the MLP itself.
+
+**Acting.** ``mode="serve"``: greedy (admission order by score, the victim with
+the highest preemption score). ``mode="log"``: a Plackett-Luce sample at
+``temperature`` mixed with a uniform draw at rate ``epsilon``; the logged
+``propensity`` is the exact probability of the logged action (the first
+admitted request, or the victim) under that mixture. Retention and eviction
+are left to vLLM (the learned policy does not use those levers).
+
+**Starvation.** A request that has waited ``max_wait_steps`` engine steps or
+``max_wait_s`` seconds since it (re-)entered the queue goes first, FCFS among
+the starved, whatever its score; such a decision is deterministic
+(propensity 1).
+
+**Behaviour policy** (:class:`LoggingPolicy`, registered as ``logging``): per
+decision, one component of a mixture is drawn (vLLM's FCFS order / tail
+victim, shortest and longest predicted remaining output first, uniform); the
+logged propensity is the mixture's marginal probability of the logged action,
+summed over every component that would have taken it.
+
+**POLICY_DIR** (:meth:`LearnedPolicy.save` / :meth:`LearnedPolicy.load`):
+``policy.json`` (manifest), ``policy.pt`` (the scorer's state_dict) and
+``predictors/`` (a ``kvpilot train predictors`` model directory).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from policy.baselines._common import admission_limit, check_positive
+from policy.interface import (
+    AdmissionDecision,
+    CandidateRequest,
+    EngineState,
+    Event,
+    EventKind,
+    Policy,
+    PreemptionDecision,
+)
+from policy.learned_features import FEATURES, RAW, model_features
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "PolicyLoadError",
+    "Scorer",
+    "NumpyScorer",
+    "StepPhase",
+    "LearnedPolicy",
+    "LoggingPolicy",
+    "candidate_raw",
+    "create_learned",
+]
+
+FORMAT = "kvpilot-policy"
+FORMAT_VERSION = 1
+#: Score heads of the scorer.
+ADMIT, PREEMPT = 0, 1
+#: Runtime options and their defaults (stored in the manifest's ``config["runtime"]``).
+RUNTIME_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "epsilon": 0.1,
+    "max_wait_steps": 20_000,
+    "max_wait_s": 300.0,
+}
+
+
+class PolicyLoadError(ValueError):
+    """A POLICY_DIR that cannot be used: missing or corrupt file, or a schema / version mismatch."""
+
+
+# ---------------------------------------------------------------------------------------------- scorer
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def build_scorer(n_in: int = len(FEATURES), hidden: Sequence[int] = (32, 32)):
+    """A fresh :class:`Scorer` (torch is imported only here and in training)."""
+    torch = _torch()
+    nn = torch.nn
+
+    class Scorer(nn.Module):
+        """Standardise, then an MLP with ReLU: (n, n_in) -> (n, 2) scores [admit, preempt]."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(n_in))
+            self.register_buffer("scale", torch.ones(n_in))
+            layers: list = []
+            d = n_in
+            for h in hidden:
+                layers += [nn.Linear(d, h), nn.ReLU()]
+                d = h
+            layers.append(nn.Linear(d, 2))
+            self.net = nn.Sequential(*layers)
+
+        def forward(self, x):
+            return self.net((x - self.mean) / self.scale)
+
+    return Scorer()
+
+
+Scorer = build_scorer  # the name of the contract: ``Scorer()`` builds one
+
+
+class NumpyScorer:
+    """The scorer's forward pass in numpy, from its state_dict (serving: no torch call per step)."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        def arr(v: Any) -> np.ndarray:
+            return np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v, dtype=np.float32)
+
+        self.mean = arr(state["mean"])
+        self.inv_scale = 1.0 / arr(state["scale"])
+        idx = sorted({int(k.split(".")[1]) for k in state if k.startswith("net.") and k.endswith(".weight")})
+        self.layers = [(arr(state[f"net.{i}.weight"]).T.copy(), arr(state[f"net.{i}.bias"])) for i in idx]
+        if not self.layers or self.layers[0][0].shape[0] != self.mean.shape[0]:
+            raise ValueError("scorer state_dict: layer shapes do not match the feature count")
+        if self.layers[-1][0].shape[1] != 2:
+            raise ValueError("scorer state_dict: the last layer must have 2 outputs (admit, preempt)")
+
+    @property
+    def n_in(self) -> int:
+        return int(self.mean.shape[0])
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        h = (np.asarray(x, dtype=np.float32) - self.mean) * self.inv_scale
+        last = len(self.layers) - 1
+        for i, (w, b) in enumerate(self.layers):
+            h = h @ w + b
+            if i < last:
+                np.maximum(h, 0.0, out=h)
+        return h
+
+
+# ---------------------------------------------------------------------------------------- inputs
+
+
+class StepPhase:
+    """How much of each RL step is done: finished / arrived requests of that step (from events)."""
+
+    def __init__(self) -> None:
+        self.arrived: dict[Optional[int], int] = defaultdict(int)
+        self.finished: dict[Optional[int], int] = defaultdict(int)
+
+    def observe(self, event: Event) -> None:
+        if event.kind is EventKind.ARRIVED:
+            self.arrived[event.meta.step] += 1
+        elif event.kind is EventKind.FINISHED:
+            self.finished[event.meta.step] += 1
+
+    def phase(self, step: Optional[int]) -> float:
+        a = self.arrived.get(step, 0)
+        return min(1.0, self.finished.get(step, 0) / a) if a else 0.0
+
+
+def candidate_raw(
+    cands: Sequence[CandidateRequest], preds: Sequence[tuple[float, float]], state: EngineState, phase: StepPhase
+) -> np.ndarray:
+    """The (n, len(RAW)) raw matrix of one decision's candidates (see :mod:`policy.learned_features`)."""
+    nan = math.nan
+    tot = max(state.num_total_blocks, 1)
+    st = (state.kv_usage, state.num_pinned_blocks / tot, float(state.num_running), float(state.num_waiting))
+    rows = [
+        (
+            c.num_prompt_tokens, c.num_computed_tokens, c.num_output_tokens, c.max_tokens,
+            c.meta.turn if c.meta.turn is not None else nan,
+            c.meta.group_size if c.meta.group_size is not None else nan,
+            c.group_finished, c.group_running, c.wait_s, c.num_preemptions,
+            1.0 if c.status.value == "running" else 0.0, p[0], p[1], *st, phase.phase(c.meta.step),
+        )
+        for c, p in zip(cands, preds)
+    ]
+    return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(RAW))
+
+
+def _predict(predictor: Any, cands: Sequence[CandidateRequest]) -> list[tuple[float, float]]:
+    """(p50, p90) per candidate; also written to ``candidate.predictions`` so the hook logs them."""
+    if predictor is None:
+        return [(math.nan, math.nan)] * len(cands)
+    preds = predictor.predict(cands)
+    for c, p in zip(cands, preds):
+        c.predictions = {"len_p50": float(p[0]), "len_p90": float(p[1])}
+    return preds
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max()
+    e = np.exp(z)
+    return e / e.sum()
+
+
+# ---------------------------------------------------------------------------------------- policies
+
+
+class _Starvation:
+    """Tracks when each waiting request (re-)entered the queue; the starved go first, FCFS."""
+
+    def __init__(self, max_wait_steps: Optional[float], max_wait_s: Optional[float]) -> None:
+        self.max_wait_steps = max_wait_steps
+        self.max_wait_s = max_wait_s
+        self.since: dict[str, tuple[int, float]] = {}
+
+    def starved(self, waiting: Sequence[CandidateRequest], state: EngineState) -> list[int]:
+        since = self.since
+        out = []
+        ms = self.max_wait_steps if self.max_wait_steps is not None else math.inf
+        mt = self.max_wait_s if self.max_wait_s is not None else math.inf
+        for i, c in enumerate(waiting):
+            s = since.get(c.request_id)
+            if s is None:
+                since[c.request_id] = (state.engine_step, state.time_s)
+            elif state.engine_step - s[0] >= ms or state.time_s - s[1] >= mt:
+                out.append(i)
+        out.sort(key=lambda i: since[waiting[i].request_id])
+        return out
+
+    def observe(self, event: Event) -> None:
+        if event.kind in (EventKind.SCHEDULED, EventKind.FINISHED):
+            self.since.pop(event.request_id, None)
+
+
+class _Sampler(Policy):
+    """What both exploring policies share: the rng, starvation, predictions, step phase."""
+
+    uses_admission = True
+    uses_preemption = True
+    uses_events = True
+
+    def __init__(self, predictor: Any, max_wait_steps: Optional[float], max_wait_s: Optional[float],
+                 seed: Optional[int]) -> None:
+        self.predictor = predictor
+        self.starvation = _Starvation(
+            check_positive("max_wait_steps", max_wait_steps, allow_none=True),
+            check_positive("max_wait_s", max_wait_s, allow_none=True),
+        )
+        self.phase = StepPhase()
+        self.rng = random.Random(seed)
+        self.np_rng = np.random.default_rng(seed)
+        self._observe = getattr(predictor, "observe", None)
+
+    def on_event(self, event: Event) -> None:
+        self.phase.observe(event)
+        self.starvation.observe(event)
+        if self._observe is not None:
+            self._observe(event)
+
+    def _order(self, first: list[int], keys: np.ndarray, waiting: Sequence[CandidateRequest],
+               state: EngineState) -> list[str]:
+        """Request ids: ``first`` (starved), then the rest by descending ``keys``, up to vLLM's admission limit."""
+        k = admission_limit(state, len(waiting))
+        if first:
+            keys = keys.copy()
+            keys[first] = -np.inf
+        take = max(0, min(k, len(waiting)) - len(first))
+        if take >= len(keys):
+            top = np.argsort(-keys, kind="stable")
+        else:
+            part = np.argpartition(-keys, take)[:take] if take else np.empty(0, dtype=int)
+            top = part[np.argsort(-keys[part], kind="stable")]
+        ids = [waiting[i].request_id for i in first]
+        ids.extend(waiting[int(i)].request_id for i in top[:take] if int(i) not in first)
+        return ids
+
+
+class LearnedPolicy(_Sampler):
+    """Ranks waiting requests and chooses preemption victims with the learned scorer (see the module docstring)."""
+
+    name = "learned"
+    version = "1"
+
+    def __init__(
+        self,
+        scorer_state: Mapping[str, Any],
+        predictor: Any = None,
+        *,
+        mode: str = "serve",
+        temperature: float = RUNTIME_DEFAULTS["temperature"],
+        epsilon: float = RUNTIME_DEFAULTS["epsilon"],
+        max_wait_steps: Optional[float] = RUNTIME_DEFAULTS["max_wait_steps"],
+        max_wait_s: Optional[float] = RUNTIME_DEFAULTS["max_wait_s"],
+        seed: Optional[int] = 0,
+        manifest: Optional[dict] = None,
+        predictors_dir: Optional[Path] = None,
+    ) -> None:
+        if mode not in ("serve", "log"):
+            raise ValueError(f"option mode must be 'serve' or 'log', got {mode!r}")
+        super().__init__(predictor, max_wait_steps, max_wait_s, seed)
+        self.mode = mode
+        self.temperature = check_positive("temperature", temperature)
+        self.epsilon = float(epsilon)
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError(f"option epsilon must be in [0, 1], got {epsilon!r}")
+        self.scorer_state = {k: v for k, v in scorer_state.items()}
+        self.scorer = NumpyScorer(self.scorer_state)
+        if self.scorer.n_in != len(FEATURES):
+            raise ValueError(f"scorer takes {self.scorer.n_in} features, the policy computes {len(FEATURES)}")
+        self.manifest = dict(manifest or {})
+        self.predictors_dir = Path(predictors_dir) if predictors_dir is not None else None
+        if mode == "log":
+            self.name = "learned-log"
+
+    # --------------------------------------------------------------------------- scoring
+    def scores(self, cands: Sequence[CandidateRequest], state: EngineState, head: int) -> np.ndarray:
+        """The ``head`` score (ADMIT or PREEMPT) of each candidate: one forward pass for all of them."""
+        raw = candidate_raw(cands, _predict(self.predictor, cands), state, self.phase)
+        return self.scorer(model_features(raw))[:, head].astype(np.float64)
+
+    def _probs(self, s: np.ndarray) -> np.ndarray:
+        n = len(s)
+        return (1.0 - self.epsilon) * _softmax(s / self.temperature) + self.epsilon / n
+
+    def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
+        if not waiting:
+            return None
+        starved = self.starvation.starved(waiting, state)
+        s = self.scores(waiting, state, ADMIT)
+        if self.mode == "serve":
+            return AdmissionDecision(order=self._order(starved, s, waiting, state))
+        if starved:
+            return AdmissionDecision(order=self._order(starved, s, waiting, state), propensity=1.0)
+        n = len(waiting)
+        if self.rng.random() < self.epsilon:
+            keys = self.np_rng.random(n)  # a uniform random order
+        else:  # a Plackett-Luce sample: Gumbel-perturbed scores
+            keys = s / self.temperature + self.np_rng.gumbel(size=n)
+        order = self._order([], keys, waiting, state)
+        first = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
+        return AdmissionDecision(order=order, propensity=float(self._probs(s)[first]))
+
+    def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:
+        if not running:
+            return None
+        s = self.scores(running, state, PREEMPT)
+        if self.mode == "serve":
+            return PreemptionDecision(victim=running[int(np.argmax(s))].request_id)
+        p = self._probs(s)
+        i = int(self.np_rng.choice(len(running), p=p / p.sum()))
+        return PreemptionDecision(victim=running[i].request_id, propensity=float(p[i]))
+
+    # --------------------------------------------------------------------------- persistence
+    def save(self, policy_dir: str | Path) -> Path:
+        """Write POLICY_DIR: ``policy.json``, ``policy.pt`` and ``predictors/`` (copied from where it was loaded)."""
+        torch = _torch()
+        out = Path(policy_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({k: torch.as_tensor(np.asarray(v)) if not hasattr(v, "detach") else v
+                    for k, v in self.scorer_state.items()}, out / "policy.pt")
+        pred_out = out / "predictors"
+        if self.predictors_dir is not None and self.predictors_dir.resolve() != pred_out.resolve():
+            if pred_out.exists():
+                shutil.rmtree(pred_out)
+            shutil.copytree(self.predictors_dir, pred_out)
+        m = manifest_for(self.manifest.get("config", {}), self.manifest.get("trained_on", {}))
+        (out / "policy.json").write_text(json.dumps(m, indent=2, default=float))
+        return out
+
+    @classmethod
+    def load(cls, policy_dir: str | Path, *, mode: str = "serve", **options: Any) -> "LearnedPolicy":
+        """Load POLICY_DIR; raises :class:`PolicyLoadError` naming the file and what is wrong."""
+        d = Path(policy_dir)
+        manifest = read_manifest(d)
+        state = _read_state(d / "policy.pt")
+        predictor = _read_predictor(d / "predictors")
+        runtime = {**RUNTIME_DEFAULTS, **manifest.get("config", {}).get("runtime", {}), **options}
+        try:
+            return cls(state, predictor, mode=mode, manifest=manifest, predictors_dir=d / "predictors", **runtime)
+        except (KeyError, ValueError) as e:
+            raise PolicyLoadError(f"{d / 'policy.pt'}: {e}") from e
+
+
+def manifest_for(config: Mapping[str, Any], trained_on: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``policy.json`` manifest (the contract's keys)."""
+    from data.schemas import SCHEMA_VERSION
+
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "policy": "learned",
+        "telemetry_schema_version": SCHEMA_VERSION,
+        "feature_schema": {"features": list(FEATURES), "raw": list(RAW), "heads": ["admit", "preempt"]},
+        "config": dict(config),
+        "trained_on": dict(trained_on),
+    }
+
+
+def read_manifest(policy_dir: Path) -> dict[str, Any]:
+    from data.schemas import SCHEMA_VERSION
+
+    f = policy_dir / "policy.json"
+    if not f.is_file():
+        raise PolicyLoadError(f"{f}: missing (not a POLICY_DIR written by `kvpilot train policy`)")
+    try:
+        m = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise PolicyLoadError(f"{f}: corrupt manifest: {e}") from e
+    if not isinstance(m, dict):
+        raise PolicyLoadError(f"{f}: corrupt manifest: not a JSON object")
+    expect = {"format": FORMAT, "format_version": FORMAT_VERSION, "policy": "learned",
+              "telemetry_schema_version": SCHEMA_VERSION}
+    for key, want in expect.items():
+        if m.get(key) != want:
+            raise PolicyLoadError(f"{f}: {key} is {m.get(key)!r}, this kvpilot reads {want!r}")
+    feats = (m.get("feature_schema") or {}).get("features")
+    if feats != list(FEATURES):
+        raise PolicyLoadError(f"{f}: feature_schema.features {feats!r} differ from this kvpilot's {list(FEATURES)!r}")
+    return m
+
+
+def _read_state(f: Path) -> dict[str, Any]:
+    if not f.is_file():
+        raise PolicyLoadError(f"{f}: missing")
+    torch = _torch()
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is a corrupt file
+        raise PolicyLoadError(f"{f}: corrupt scorer state_dict: {e}") from e
+    if not isinstance(state, dict):
+        raise PolicyLoadError(f"{f}: corrupt scorer state_dict: not a dict")
+    try:
+        scorer = build_scorer(len(FEATURES), _hidden_of(state))
+        scorer.load_state_dict(state)
+    except Exception as e:  # noqa: BLE001
+        raise PolicyLoadError(f"{f}: scorer state_dict does not match the scorer: {e}") from e
+    return {k: v.detach().cpu().numpy() for k, v in scorer.state_dict().items()}
+
+
+def _hidden_of(state: Mapping[str, Any]) -> list[int]:
+    idx = sorted({int(k.split(".")[1]) for k in state if k.startswith("net.") and k.endswith(".weight")})
+    return [int(state[f"net.{i}.weight"].shape[0]) for i in idx[:-1]]
+
+
+def _read_predictor(d: Path) -> Any:
+    from predictors.length import LengthModel
+
+    f = d / "length"
+    if not f.is_dir():
+        raise PolicyLoadError(f"{f}: missing (POLICY_DIR/predictors must hold a `kvpilot train predictors` model)")
+    try:
+        return LengthModel.load(f)
+    except Exception as e:  # noqa: BLE001 - ModelSchemaError, corrupt model files
+        raise PolicyLoadError(f"{f}: cannot load the length predictor: {e}") from e
+
+
+def create_learned(model: Optional[str] = None, mode: str = "serve", **options: Any) -> LearnedPolicy:
+    """Registry factory of ``learned``: ``model`` is a POLICY_DIR (required)."""
+    if not model:
+        raise ValueError("policy 'learned' needs the option model=POLICY_DIR (written by `kvpilot train policy`)")
+    return LearnedPolicy.load(model, mode=mode, **options)
+
+
+# ------------------------------------------------------------------------------- behaviour policy
+
+
+#: Admission components of the behaviour mixture and their default weights.
+LOGGING_ADMIT = {"fcfs": 0.4, "shortest": 0.2, "longest": 0.2, "uniform": 0.2}
+#: Preemption components (``vllm``: the tail of the running list, vLLM's own victim).
+LOGGING_PREEMPT = {"vllm": 0.4, "shortest": 0.2, "longest": 0.2, "uniform": 0.2}
+
+
+class LoggingPolicy(_Sampler):
+    """The exploring behaviour policy: a per-decision mixture of vLLM's rule, the predicted-length rules and uniform.
+
+    ``admit_weights`` / ``preempt_weights`` (JSON objects over the component
+    names of :data:`LOGGING_ADMIT` / :data:`LOGGING_PREEMPT`; normalised)
+    weigh the components. ``shortest`` / ``longest`` rank by predicted
+    remaining output (SJF after vLLM-LTR, and LPT, the makespan rule);
+    predictions come from ``predictors`` (a MODEL_DIR) or, without one, the
+    per-domain running mean. The propensity of the logged action (the first
+    admitted request, or the victim) is ``sum_k w_k P_k(action)``.
+    """
+
+    name = "logging"
+    version = "1"
+
+    def __init__(
+        self,
+        predictors: Optional[str] = None,
+        admit_weights: Optional[Mapping[str, float]] = None,
+        preempt_weights: Optional[Mapping[str, float]] = None,
+        max_wait_steps: Optional[float] = RUNTIME_DEFAULTS["max_wait_steps"],
+        max_wait_s: Optional[float] = RUNTIME_DEFAULTS["max_wait_s"],
+        seed: Optional[int] = 0,
+    ) -> None:
+        if predictors:
+            predictor = _read_predictor(Path(predictors))
+        else:
+            from policy.predictors import DomainMeanLengthPredictor
+
+            predictor = DomainMeanLengthPredictor()
+        super().__init__(predictor, max_wait_steps, max_wait_s, seed)
+        self.admit_w = _weights("admit_weights", admit_weights, LOGGING_ADMIT)
+        self.preempt_w = _weights("preempt_weights", preempt_weights, LOGGING_PREEMPT)
+
+    def _remaining(self, cands: Sequence[CandidateRequest], state: EngineState) -> np.ndarray:
+        raw = candidate_raw(cands, _predict(self.predictor, cands), state, self.phase)
+        return np.expm1(model_features(raw)[:, FEATURES.index("log_pred_remaining")].astype(np.float64))
+
+    def _pick(self, weights: dict[str, float]) -> str:
+        u = self.rng.random()
+        acc = 0.0
+        for k, w in weights.items():
+            acc += w
+            if u < acc:
+                return k
+        return next(reversed(weights))
+
+    @staticmethod
+    def _choice(kind: str, rem: np.ndarray, default: int) -> Optional[int]:
+        """The action of a deterministic component (None for uniform)."""
+        if kind in ("fcfs", "vllm"):
+            return default
+        if kind == "shortest":
+            return int(np.argmin(rem))  # ties: the earliest in vLLM's order
+        if kind == "longest":
+            return int(np.argmax(rem))
+        return None
+
+    def _propensity(self, weights: dict[str, float], rem: np.ndarray, default: int, action: int) -> float:
+        n = len(rem)
+        return float(sum(w / n if k == "uniform" else (w if self._choice(k, rem, default) == action else 0.0)
+                         for k, w in weights.items()))
+
+    def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
+        if not waiting:
+            return None
+        starved = self.starvation.starved(waiting, state)
+        rem = self._remaining(waiting, state)
+        n = len(waiting)
+        kind = self._pick(self.admit_w)
+        if kind == "fcfs":
+            keys = -np.arange(n, dtype=np.float64)
+        elif kind == "shortest":
+            keys = -rem - np.arange(n) * 1e-9
+        elif kind == "longest":
+            keys = rem - np.arange(n) * 1e-9
+        else:
+            keys = self.np_rng.random(n)
+        order = self._order(starved, keys, waiting, state)
+        if starved:
+            return AdmissionDecision(order=order, propensity=1.0)
+        first = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
+        return AdmissionDecision(order=order, propensity=self._propensity(self.admit_w, rem, 0, first))
+
+    def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:
+        if not running:
+            return None
+        rem = self._remaining(running, state)
+        n = len(running)
+        kind = self._pick(self.preempt_w)
+        i = self._choice(kind, rem, n - 1)
+        if i is None:
+            i = self.rng.randrange(n)
+        return PreemptionDecision(victim=running[i].request_id,
+                                  propensity=self._propensity(self.preempt_w, rem, n - 1, i))
+
+
+def _weights(name: str, given: Optional[Mapping[str, float]], default: Mapping[str, float]) -> dict[str, float]:
+    w = dict(default if given is None else given)
+    unknown = set(w) - set(default)
+    if unknown:
+        raise ValueError(f"option {name}: unknown component(s) {sorted(unknown)}; known: {sorted(default)}")
+    for k, v in w.items():
+        check_positive(f"{name}.{k}", v, allow_zero=True)
+    tot = sum(w.values())
+    if not tot > 0:
+        raise ValueError(f"option {name}: the weights must not all be 0")
+    return {k: float(v) / tot for k, v in w.items() if v > 0}

@@ -1,0 +1,218 @@
+"""The learned policy: numpy and torch scorers agree, POLICY_DIR round trip and load errors, starvation bound."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policy.interface import CandidateRequest, EngineState, Event, EventKind, RequestMeta, RequestStatus
+from policy.learned import (
+    ADMIT,
+    PREEMPT,
+    LearnedPolicy,
+    NumpyScorer,
+    PolicyLoadError,
+    build_scorer,
+)
+from policy.learned_features import FEATURES
+
+
+def _state(step: int = 1, t: float = 0.0) -> EngineState:
+    return EngineState(time_s=t, engine_step=step, num_running=2, num_waiting=5, num_free_blocks=100,
+                       num_total_blocks=1000, num_pinned_blocks=0, kv_usage=0.9, block_size=16,
+                       max_num_running=8, max_num_batched_tokens=8192)
+
+
+def _cand(i: int, prompt: int = 100, max_tokens: int = 4000, status=RequestStatus.WAITING) -> CandidateRequest:
+    return CandidateRequest(request_id=f"r{i}", meta=RequestMeta(domain="math", step=0, group_id=f"g{i}",
+                                                                group_size=4, session_id=f"s{i}", turn=0),
+                            status=status, prompt_token_ids=(), num_prompt_tokens=prompt, num_cached_tokens=0,
+                            num_computed_tokens=0, num_output_tokens=0, max_tokens=max_tokens, arrival_s=0.0,
+                            wait_s=0.0)
+
+
+class FixedLengths:
+    """A length predictor answering each request's p50 from a table (p90 = 1.5 p50)."""
+
+    def __init__(self, lengths: dict[str, float]) -> None:
+        self.lengths = lengths
+
+    def predict(self, cands):
+        return [(self.lengths[c.request_id], 1.5 * self.lengths[c.request_id]) for c in cands]
+
+    def observe(self, event):
+        return None
+
+
+def _state_dict(seed: int = 0, remaining_weight: float | None = None) -> dict:
+    """A scorer's weights: random, or (``remaining_weight``) admission score = w * standardised log remaining."""
+    import torch
+
+    torch.manual_seed(seed)
+    s = build_scorer(len(FEATURES), (8,))
+    if remaining_weight is not None:
+        with torch.no_grad():
+            for p in s.parameters():
+                p.zero_()
+            j = FEATURES.index("log_pred_remaining")
+            s.net[0].weight[0, j] = 1.0
+            s.net[0].bias[0] = 50.0  # keep the ReLU on
+            s.net[2].weight[ADMIT, 0] = remaining_weight
+            s.net[2].weight[PREEMPT, 0] = remaining_weight
+    return {k: v.detach().numpy() for k, v in s.state_dict().items()}
+
+
+def test_numpy_scorer_matches_torch() -> None:
+    import torch
+
+    torch.manual_seed(3)
+    s = build_scorer(len(FEATURES), (16, 8))
+    with torch.no_grad():
+        s.mean.normal_()
+        s.scale.uniform_(0.5, 2.0)
+    x = np.random.default_rng(0).normal(size=(257, len(FEATURES))).astype(np.float32)
+    with torch.no_grad():
+        want = s(torch.from_numpy(x)).numpy()
+    got = NumpyScorer(s.state_dict())(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_serve_mode_ranks_by_score_and_preempts_the_top() -> None:
+    lengths = {f"r{i}": 100.0 * (i + 1) for i in range(6)}
+    pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths))
+    waiting = [_cand(i) for i in range(6)]
+    dec = pol.admit(waiting, _state())
+    assert list(dec.order)[:6] == [f"r{i}" for i in range(5, -1, -1)]  # longest predicted first
+    assert waiting[0].predictions == {"len_p50": 100.0, "len_p90": 150.0}  # logged with the decision
+    running = [_cand(i, status=RequestStatus.RUNNING) for i in range(6)]
+    assert pol.preempt(running, _state()).victim == "r5"
+    assert LearnedPolicy(_state_dict(remaining_weight=-1.0), FixedLengths(lengths)).preempt(
+        running, _state()).victim == "r0"
+
+
+def test_starvation_bound_in_steps_and_seconds() -> None:
+    lengths = {f"r{i}": 100.0 * (i + 1) for i in range(4)}
+    for kw, clock in (({"max_wait_steps": 3, "max_wait_s": None}, lambda k: (k, 0.0)),
+                      ({"max_wait_steps": None, "max_wait_s": 3.0}, lambda k: (1, float(k)))):
+        pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), **kw)
+        waiting = [_cand(i) for i in range(4)]
+        firsts = []
+        for k in range(1, 7):
+            step, t = clock(k)
+            firsts.append(pol.admit(waiting, _state(step, t)).order[0])
+        # r3 (longest) goes first until the bound; then the starved go first, FCFS by when they were first seen
+        assert firsts[:3] == ["r3", "r3", "r3"], kw
+        assert firsts[3] == "r0", kw
+        # a scheduled request leaves the starvation clock
+        pol.on_event(Event(EventKind.SCHEDULED, 0.0, "r0", waiting[0].meta))
+        rest = [c for c in waiting if c.request_id != "r0"]
+        assert pol.admit(rest, _state(*clock(7))).order[0] == "r1", kw
+
+
+# ------------------------------------------------------------------------------------ POLICY_DIR
+
+
+@pytest.fixture(scope="module")
+def predictors_dir(tmp_path_factory) -> Path:
+    """A length model trained on a tiny workload's true lengths (no simulation needed)."""
+    from predictors.logs import load_logs
+    from predictors.pipeline import train_bundle
+    from tests.learned_logs import tiny_workload
+
+    from data.io import write_workload
+
+    d = tmp_path_factory.mktemp("pred")
+    write_workload(tiny_workload(5), d / "w.parquet")
+    bundle = train_bundle(load_logs([d / "w.parquet"]), num_trees=10, reuse=False)
+    return bundle.save(d / "model")
+
+
+@pytest.fixture()
+def policy_dir(tmp_path: Path, predictors_dir: Path) -> Path:
+    from predictors.length import LengthModel
+
+    pol = LearnedPolicy(_state_dict(7), LengthModel.load(predictors_dir / "length"), predictors_dir=predictors_dir,
+                        manifest={"config": {"runtime": {"epsilon": 0.2}}, "trained_on": {"logs": ["x"]}})
+    return pol.save(tmp_path / "pol")
+
+
+def test_save_load_round_trip(policy_dir: Path) -> None:
+    m = json.loads((policy_dir / "policy.json").read_text())
+    assert m["format"] == "kvpilot-policy" and m["format_version"] == 1 and m["policy"] == "learned"
+    assert m["feature_schema"]["features"] == list(FEATURES)
+    assert (policy_dir / "predictors" / "length").is_dir()
+    a = LearnedPolicy.load(policy_dir)
+    b = LearnedPolicy.load(policy_dir, mode="log")
+    assert a.epsilon == 0.2 and b.mode == "log"
+    x = np.random.default_rng(1).normal(size=(10, len(FEATURES))).astype(np.float32)
+    np.testing.assert_allclose(a.scorer(x), NumpyScorer(_state_dict(7))(x), rtol=1e-6)
+    waiting = [_cand(i, prompt=50 * (i + 1)) for i in range(5)]
+    assert a.admit(waiting, _state()).order == LearnedPolicy.load(policy_dir).admit(waiting, _state()).order
+    again = a.save(policy_dir.parent / "again")  # a loaded policy saves a complete POLICY_DIR
+    assert LearnedPolicy.load(again).admit(waiting, _state()).order == a.admit(waiting, _state()).order
+
+
+def test_registry_builds_learned_and_logging(policy_dir: Path) -> None:
+    from policy.registry import create_policy
+
+    assert isinstance(create_policy("learned", model=str(policy_dir)), LearnedPolicy)
+    assert create_policy("logging").name == "logging"
+    with pytest.raises(ValueError, match="model=POLICY_DIR"):
+        create_policy("learned")
+
+
+def _break(policy_dir: Path, what: str) -> str:
+    """Damage ``policy_dir``; returns the file the error must name."""
+    man = policy_dir / "policy.json"
+    if what == "missing manifest":
+        man.unlink()
+        return "policy.json"
+    if what == "corrupt manifest":
+        man.write_text("{not json")
+        return "policy.json"
+    if what in ("schema version", "feature schema", "format version"):
+        m = json.loads(man.read_text())
+        if what == "schema version":
+            m["telemetry_schema_version"] = -1
+        elif what == "format version":
+            m["format_version"] = 99
+        else:
+            m["feature_schema"]["features"] = m["feature_schema"]["features"][:-1]
+        man.write_text(json.dumps(m))
+        return "policy.json"
+    if what == "missing weights":
+        (policy_dir / "policy.pt").unlink()
+        return "policy.pt"
+    if what == "corrupt weights":
+        (policy_dir / "policy.pt").write_bytes(b"garbage")
+        return "policy.pt"
+    if what == "wrong weights":
+        import torch
+
+        sd = torch.load(policy_dir / "policy.pt", weights_only=True)
+        sd["net.0.weight"] = sd["net.0.weight"][:, :-1]
+        torch.save(sd, policy_dir / "policy.pt")
+        return "policy.pt"
+    if what == "missing predictors":
+        shutil.rmtree(policy_dir / "predictors")
+        return "length"
+    if what == "predictor schema":
+        f = policy_dir / "predictors" / "length" / "manifest.json"
+        m = json.loads(f.read_text())
+        m["features"] = ["x"]
+        f.write_text(json.dumps(m))
+        return "length"
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize("what", ["missing manifest", "corrupt manifest", "schema version", "format version",
+                                  "feature schema", "missing weights", "corrupt weights", "wrong weights",
+                                  "missing predictors", "predictor schema"])
+def test_load_fails_loudly_naming_the_file(policy_dir: Path, what: str) -> None:
+    name = _break(policy_dir, what)
+    with pytest.raises(PolicyLoadError, match=name):
+        LearnedPolicy.load(policy_dir)

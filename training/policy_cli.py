@@ -1,0 +1,59 @@
+"""``kvpilot train policy``: fit the learned policy from logged decisions (mounted on the ``train`` sub-app).
+
+``register(train_app)`` adds the command ``policy`` to the typer app that holds
+``train predictors``. torch, pandas and LightGBM are imported inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    return typer.Exit(code)
+
+
+def train_policy_cmd(
+    logs: Annotated[list[Path], typer.Option("--logs", help="Telemetry run directories with decisions; repeat. "
+                                             "The last one is held out for off-policy evaluation.")],
+    predictors: Annotated[Path, typer.Option("--predictors", help="MODEL_DIR from `kvpilot train predictors`.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="POLICY_DIR to write.")],
+    config: Annotated[Optional[str], typer.Option(
+        "--config", help="JSON object of OfflineConfig fields, e.g. '{\"epochs\": 20}'.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+) -> None:
+    """Fit the learned admission / preemption policy (imitation warm start, doubly robust) and write POLICY_DIR."""
+    from policy.learned import PolicyLoadError
+    from policy.offline import OfflineConfig, train_policy
+
+    missing = [str(p) for p in logs if not p.exists()]
+    if missing:
+        raise _fail(f"no such log: {', '.join(missing)}")
+    try:
+        cfg = OfflineConfig(**json.loads(config)) if config else OfflineConfig()
+    except (TypeError, ValueError) as err:
+        raise _fail(f"bad --config: {err}") from None
+    try:
+        metrics = train_policy(logs, predictors, out, cfg, progress=progress)
+    except (PolicyLoadError, FileNotFoundError, ValueError) as err:
+        raise _fail(str(err)) from None
+    if as_json:
+        typer.echo(json.dumps(metrics, indent=2, default=float))
+    else:
+        for k, v in metrics.items():
+            typer.echo(f"{k:<28} {v:.4g}")
+    console.print(f"policy written to {out}", highlight=False)
+
+
+def register(train_app: typer.Typer) -> None:
+    """Mount ``policy`` on the ``train`` sub-app."""
+    train_app.command("policy")(train_policy_cmd)
