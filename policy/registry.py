@@ -55,6 +55,8 @@ def _resolve(factory: PolicyFactory) -> PolicyFactory:
 
 for _name, _target in BASELINES.items():
     _REGISTRY[_name] = _lazy(_target)
+# The hook serving the MLflow registry's model (KVPILOT_MODEL_URI), hot-swapped between steps.
+_REGISTRY["registry"] = _lazy("serving_hook.model_source:RegistryPolicy")
 
 #: The learned policy (``model=POLICY_DIR``) and its exploring behaviour policy.
 _REGISTRY["learned"] = _lazy("policy.learned:create_learned")

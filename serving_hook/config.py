@@ -9,6 +9,10 @@ KVPILOT_TELEMETRY_DIR             write Parquet telemetry there (off when unset)
 KVPILOT_DECISION_BUDGET_MS        per-step budget for policy calls (5 ms)
 KVPILOT_MAX_PINNED_FRACTION       cap on blocks pinned for retention (0.25)
 KVPILOT_REPLICA                   replica id written in telemetry rows (0)
+KVPILOT_MODEL_URI                 policy ``registry``: the model it serves
+                                  (``models:/kvpilot@champion``)
+KVPILOT_MODEL_POLL_S              policy ``registry``: seconds between polls
+                                  for a new version (60; 0: never)
 ================================  =============================================
 
 :func:`load_config` raises :class:`HookConfigError` naming the variable and
@@ -31,6 +35,7 @@ from policy.interface import DEFAULT_DECISION_BUDGET_S, Policy
 from policy.registry import UnknownPolicyError, create_policy
 
 DEFAULT_MAX_PINNED_FRACTION = 0.25
+DEFAULT_MODEL_POLL_S = 60.0
 
 
 class HookConfigError(ValueError):
@@ -45,6 +50,9 @@ class HookConfig:
     decision_budget_s: float = DEFAULT_DECISION_BUDGET_S
     max_pinned_fraction: float = DEFAULT_MAX_PINNED_FRACTION
     replica: int = 0
+    #: Policy ``registry``: seconds between registry polls on a background thread (0: load once at start-up).
+    #: Serving reads KVPILOT_MODEL_POLL_S (default 60); a ``HookConfig`` built in code (the simulator) polls never.
+    model_poll_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or not self.policy.strip():
@@ -59,6 +67,9 @@ class HookConfig:
             raise HookConfigError(f"kvpilot: max pinned fraction must be in [0, 1], got {f!r}")
         if not isinstance(self.replica, int) or self.replica < 0:
             raise HookConfigError(f"kvpilot: replica must be an integer >= 0, got {self.replica!r}")
+        p = self.model_poll_s
+        if not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
+            raise HookConfigError(f"kvpilot: the model poll interval must be >= 0 seconds, got {p!r}")
 
 
 def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
@@ -102,6 +113,9 @@ def load_config(env: Optional[Mapping[str, str]] = None) -> HookConfig:
             raise HookConfigError(f"kvpilot: KVPILOT_REPLICA={raw_rep!r} is not an integer") from None
         if replica < 0:
             raise HookConfigError(f"kvpilot: KVPILOT_REPLICA must be >= 0, got {replica}")
+    poll_s = _float_env(env, "KVPILOT_MODEL_POLL_S", DEFAULT_MODEL_POLL_S)
+    if not math.isfinite(poll_s) or poll_s < 0:
+        raise HookConfigError(f"kvpilot: KVPILOT_MODEL_POLL_S must be >= 0, got {poll_s!r}")
     return HookConfig(
         policy=policy,
         policy_options=options,
@@ -109,6 +123,7 @@ def load_config(env: Optional[Mapping[str, str]] = None) -> HookConfig:
         decision_budget_s=budget_ms / 1e3,
         max_pinned_fraction=frac,
         replica=replica,
+        model_poll_s=poll_s,
     )
 
 

@@ -65,6 +65,16 @@ decision (and the rest of the step's decisions) fall back to vLLM's behaviour,
 the failure kind is logged once (logger ``kvpilot.hook``), counted in
 ``kvpilot_stats`` and flagged in the step's ``steps`` telemetry row
 (``hook_fallback``). Internal errors of the hook itself are handled the same way.
+
+**Registry model.** With policy ``registry``
+(:class:`serving_hook.model_source.RegistryPolicy`) the model comes from the
+MLflow registry (``KVPILOT_MODEL_URI``): loaded at start-up, polled on a
+background thread every ``KVPILOT_MODEL_POLL_S`` seconds, and swapped in at the
+start of ``schedule()`` (``_kvp_between_steps``), never inside a step. A step
+without any loaded model falls back to vLLM's behaviour (``hook_fallback``,
+counted as ``model:none``); ``kvpilot_stats`` has ``model_version`` and
+``model_swaps``, and decisions telemetry records the version
+(``policy_version`` ``kvpilot/N``).
 """
 
 from __future__ import annotations
@@ -104,6 +114,7 @@ from serving_hook.block_pool import BlockPoolAdapter, CachedPrefixIndex, evict_f
 from serving_hook.config import HookConfig, HookConfigError, build_policy, load_config
 from serving_hook.events import hash_to_int64, hashes_to_int64, kv_event_rows
 from serving_hook.metadata import request_meta
+from serving_hook.model_source import RegistryPolicy
 
 logger = logging.getLogger("kvpilot.hook")
 
@@ -173,6 +184,8 @@ class HookStats:
     prefix_hits: int = 0
     hook_time_s: float = 0.0  # the hook's own time (telemetry-enabled or policy mode)
     last_hook_time_s: float = 0.0
+    model_version: Optional[str] = None  # policy ``registry``: the registry version served (None: none yet)
+    model_swaps: int = 0  # policy ``registry``: versions swapped in after start-up
 
 
 class KVPilotMixin:
@@ -183,6 +196,7 @@ class KVPilotMixin:
     _kvp_pins: Optional[BlockPoolAdapter] = None
     _kvp_index: Optional[CachedPrefixIndex] = None
     _kvp_inner_s = 0.0
+    _kvp_registry: Optional[RegistryPolicy] = None
 
     #: Overrides for the simulator and tests (``with_policy`` sets them on a
     #: subclass): a zero-argument policy factory and a ready ``HookConfig``.
@@ -217,8 +231,7 @@ class KVPilotMixin:
         #: Most tokens a running request decodes in one step; the simulator's decode
         #: stride sets it (telemetry counts a chunk of up to this many as decode tokens).
         self.kvpilot_decode_stride = 1
-        budget = policy.decision_budget_s
-        self._kvp_budget = float(budget) if budget else cfg.decision_budget_s
+        self._kvp_policy_limits()
         self._kvp_replica = cfg.replica
         self._kvp_logged: set[str] = set()
         fcfs = isinstance(self.waiting, FCFSRequestQueue)
@@ -258,6 +271,11 @@ class KVPilotMixin:
         self._kvp_pool = None
         self._kvp_pins: Optional[BlockPoolAdapter] = None
         self._kvp_index: Optional[CachedPrefixIndex] = None
+        if isinstance(policy, RegistryPolicy):
+            # The registry's model: swapped in between steps (_kvp_between_steps), polled off this thread.
+            self._kvp_registry = policy
+            self.kvpilot_stats.model_version = policy.model_version
+            policy.source.start(cfg.model_poll_s)
         if self._kvp_passthrough:
             return
         pool = self.kv_cache_manager.block_pool
@@ -271,8 +289,6 @@ class KVPilotMixin:
             # Eviction lever (see serving_hook.block_pool): candidates are the freed
             # prefixes still cached; the pool calls back before an evicting allocation.
             self._kvp_index = CachedPrefixIndex(max(4 * self._kvp_num_blocks, 1024))
-            cap = policy.max_eviction_candidates
-            self._kvp_evict_cap = int(cap) if cap is not None and int(cap) > 0 else None
             self._kvp_evict_hook = self._kvp_before_evict
             pool.kvpilot_eviction_hook = self._kvp_evict_hook
         if self._kvp_preemption or self._kvp_retention:
@@ -316,6 +332,8 @@ class KVPilotMixin:
         self._kvp_step_fallback = False
         self._kvp_budget_left = self._kvp_budget
         self._kvp_step_preemptions = 0
+        if self._kvp_registry is not None:
+            self._kvp_between_steps()
         ev0 = self._kvp_pool.kvpilot_evictions
         if self._kvp_eviction:
             self._kvp_pool.kvpilot_eviction_hook = self._kvp_evict_hook  # re-armed: one ask per step
@@ -480,7 +498,12 @@ class KVPilotMixin:
 
     # ========================================================= public extras
     def kvpilot_close(self) -> None:
-        """Flush and stop the telemetry writer (idempotent); a shared writer is only detached."""
+        """Flush and stop the telemetry writer (idempotent); a shared writer is only detached.
+
+        Also stops the registry policy's poll thread.
+        """
+        if self._kvp_registry is not None:
+            self._kvp_registry.source.stop()
         w = getattr(self, "kvpilot_telemetry", None)
         if w is not None:
             self.kvpilot_telemetry = None
@@ -498,6 +521,33 @@ class KVPilotMixin:
         return self._kvp_pins.num_pinned_blocks if self._kvp_pins is not None else 0
 
     # ===================================================== policy plumbing
+    def _kvp_policy_limits(self) -> None:
+        """The step budget and eviction candidate cap of the current policy (again after a model swap)."""
+        policy = self.kvpilot_policy
+        budget = policy.decision_budget_s
+        self._kvp_budget = float(budget) if budget else self.kvpilot_cfg.decision_budget_s
+        cap = policy.max_eviction_candidates
+        self._kvp_evict_cap = int(cap) if cap is not None and int(cap) > 0 else None
+
+    def _kvp_between_steps(self) -> None:
+        """Policy ``registry``: swap in a newly loaded version, or fall back for this step without a model.
+
+        Runs first thing in ``schedule()``, so a step's decisions all come from one version.
+        """
+        reg = self._kvp_registry
+        st = self.kvpilot_stats
+        try:
+            if reg.swap_pending():
+                st.model_swaps += 1
+                self._kvp_policy_limits()
+                self._kvp_budget_left = self._kvp_budget
+        except Exception as e:
+            self._kvp_internal_error("model-swap", e)
+        st.model_version = reg.model_version
+        if not reg.has_model:
+            self._kvp_step_fallback = True  # no policy call this step: vLLM's own behaviour
+            st.fallbacks["model:none"] = st.fallbacks.get("model:none", 0) + 1
+
     def _kvp_call(self, what: str, fn: Callable, *args: Any):
         """Call the policy under the step budget; raise _StepFallback on failure."""
         if self._kvp_step_fallback:

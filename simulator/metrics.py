@@ -21,6 +21,8 @@ Definitions (times in simulated seconds):
   [time_s, time_s + duration_s]), where ``u_k = 1`` while requests wait (the batch is KV- or budget-bound,
   not starved) and ``min(running_k / C, 1)`` when nothing waits; time without any engine step is fully idle.
   Per step it is the mean over replicas (``tail_bubble_per_step_s``); ``tail_bubble_s`` is the mean over steps.
+* ``hook_fallbacks``: engine steps (all replicas) whose ``steps`` row has ``hook_fallback``: a policy call failed
+  or overran, or the ``registry`` policy had no model, and the step ran vLLM's own behaviour.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def summarize(
         "group_completion_mean_s": float(np.mean(list(groups.values()))) if groups else 0.0,
         "tail_bubble_s": float(np.mean(bubbles)) if bubbles else 0.0,
         "tail_bubble_per_step_s": bubbles,
+        "hook_fallbacks": int(np.count_nonzero(_np(steps, "hook_fallback"))),  # engine steps that fell back
     }
 
 

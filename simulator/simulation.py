@@ -917,6 +917,9 @@ class Simulation:
             decode_stride=self.stride, engine_steps=self._engine_steps, aborted_trajectories=self._aborted_trajs,
             telemetry_dropped_rows=dropped, wall_s=result.wall_s, scheduler_s=result.scheduler_s,
             hook_s=result.hook_s, simulator_overhead=result.overhead,
+            # policy ``registry``: the registry version served at the end (replica 0) and swaps after start-up
+            model_version=self._reps[0].sched.kvpilot_stats.model_version,
+            model_swaps=sum(rep.sched.kvpilot_stats.model_swaps for rep in self._reps),
         )
         result.summary, result.requests, result.steps = summary, requests, steps
         if tmp is not None:

@@ -1,0 +1,317 @@
+"""The hook serving the MLflow registry's model, on vLLM's real scheduler: start-up load, hot swap between steps,
+and every fault (missing model, corrupt artifact, schema mismatch, unreachable registry) with the engine running on.
+
+Real parts only: an embedded SQLite registry, real POLICY_DIRs (a LightGBM length model trained on a small
+workload, scorer weights written by ``LearnedPolicy.save``), ``KVPilotScheduler`` with a fake model runner.
+Each test serves its own registered model name (``KVPILOT_MODEL_URI``) in one shared store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+
+from training import registry as reg
+
+pytestmark = pytest.mark.vllm
+
+DEAD = "http://127.0.0.1:9"  # nothing listens on the discard port
+
+
+# ------------------------------------------------------------------------------------ POLICY_DIRs and store
+def make_learned_dir(out: Path, predictors_dir: Path, seed: int) -> Path:
+    """A POLICY_DIR written by ``LearnedPolicy.save``: scorer weights from ``seed``, the given predictors."""
+    import torch
+
+    from policy.learned import LearnedPolicy, build_scorer
+
+    torch.manual_seed(seed)
+    state = build_scorer().state_dict()
+    LearnedPolicy(state, None, predictors_dir=predictors_dir).save(out)
+    return out
+
+
+def train_predictors(out: Path) -> Path:
+    """A small real ``kvpilot train predictors`` model directory (20 trees, a 3-step synthetic log)."""
+    from predictors.features import prepare_requests
+    from predictors.pipeline import train_bundle
+    from tests.test_predictors_features import fake_telemetry, small_workload
+
+    w = small_workload(steps=3, prompts=8)
+    train_bundle(prepare_requests(fake_telemetry(w), w), test_steps=[2], num_trees=20, num_threads=1).save(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("policies")
+    pred = train_predictors(root / "predictors")
+    out = {"v1": make_learned_dir(root / "P1", pred, 1), "v2": make_learned_dir(root / "P2", pred, 2)}
+    bad_schema = shutil.copytree(out["v1"], root / "Pschema")
+    m = json.loads((bad_schema / "policy.json").read_text())
+    m["telemetry_schema_version"] = m["telemetry_schema_version"] + 1
+    (bad_schema / "policy.json").write_text(json.dumps(m))
+    bad_feats = shutil.copytree(out["v1"], root / "Pfeatures")
+    m = json.loads((bad_feats / "policy.json").read_text())
+    m["feature_schema"]["features"] = list(reversed(m["feature_schema"]["features"]))
+    (bad_feats / "policy.json").write_text(json.dumps(m))
+    out.update(schema=bad_schema, features=bad_feats)
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, vllm_engine):
+    root = tmp_path_factory.mktemp("registry")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", "unset")  # restored (removed) at teardown
+        mp.delenv("MLFLOW_TRACKING_URI")
+        mp.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        mp.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+        mp.chdir(root)
+        uri = reg.configure("kvpilot-serving-test")
+        yield root, uri
+
+
+def register(policy_dir: Path, name: str, *, champion: bool = True) -> str:
+    import mlflow
+
+    with mlflow.start_run() as run:
+        mv = reg.log_policy_model(policy_dir, run, name=name)
+    if champion:
+        reg.set_champion(mv.version, name=name)
+    return str(mv.version)
+
+
+def truncate_in_store(name: str, version: str) -> Path:
+    """Cut the registered version's policy.pt in the artifact store in half (a corrupt upload)."""
+    import mlflow
+
+    mv = reg.client().get_model_version(name, version)
+    model_id = mv.source.split("/")[-1]
+    loc = Path(mlflow.get_logged_model(model_id).artifact_location.removeprefix("file://"))
+    (pt,) = loc.rglob("policy.pt")
+    data = pt.read_bytes()
+    pt.write_bytes(data[: len(data) // 2])
+    return pt
+
+
+# ------------------------------------------------------------------------------------ driving the hook
+def registry_scheduler(vllm_engine, uri: str, tel: Path, poll_s: float = 0.0):
+    from serving_hook import KVPilotScheduler, with_policy
+    from serving_hook.config import HookConfig
+    from serving_hook.model_source import RegistryPolicy
+
+    cfg = HookConfig(policy="registry", telemetry_dir=str(tel), decision_budget_s=10.0, model_poll_s=poll_s)
+    cls = with_policy(KVPilotScheduler, lambda: RegistryPolicy(uri), cfg)
+    return vllm_engine.make_scheduler(cls, num_blocks=48, max_num_seqs=6)
+
+
+def drive(vllm_engine, sched, n: int = 36, on_step: Optional[Callable[[int], None]] = None,
+          max_steps: int = 3000) -> list[Optional[str]]:
+    """Feed ``n`` requests (3 per step) and step until all finish; returns the served version per step."""
+    runner = vllm_engine.FakeRunner()
+    served: list[Optional[str]] = []
+    added = 0
+    for step in range(1, max_steps + 1):
+        for _ in range(3):
+            if added < n:
+                prompt = vllm_engine.prompt_tokens(f"p{added % 5}", 40 + 8 * (added % 4))
+                sched.add_request(vllm_engine.make_request(f"r{added}", prompt, max_tokens=4 + 5 * (added % 7)))
+                added += 1
+        runner.step(sched)
+        served.append(sched.kvpilot_policy.model_version)
+        if on_step is not None:
+            on_step(step)
+        if added == n and not sched.requests:
+            return served
+    raise AssertionError(f"requests still unfinished after {max_steps} steps: {len(sched.requests)}")
+
+
+def telemetry(sched, tel: Path) -> tuple[Any, Any, Any]:
+    from data.io import read_telemetry
+
+    sched.kvpilot_close()
+    tables = [read_telemetry(tel, t).to_pandas() if (tel / t).is_dir() else None
+              for t in ("steps", "decisions", "requests")]
+    if tables[1] is None:  # no decision at all
+        import pandas as pd
+
+        tables[1] = pd.DataFrame({"engine_step": [], "policy_version": []})
+    return tuple(tables)
+
+
+def check_completed(requests: Any, n: int = 36) -> None:
+    assert len(requests) == n and set(requests["request_id"]) == {f"r{i}" for i in range(n)}
+    assert (requests["finish_reason"] == "length").all()
+
+
+def one_version_per_step(decisions: Any) -> dict[int, str]:
+    per_step = decisions.groupby("engine_step")["policy_version"].unique()
+    assert all(len(v) == 1 for v in per_step), "a step mixed two model versions"
+    return {int(k): v[0] for k, v in per_step.items()}
+
+
+def warnings_about(caplog, text: str) -> int:
+    return sum(1 for r in caplog.records if r.name == "kvpilot.hook" and r.levelno == logging.WARNING
+               and text in r.getMessage())
+
+
+# ------------------------------------------------------------------------------------ tests
+def test_champion_is_served_and_a_new_one_swaps_in_between_steps(store, dirs, vllm_engine, tmp_path):
+    name = "swap"
+    register(dirs["v1"], name)
+    sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel")
+    assert sched.kvpilot_policy.model_version == "1"  # loaded at start-up, before the first step
+    promoted_after = 12
+
+    def promote(step: int) -> None:
+        if step == promoted_after:
+            register(dirs["v2"], name)
+            assert sched.kvpilot_policy.source.poll_now()  # staged, not yet served
+            assert sched.kvpilot_policy.model_version == "1"
+
+    served = drive(vllm_engine, sched, on_step=promote)
+    assert served[:promoted_after] == ["1"] * promoted_after
+    assert served[promoted_after:] == ["2"] * (len(served) - promoted_after)  # from the very next step
+    assert sched.kvpilot_stats.model_swaps == 1 and sched.kvpilot_stats.model_version == "2"
+    steps, decisions, requests = telemetry(sched, tmp_path / "tel")
+    check_completed(requests)
+    assert not steps["hook_fallback"].any()
+    by_step = one_version_per_step(decisions)
+    v1 = [s for s, v in by_step.items() if v == "swap/1"]
+    v2 = [s for s, v in by_step.items() if v == "swap/2"]
+    assert v1 and v2 and set(by_step.values()) == {"swap/1", "swap/2"}
+    assert max(v1) <= promoted_after < min(v2)
+    # The new version decides from the first decision step after the swap.
+    assert min(v2) == min(s for s in by_step if s > promoted_after)
+    assert (decisions["policy"] == "registry").all()
+
+
+def test_missing_model_falls_back_to_vllm_then_recovers(store, dirs, vllm_engine, tmp_path, caplog):
+    name = "missing"
+    sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel")
+    assert sched.kvpilot_policy.model_version is None
+    registered_after = 10
+
+    def later(step: int) -> None:
+        if step < registered_after:
+            assert not sched.kvpilot_policy.source.poll_now()  # still nothing: logged once, counted
+        elif step == registered_after:
+            register(dirs["v1"], name)
+            assert sched.kvpilot_policy.source.poll_now()
+
+    served = drive(vllm_engine, sched, on_step=later)
+    assert served[:registered_after] == [None] * registered_after
+    assert set(served[registered_after:]) == {"1"}
+    st = sched.kvpilot_stats
+    assert st.fallback_steps == registered_after == st.fallbacks["model:none"]
+    assert sched.kvpilot_policy.source.stats.failures["missing"] == registered_after  # start-up + 9 polls
+    assert warnings_about(caplog, "cannot serve models:/missing@champion") == 1
+    steps, decisions, requests = telemetry(sched, tmp_path / "tel")
+    check_completed(requests)
+    fell_back = steps.set_index("engine_step")["hook_fallback"]
+    assert fell_back.loc[:registered_after].all() and not fell_back.loc[registered_after + 1:].any()
+    assert (decisions["engine_step"] > registered_after).all()  # no policy decision while falling back
+    assert set(decisions["policy_version"]) == {"missing/1"}
+
+
+def test_corrupt_champion_at_start_up_falls_back_and_is_not_retried(store, dirs, vllm_engine, tmp_path, caplog):
+    name = "corrupt"
+    version = register(dirs["v1"], name)
+    pt = truncate_in_store(name, version)
+    sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel")
+    assert sched.kvpilot_policy.model_version is None
+    drive(vllm_engine, sched, on_step=lambda s: sched.kvpilot_policy.source.poll_now() if s % 5 == 0 else None)
+    src = sched.kvpilot_policy.source
+    assert src.stats.failures == {"load": 1}  # a bad version is immutable: not downloaded again
+    assert warnings_about(caplog, "policy.pt") == 1
+    assert any(pt.name in r.getMessage() and "corrupt" in r.getMessage() for r in caplog.records)
+    steps, decisions, requests = telemetry(sched, tmp_path / "tel")
+    check_completed(requests)
+    assert steps["hook_fallback"].all() and len(decisions) == 0
+    assert sched.kvpilot_stats.fallback_steps == len(steps)
+
+
+@pytest.mark.parametrize("fault", ["truncated policy.pt", "telemetry schema", "feature schema"])
+def test_bad_new_champion_keeps_the_last_good_model(store, dirs, vllm_engine, tmp_path, caplog, fault):
+    name = "keep-" + fault.split()[0]
+    register(dirs["v1"], name)
+    sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel")
+    promoted_after = 8
+
+    def promote_bad(step: int) -> None:
+        if step == promoted_after:
+            if fault == "truncated policy.pt":
+                v = register(dirs["v2"], name, champion=False)
+                truncate_in_store(name, v)
+                reg.set_champion(v, name=name)
+            else:
+                register(dirs["schema" if fault == "telemetry schema" else "features"], name)
+        if step >= promoted_after:
+            assert not sched.kvpilot_policy.source.poll_now()
+
+    served = drive(vllm_engine, sched, on_step=promote_bad)
+    assert set(served) == {"1"}
+    failures = sched.kvpilot_policy.source.stats.failures
+    assert failures == ({"load": 1} if fault == "truncated policy.pt" else {"schema": 1})
+    assert warnings_about(caplog, f"models:/{name}@champion") == 1
+    steps, decisions, requests = telemetry(sched, tmp_path / "tel")
+    check_completed(requests)
+    assert not steps["hook_fallback"].any()
+    assert set(decisions["policy_version"]) == {f"{name}/1"}
+
+
+def test_unreachable_registry_during_polls_keeps_serving(store, dirs, vllm_engine, tmp_path, caplog, monkeypatch):
+    """Polls on the background thread against a dead registry: the model stays, the thread lives, and once the
+    registry is back a new champion swaps in between steps."""
+    import mlflow
+
+    name = "unreachable"
+    register(dirs["v1"], name)
+    sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel", poll_s=0.05)
+    src = sched.kvpilot_policy.source
+    live_uri = store[1]
+    state = {"phase": "dead"}
+
+    def flip(step: int) -> None:
+        if step == 2:
+            monkeypatch.setenv("MLFLOW_TRACKING_URI", DEAD)
+            mlflow.set_tracking_uri(DEAD)
+            t0 = time.monotonic()
+            while src.stats.failures.get("unreachable", 0) < 3:  # the thread keeps polling, and failing
+                assert time.monotonic() - t0 < 60 and src._thread.is_alive()
+                time.sleep(0.02)
+        if step == 6:
+            monkeypatch.setenv("MLFLOW_TRACKING_URI", live_uri)
+            mlflow.set_tracking_uri(live_uri)
+            register(dirs["v2"], name)
+            state["phase"] = "promoted"
+            t0 = time.monotonic()
+            while src._pending is None:  # the poll thread loads v2 off the scheduler loop
+                assert time.monotonic() - t0 < 60
+                time.sleep(0.02)
+
+    served = drive(vllm_engine, sched, on_step=flip)
+    assert served[:6] == ["1"] * 6 and set(served[6:]) == {"2"}
+    assert warnings_about(caplog, "unreachable") == 1
+    steps, decisions, requests = telemetry(sched, tmp_path / "tel")
+    assert src._thread is None  # kvpilot_close stopped the poll thread
+    check_completed(requests)
+    assert not steps["hook_fallback"].any()
+    by_step = one_version_per_step(decisions)
+    assert {v for s, v in by_step.items() if s <= 6} == {f"{name}/1"}
+    assert {v for s, v in by_step.items() if s > 6} == {f"{name}/2"}
+
+
+def test_malformed_model_uri_fails_at_start_up(monkeypatch):
+    from serving_hook.config import HookConfig, HookConfigError, build_policy
+
+    monkeypatch.setenv("KVPILOT_MODEL_URI", "kvpilot:champion")
+    with pytest.raises(HookConfigError, match="KVPILOT_MODEL_URI.*kvpilot:champion"):
+        build_policy(HookConfig(policy="registry"))
