@@ -1,5 +1,11 @@
 """`kvpilot promote` on a real MLflow SQLite store with real small simulations: the first version becomes champion,
-a deliberately worse candidate (a scorer that preempts the request with the most to recompute) is refused, a better one is accepted, --force skips."""
+a deliberately worse candidate is refused, a better one is accepted, --force skips the gate.
+
+The two POLICY_DIRs are real learned-policy bundles whose scorers are wired by hand, so the test does not hang on
+how well a tiny training run goes: the better one admits in arrival order and preempts the request with the
+least progress (close to vLLM's own choices); the worse one admits the longest predicted first and preempts the
+request with the most progress, which costs both makespan and recompute under KV pressure.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.loop_fixtures import KV, logged_run, most_recompute, mlflow_store, tiny_workload  # noqa: F401 - a fixture
+from tests.loop_fixtures import KV, base_policy_dir, mlflow_store, tiny_workload, wired  # noqa: F401 - a fixture
 from training.train import HeldoutParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -17,22 +23,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> tuple[Path, Path]:
-    """(trained POLICY_DIR, a deliberately worse one) from the tiny logged run."""
-    from policy.offline import train_policy
-    from predictors.logs import load_logs
-    from predictors.pipeline import train_bundle
-
+    """(better POLICY_DIR, worse POLICY_DIR)."""
     root = tmp_path_factory.mktemp("policies")
-    run = logged_run(root)
-    predictors = train_bundle(load_logs([run]), num_trees=20, num_threads=1).save(root / "predictors")
-    good = root / "good"
-    train_policy([run], predictors, good, progress=False)
-    return good, most_recompute(good, root / "bad")
+    base = base_policy_dir(root)
+    better = wired(base, root / "better", None, ("log_computed_tokens", -1.0))
+    worse = wired(base, root / "worse", ("log_pred_remaining", 1.0), ("log_computed_tokens", 1.0))
+    return better, worse
 
 
 @pytest.fixture(scope="module")
 def heldout(tmp_path_factory: pytest.TempPathFactory) -> HeldoutParams:
-    return HeldoutParams(workload=tiny_workload(tmp_path_factory.mktemp("heldout") / "w.parquet", seed=77, steps=1),
+    return HeldoutParams(workload=tiny_workload(tmp_path_factory.mktemp("heldout") / "w.parquet", seed=77),
                          kv_fraction=KV)
 
 
@@ -56,20 +57,20 @@ def test_gate(mlflow_store: Path, policies: tuple[Path, Path], heldout: HeldoutP
     from training.cli import app
     from training.promote import passes_gate, promote, render_comparison
 
-    good, bad = policies
-    v1 = _register(bad)
+    better_dir, worse_dir = policies
+    v1 = _register(worse_dir)
     first = promote(v1, heldout=heldout)
     assert first.promoted and first.champion_before is None and not first.rows  # no comparison for the first
     assert _champion() == v1
 
-    v2 = _register(good)
+    v2 = _register(better_dir)
     better = promote(v2, heldout=heldout, out_dir=tmp_path / "g2", progress=False)
     text = render_comparison(better)
     assert better.promoted, text
     assert _champion() == v2
     assert f"candidate v{v2}" in text and f"champion v{v1}" in text and "vllm-default" in text
 
-    v3 = _register(bad)
+    v3 = _register(worse_dir)
     res = CliRunner().invoke(app, ["promote", "--version", v3, "--workload", str(heldout.workload), "--kv-fraction",
                                    str(KV), "-o", str(tmp_path / "g3"), "--no-progress"])
     assert res.exit_code == 1, res.output  # refused
