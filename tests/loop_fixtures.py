@@ -27,7 +27,7 @@ def logged_run(root: Path) -> Path:
     from data.io import read_workload
     from simulator.simulation import run_simulation
 
-    wl = tiny_workload(root / "train.parquet", seed=0, steps=3, prompts=4)
+    wl = tiny_workload(root / "train.parquet", seed=0, steps=3, prompts=8)
     run = root / "logging"
     run_simulation(read_workload(wl), "logging", kv_fraction=KV, out_dir=run, progress=False, validate=False,
                    decode_stride=DEFAULT_DECODE_STRIDE)

@@ -35,7 +35,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> Path:
 def test_train_logs_one_run_and_registers_a_version(mlflow_store: Path, run_dir: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    heldout = tiny_workload(tmp_path / "heldout.parquet", seed=77, steps=1)
+    heldout = tiny_workload(tmp_path / "heldout.parquet", seed=77)
     res = CliRunner().invoke(app, ["train", "--logs", str(run_dir), "--experiment", "train-test", "-o",
                                    str(tmp_path / "work"), "--heldout-workload", str(heldout), "--kv-fraction",
                                    str(KV), "--trees", "20", "--no-progress"])
@@ -66,7 +66,7 @@ def test_demo_loop_leaves_run_model_and_alias(mlflow_store: Path, tmp_path: Path
 
     from training.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(train=small_config(0, prompts=4, group=4, steps=3), heldout=small_config(77, 4, 4, 1),
+    cfg = DemoConfig(train=small_config(0, prompts=8, group=4, steps=3), heldout=small_config(77, 8, 4, 1),
                      kv_fraction=KV, baselines=("sortedrl", "heddle"), jobs=1, experiment="demo-test",
                      policy_options={})
     result = run_demo(tmp_path / "demo", cfg)
@@ -83,5 +83,5 @@ def test_demo_loop_leaves_run_model_and_alias(mlflow_store: Path, tmp_path: Path
     runs = client.search_runs([exp.experiment_id])
     assert len(runs) == 1 and runs[0].data.metrics
     champion = client.get_model_version_by_alias("kvpilot", "champion")
-    assert champion.version == result.version and champion.run_id == runs[0].info.run_id
+    assert str(champion.version) == result.version and champion.run_id == runs[0].info.run_id
     assert "champion" in client.get_registered_model("kvpilot").aliases

@@ -25,6 +25,7 @@ from typing import Any
 from rich.console import Console
 
 from data.synth import SynthConfig
+from training.evaluate import DEFAULT_DECODE_STRIDE
 from training.train import HELDOUT_SEED, HeldoutParams
 
 #: The demo's KV size: small enough that vLLM default preempts on the demo workloads.
@@ -48,7 +49,8 @@ class DemoConfig:
     kv_fraction: float = DEMO_KV_FRACTION
     baselines: tuple[str, ...] = field(default_factory=_baselines)
     jobs: int = 2  # worker processes for the baselines
-    sim_options: dict[str, Any] = field(default_factory=dict)  # run_simulation options for every simulation
+    #: run_simulation options of every simulation (the evaluations' decode stride, so all runs compare)
+    sim_options: dict[str, Any] = field(default_factory=lambda: {"decode_stride": DEFAULT_DECODE_STRIDE})
     policy_options: dict[str, Any] = field(default_factory=dict)  # OfflineConfig overrides
     experiment: str = "kvpilot-demo"
 
@@ -117,7 +119,7 @@ def run_demo(out_dir: Path, cfg: DemoConfig = DemoConfig(), console: Console | N
 
     stage(4, f"kvpilot promote --version {trained.version}")
     gate = promote(trained.version, heldout=heldout, out_dir=out_dir / "promote")
-    console.print(render_comparison(gate), highlight=False)
+    print(render_comparison(gate), flush=True)
 
     stage(5, "vLLM default and the baselines on the held-out workload")
     base = evaluate(heldout_wl, list(cfg.baselines), out_dir / "baselines", kv_fractions=[cfg.kv_fraction], jobs=cfg.jobs,
@@ -138,11 +140,10 @@ def run_demo(out_dir: Path, cfg: DemoConfig = DemoConfig(), console: Console | N
     stage(7, "before / after")
     rows = before_after(base.rows, served, trained.evaluation, champion.version if champion else None)
     files = write_table(rows, out_dir)
-    console.print(render_rows(rows), highlight=False)
-    console.print(f"\nfiles: {', '.join(str(f) for f in files)}; baseline plots in {out_dir / 'baselines'}",
-                  highlight=False)
-    console.print(f"the whole loop took {time.perf_counter() - t_start:.0f} s. Open the registry with:\n"
-                  f"  {ui_command(trained.tracking_uri)}", highlight=False)
+    print(render_rows(rows))
+    print(f"\nfiles: {', '.join(str(f) for f in files)}; baseline plots in {out_dir / 'baselines'}")
+    print(f"the whole loop took {time.perf_counter() - t_start:.0f} s. Open the registry with:\n"
+          f"  {ui_command(trained.tracking_uri)}", flush=True)
     return DemoResult(rows, trained.version, gate.promoted, trained.tracking_uri, files)
 
 

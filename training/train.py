@@ -191,7 +191,7 @@ def train_and_register(
             raise TrainError(f"predictors: {err}") from None
         with tempfile.TemporaryDirectory(prefix="kvpilot-predictors-") as tmp:
             predictors_dir = bundle.save(Path(tmp) / "predictors")
-            console.print(render_report(bundle.report), highlight=False)
+            console.print(render_report(bundle.report), highlight=False, soft_wrap=True)
             metrics = flat_metrics({k: v for k, v in bundle.report.items() if k in ("length", "reuse")},
                                    "predictors")
 
@@ -202,7 +202,7 @@ def train_and_register(
             except ValueError as err:  # no usable decisions, a bad log
                 raise TrainError(f"policy: {err}") from None
         metrics.update({k: float(v) for k, v in policy_metrics.items()})
-        console.print("  ".join(f"{k} {v:.4g}" for k, v in policy_metrics.items()), highlight=False)
+        console.print("  ".join(f"{k} {v:.4g}" for k, v in policy_metrics.items()), highlight=False, soft_wrap=True)
 
         _stage(console, "4/4 held-out simulation: the trained policy vs vLLM default")
         rows = evaluate_policy_dir(policy_dir, heldout, work_dir / "heldout", progress=progress)
