@@ -53,7 +53,8 @@ def _champion() -> str:
     return str(registry.get_champion().version)
 
 
-def test_gate(mlflow_store: Path, policies: tuple[Path, Path], heldout: HeldoutParams, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("mlflow_store")
+def test_gate(policies: tuple[Path, Path], heldout: HeldoutParams, tmp_path: Path) -> None:
     from training.cli import app
     from training.promote import passes_gate, promote, render_comparison
 
@@ -98,7 +99,8 @@ def test_passes_gate_tolerances() -> None:
     assert not ok and "worse on recompute" in why
 
 
-def test_unknown_version_is_a_clear_error(mlflow_store: Path) -> None:
+@pytest.mark.usefixtures("mlflow_store")
+def test_unknown_version_is_a_clear_error() -> None:
     from training.cli import app
 
     res = CliRunner().invoke(app, ["promote", "--version", "999", "--no-progress"])

@@ -32,7 +32,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> Path:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_train_logs_one_run_and_registers_a_version(mlflow_store: Path, run_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("mlflow_store")
+def test_train_logs_one_run_and_registers_a_version(run_dir: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
     heldout = tiny_workload(tmp_path / "heldout.parquet", seed=77)
@@ -61,7 +62,8 @@ def test_train_logs_one_run_and_registers_a_version(mlflow_store: Path, run_dir:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_demo_loop_leaves_run_model_and_alias(mlflow_store: Path, tmp_path: Path, vllm_engine) -> None:
+@pytest.mark.usefixtures("mlflow_store")
+def test_demo_loop_leaves_run_model_and_alias(tmp_path: Path, vllm_engine) -> None:
     from mlflow.tracking import MlflowClient
 
     from training.demo import DemoConfig, run_demo

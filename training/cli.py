@@ -305,8 +305,11 @@ def _policy_config(options: Optional[str]):
         return OfflineConfig()
     try:
         values = json.loads(options)
-        if not isinstance(values, dict):
-            raise ValueError("not a JSON object")
+    except ValueError as err:
+        raise _fail(f"--policy-config is not valid JSON: {err}") from None
+    if not isinstance(values, dict):
+        raise _fail("--policy-config must be a JSON object")
+    try:
         return dataclasses.replace(OfflineConfig(), **values)
     except (ValueError, TypeError) as err:
         known = ", ".join(f.name for f in dataclasses.fields(OfflineConfig))

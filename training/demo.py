@@ -44,8 +44,8 @@ def _baselines() -> tuple[str, ...]:
 class DemoConfig:
     """The demo's sizes, sized to finish in under 15 minutes on 2 cores."""
 
-    train: SynthConfig = SynthConfig(seed=0, steps=4, prompts_per_step=16)
-    heldout: SynthConfig = SynthConfig(seed=HELDOUT_SEED, steps=1, prompts_per_step=16)
+    train: SynthConfig = field(default_factory=lambda: SynthConfig(seed=0, steps=4, prompts_per_step=16))
+    heldout: SynthConfig = field(default_factory=lambda: SynthConfig(seed=HELDOUT_SEED, steps=1, prompts_per_step=16))
     kv_fraction: float = DEMO_KV_FRACTION
     baselines: tuple[str, ...] = field(default_factory=_baselines)
     jobs: int = 2  # worker processes for the baselines
@@ -82,14 +82,15 @@ def _simulate(workload: Path, policy: str, out_dir: Path, cfg: DemoConfig) -> di
     return dict(result.summary)
 
 
-def run_demo(out_dir: Path, cfg: DemoConfig = DemoConfig(), console: Console | None = None) -> DemoResult:
-    """Run the loop (see the module docstring) under ``out_dir``."""
+def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | None = None) -> DemoResult:
+    """Run the loop (see the module docstring) under ``out_dir`` (``cfg`` None: the embedded defaults)."""
     from policy.offline import OfflineConfig
     from training import registry
     from training.evaluate import evaluate
     from training.promote import promote, render_comparison
     from training.train import train_and_register
 
+    cfg = cfg or DemoConfig()
     console = console or Console(stderr=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()

@@ -60,15 +60,17 @@ def promote(
     version: int | str,
     *,
     force: bool = False,
-    heldout: HeldoutParams = HeldoutParams(),
+    heldout: HeldoutParams | None = None,
     out_dir: Path | None = None,
     progress: bool = True,
 ) -> GateResult:
     """Run the gate for ``version`` of ``kvpilot`` and move ``champion`` when it passes (see the module docstring).
 
-    ``out_dir`` keeps the evaluation (a temporary folder by default)."""
+    ``heldout``: the gate's workload and KV size (None: the defaults); ``out_dir`` keeps the evaluation (a
+    temporary folder by default)."""
     from training import registry
 
+    heldout = heldout or HeldoutParams()
     version = str(version)
     client = registry.client()
     try:

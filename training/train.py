@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def flat_metrics(report: dict[str, Any], prefix: str) -> dict[str, float]:
         name = f"{prefix}.{key}"
         if isinstance(value, dict):
             out.update(flat_metrics(value, name))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             out[name] = float(value)
     return out
 
@@ -134,17 +135,16 @@ def train_and_register(
     work_dir: Path,
     *,
     experiment: str = "kvpilot",
-    predictor_params: PredictorParams = PredictorParams(),
+    predictor_params: PredictorParams | None = None,
     policy_config: Any = None,
-    heldout: HeldoutParams = HeldoutParams(),
+    heldout: HeldoutParams | None = None,
     progress: bool = True,
     console: Console | None = None,
-    train_policy_fn: Callable[..., dict[str, float]] | None = None,
 ) -> TrainResult:
     """Fit, evaluate, log and register (see the module docstring); ``work_dir`` keeps the POLICY_DIR and the evaluation.
 
-    ``policy_config`` is a :class:`policy.offline.OfflineConfig` (None: its defaults);
-    ``train_policy_fn`` replaces :func:`policy.offline.train_policy` (same signature)."""
+    ``policy_config`` is a :class:`policy.offline.OfflineConfig`; None (here and for the other parameter objects):
+    the defaults."""
     import mlflow
 
     from predictors.logs import load_logs
@@ -163,9 +163,11 @@ def train_and_register(
     policy_dir = work_dir / "policy"
     if policy_dir.exists():
         shutil.rmtree(policy_dir)  # an earlier training's output in the same work folder
-    if train_policy_fn is None:
-        from policy.offline import OfflineConfig, train_policy as train_policy_fn
-        policy_config = policy_config or OfflineConfig()
+    from policy.offline import OfflineConfig, train_policy
+
+    policy_config = policy_config or OfflineConfig()
+    predictor_params = predictor_params or PredictorParams()
+    heldout = heldout or HeldoutParams()
 
     _stage(console, f"1/4 data: {len(log_dirs)} log folder(s)")
     data = data_summary(log_dirs)
@@ -178,7 +180,7 @@ def train_and_register(
     registry.configure(experiment)
     with mlflow.start_run() as run:
         mlflow.log_params({**data, **_params("predictors", dataclasses.asdict(predictor_params)),
-                           **_params("policy", dataclasses.asdict(policy_config) if policy_config else {}),
+                           **_params("policy", dataclasses.asdict(policy_config)),
                            **_params("heldout", dataclasses.asdict(heldout)),
                            "log_dirs": ",".join(str(p) for p in log_dirs)})
 
@@ -197,8 +199,7 @@ def train_and_register(
 
             _stage(console, "3/4 policy: offline contextual bandit from logged decisions")
             try:
-                policy_metrics = train_policy_fn(log_dirs, predictors_dir, policy_dir, policy_config,
-                                                 progress=progress)
+                policy_metrics = train_policy(log_dirs, predictors_dir, policy_dir, policy_config, progress=progress)
             except ValueError as err:  # no usable decisions, a bad log
                 raise TrainError(f"policy: {err}") from None
         metrics.update({k: float(v) for k, v in policy_metrics.items()})
