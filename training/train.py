@@ -209,7 +209,9 @@ def train_and_register(
         rows = evaluate_policy_dir(policy_dir, heldout, work_dir / "heldout", progress=progress)
         metrics.update(heldout_metrics(rows))
         mlflow.log_metrics(metrics)
-        mlflow.log_artifacts(str(work_dir / "heldout" / "evaluation"), artifact_path="heldout")
+        for path in sorted((work_dir / "heldout" / "evaluation").iterdir()):
+            if path.is_file():  # the tables and plots; not runs/ (each case's telemetry)
+                mlflow.log_artifact(str(path), artifact_path="heldout")
         mlflow.log_dict(bundle.report, "predictors/report.json")
         mlflow.log_artifact(str(policy_dir / "policy.json"), artifact_path="policy")
         version = registry.log_policy_model(policy_dir).version
