@@ -15,9 +15,11 @@ from training.cli import app
 
 def test_train_group_keeps_its_subcommands(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["train", "--help"])
-    assert res.exit_code == 0 and "--logs" in res.output and "predictors" in res.output
+    assert res.exit_code == 0 and "--logs" in res.output and "predictors" in res.output and "policy" in res.output
     res = CliRunner().invoke(app, ["train", "predictors", "--help"])
     assert res.exit_code == 0 and "--test-steps" in res.output
+    res = CliRunner().invoke(app, ["train", "policy", "--help"])
+    assert res.exit_code == 0 and "--predictors" in res.output
     res = CliRunner().invoke(app, ["train", "--logs", str(tmp_path), "predictors", "--logs", str(tmp_path),
                                    "-o", str(tmp_path / "m")])
     assert res.exit_code == 2 and "--logs before `predictors`" in res.output
