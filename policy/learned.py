@@ -1,6 +1,6 @@
 """kvpilot's learned admission / preemption policy, and the exploring behaviour policy that logs for it.
 
-**The scorer.** A small MLP (:class:`Scorer`, torch) maps each candidate's
+**The scorer.** A small MLP (:func:`build_scorer`, torch) maps each candidate's
 :data:`policy.learned_features.FEATURES` (its own features, the LightGBM length
 model's p50 / p90 and the predicted remaining output, and an engine-state
 summary: KV usage, pinned blocks, running / waiting counts, the RL step's
@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from policy.baselines._common import admission_limit, check_positive
+from policy.baselines._common import LengthCache, admission_limit, check_positive
 from policy.interface import (
     AdmissionDecision,
     CandidateRequest,
@@ -62,7 +62,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "PolicyLoadError",
-    "Scorer",
+    "build_scorer",
     "NumpyScorer",
     "StepPhase",
     "LearnedPolicy",
@@ -98,7 +98,7 @@ def _torch():
 
 
 def build_scorer(n_in: int = len(FEATURES), hidden: Sequence[int] = (32, 32)):
-    """A fresh :class:`Scorer` (torch is imported only here and in training)."""
+    """A fresh scorer module (torch is imported only here and in training)."""
     torch = _torch()
     nn = torch.nn
 
@@ -121,9 +121,6 @@ def build_scorer(n_in: int = len(FEATURES), hidden: Sequence[int] = (32, 32)):
             return self.net((x - self.mean) / self.scale)
 
     return Scorer()
-
-
-Scorer = build_scorer  # the name of the contract: ``Scorer()`` builds one
 
 
 class NumpyScorer:
@@ -183,6 +180,10 @@ def candidate_raw(
     """The (n, len(RAW)) raw matrix of one decision's candidates (see :mod:`policy.learned_features`)."""
     nan = math.nan
     tot = max(state.num_total_blocks, 1)
+    phases: dict[Optional[int], float] = {}
+    for c in cands:
+        if c.meta.step not in phases:
+            phases[c.meta.step] = phase.phase(c.meta.step)
     st = (state.kv_usage, state.num_pinned_blocks / tot, float(state.num_running), float(state.num_waiting))
     rows = [
         (
@@ -190,20 +191,23 @@ def candidate_raw(
             c.meta.turn if c.meta.turn is not None else nan,
             c.meta.group_size if c.meta.group_size is not None else nan,
             c.group_finished, c.group_running, c.wait_s, c.num_preemptions,
-            1.0 if c.status.value == "running" else 0.0, p[0], p[1], *st, phase.phase(c.meta.step),
+            1.0 if c.status.value == "running" else 0.0, p[0], p[1], *st, phases[c.meta.step],
         )
         for c, p in zip(cands, preds)
     ]
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(RAW))
 
 
-def _predict(predictor: Any, cands: Sequence[CandidateRequest]) -> list[tuple[float, float]]:
-    """(p50, p90) per candidate; also written to ``candidate.predictions`` so the hook logs them."""
-    if predictor is None:
+def _predict(lengths: Optional[LengthCache], cands: Sequence[CandidateRequest],
+             log: bool) -> list[tuple[float, float]]:
+    """(p50, p90) per candidate (cached per request until a sibling finishes); with ``log``, also written to
+    ``candidate.predictions`` so the hook logs them with the decision."""
+    if lengths is None:
         return [(math.nan, math.nan)] * len(cands)
-    preds = predictor.predict(cands)
-    for c, p in zip(cands, preds):
-        c.predictions = {"len_p50": float(p[0]), "len_p90": float(p[1])}
+    preds = lengths.lookup(cands)
+    if log:
+        for c, p in zip(cands, preds):
+            c.predictions = {"len_p50": p[0], "len_p90": p[1]}
     return preds
 
 
@@ -226,16 +230,15 @@ class _Starvation:
 
     def starved(self, waiting: Sequence[CandidateRequest], state: EngineState) -> list[int]:
         since = self.since
-        out = []
+        now = (state.engine_step, state.time_s)
+        starts = [since.setdefault(c.request_id, now) for c in waiting]
         ms = self.max_wait_steps if self.max_wait_steps is not None else math.inf
         mt = self.max_wait_s if self.max_wait_s is not None else math.inf
-        for i, c in enumerate(waiting):
-            s = since.get(c.request_id)
-            if s is None:
-                since[c.request_id] = (state.engine_step, state.time_s)
-            elif state.engine_step - s[0] >= ms or state.time_s - s[1] >= mt:
-                out.append(i)
-        out.sort(key=lambda i: since[waiting[i].request_id])
+        oldest = next(iter(since.values()), now)  # insertion order: the first entry is the oldest
+        if now[0] - oldest[0] < ms and now[1] - oldest[1] < mt:
+            return []
+        out = [i for i, s in enumerate(starts) if now[0] - s[0] >= ms or now[1] - s[1] >= mt]
+        out.sort(key=lambda i: starts[i])
         return out
 
     def observe(self, event: Event) -> None:
@@ -253,6 +256,7 @@ class _Sampler(Policy):
     def __init__(self, predictor: Any, max_wait_steps: Optional[float], max_wait_s: Optional[float],
                  seed: Optional[int]) -> None:
         self.predictor = predictor
+        self.lengths = LengthCache(predictor) if predictor is not None else None
         self.starvation = _Starvation(
             check_positive("max_wait_steps", max_wait_steps, allow_none=True),
             check_positive("max_wait_s", max_wait_s, allow_none=True),
@@ -267,6 +271,8 @@ class _Sampler(Policy):
         self.starvation.observe(event)
         if self._observe is not None:
             self._observe(event)
+        if event.kind is EventKind.FINISHED and self.lengths is not None:
+            self.lengths.forget(event.request_id)
 
     def _order(self, first: list[int], keys: np.ndarray, waiting: Sequence[CandidateRequest],
                state: EngineState) -> list[str]:
@@ -326,7 +332,7 @@ class LearnedPolicy(_Sampler):
     # --------------------------------------------------------------------------- scoring
     def scores(self, cands: Sequence[CandidateRequest], state: EngineState, head: int) -> np.ndarray:
         """The ``head`` score (ADMIT or PREEMPT) of each candidate: one forward pass for all of them."""
-        raw = candidate_raw(cands, _predict(self.predictor, cands), state, self.phase)
+        raw = candidate_raw(cands, _predict(self.lengths, cands, self.mode == "log"), state, self.phase)
         return self.scorer(model_features(raw))[:, head].astype(np.float64)
 
     def _probs(self, s: np.ndarray) -> np.ndarray:
@@ -488,8 +494,8 @@ class LoggingPolicy(_Sampler):
     names of :data:`LOGGING_ADMIT` / :data:`LOGGING_PREEMPT`; normalised)
     weigh the components. ``shortest`` / ``longest`` rank by predicted
     remaining output (SJF after vLLM-LTR, and LPT, the makespan rule);
-    predictions come from ``predictors`` (a MODEL_DIR) or, without one, the
-    per-domain running mean. The propensity of the logged action (the first
+    predictions come from ``predictors`` (a MODEL_DIR, or a length predictor
+    object) or, without one, the per-domain running mean. The propensity of the logged action (the first
     admitted request, or the victim) is ``sum_k w_k P_k(action)``.
     """
 
@@ -498,15 +504,17 @@ class LoggingPolicy(_Sampler):
 
     def __init__(
         self,
-        predictors: Optional[str] = None,
+        predictors: Any = None,
         admit_weights: Optional[Mapping[str, float]] = None,
         preempt_weights: Optional[Mapping[str, float]] = None,
         max_wait_steps: Optional[float] = RUNTIME_DEFAULTS["max_wait_steps"],
         max_wait_s: Optional[float] = RUNTIME_DEFAULTS["max_wait_s"],
         seed: Optional[int] = 0,
     ) -> None:
-        if predictors:
+        if isinstance(predictors, (str, Path)):
             predictor = _read_predictor(Path(predictors))
+        elif predictors is not None:  # a LengthPredictor object
+            predictor = predictors
         else:
             from policy.predictors import DomainMeanLengthPredictor
 
@@ -516,7 +524,7 @@ class LoggingPolicy(_Sampler):
         self.preempt_w = _weights("preempt_weights", preempt_weights, LOGGING_PREEMPT)
 
     def _remaining(self, cands: Sequence[CandidateRequest], state: EngineState) -> np.ndarray:
-        raw = candidate_raw(cands, _predict(self.predictor, cands), state, self.phase)
+        raw = candidate_raw(cands, _predict(self.lengths, cands, True), state, self.phase)
         return np.expm1(model_features(raw)[:, FEATURES.index("log_pred_remaining")].astype(np.float64))
 
     def _pick(self, weights: dict[str, float]) -> str:

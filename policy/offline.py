@@ -45,7 +45,7 @@ from policy.learned import RUNTIME_DEFAULTS, LearnedPolicy, build_scorer
 from policy.learned_features import FEATURES, RAW, R, model_features
 from policy.rewards import RewardModel, decision_rewards
 
-__all__ = ["OfflineConfig", "Decisions", "load_decisions", "logged_rewards", "train_policy", "fit_scorer", "evaluate_policy_on"]
+__all__ = ["OfflineConfig", "Decisions", "load_decisions", "logged_rewards", "ope_on_log", "train_policy", "fit_scorer", "evaluate_policy_on"]
 
 KINDS = {"admit": 0, "preempt": 1}
 
@@ -55,7 +55,7 @@ class OfflineConfig:
     """Every hyper-parameter of offline policy learning (stored in the POLICY_DIR manifest)."""
 
     hidden: tuple[int, ...] = (32, 32)
-    epochs: int = 30
+    epochs: int = 10
     batch_decisions: int = 256
     lr: float = 3e-3
     weight_decay: float = 1e-4
@@ -69,7 +69,7 @@ class OfflineConfig:
     oracle_rule: str = "lpt"  # "lpt" or "srpt"
     ridge: float = 1.0
     reward_window_s: float = 5.0
-    max_decisions: int = 40_000
+    max_decisions: int = 20_000
     max_candidates: int = 256
     holdout_fraction: float = 0.25
     #: a control (tests, promotion gates): rewards permuted across decisions and the hindsight
@@ -448,9 +448,23 @@ def evaluate_policy_on(scorer_fn, q: Optional[RidgeQ], data: Decisions, config: 
         v = qr[data.offsets[:-1] + act]
     else:
         q_logged = v = None
-    est = estimates(pi, data.propensity, data.reward, q_logged, v, clip=config.propensity_clip, n_boot=n_boot,
-                    seed=config.seed)
+    # block bootstrap: decisions of one reward window share their outcome
+    groups = data.log * 10**9 + np.floor(data.time / config.reward_window_s).astype(np.int64)
+    est = estimates(pi, data.propensity, data.reward, q_logged, v, clip=config.propensity_clip, groups=groups,
+                    n_boot=n_boot, seed=config.seed)
     return {("behaviour.value" if k == "behaviour.value" else f"ope.{k}"): v for k, v in est.items()}
+
+
+def ope_on_log(policy_dir: str | Path, log_dir: str | Path, config: OfflineConfig | None = None,
+               n_boot: int = 500) -> dict[str, float]:
+    """OPE of the greedy policy in ``policy_dir`` on one held-out log (``ope.*`` keys and ``behaviour.value``).
+
+    The DR reward model is fitted on the log itself (ridge on the logged actions' features).
+    """
+    policy = LearnedPolicy.load(policy_dir)
+    config = config or OfflineConfig()
+    data = load_decisions(log_dir, policy.predictor, config)
+    return evaluate_policy_on(policy.scorer, RidgeQ(config.ridge).fit(data), data, config, n_boot=n_boot)
 
 
 def train_policy(

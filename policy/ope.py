@@ -10,7 +10,11 @@ With ``w_d = pi_d / max(p_d, clip)``:
 * SNIPS ``= sum(w r) / sum(w)``;
 * DR ``= mean(v + w (r - q))``.
 
-Confidence intervals are percentile bootstraps over decisions.
+Confidence intervals are percentile bootstraps over decisions or, with
+``groups``, over groups of decisions (a block bootstrap): decisions taken
+close together share their outcome (:mod:`policy.rewards` gives every decision
+in a window the same window's outcome), so they are not independent, and a
+bootstrap over single decisions would give intervals far too narrow.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def estimates(
     v_target: np.ndarray | None = None,
     *,
     clip: float = 1e-3,
+    groups: np.ndarray | None = None,
     n_boot: int = 500,
     alpha: float = 0.05,
     seed: int = 0,
@@ -67,11 +72,18 @@ def estimates(
     if len(r) == 0:
         return out
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(r), size=(n_boot, len(r)))
+    if groups is None:
+        samples = [rng.integers(0, len(r), size=len(r)) for _ in range(n_boot)]
+    else:
+        _, g = np.unique(np.asarray(groups), return_inverse=True)
+        members = [np.nonzero(g == k)[0] for k in range(g.max() + 1)]
+        out["groups"] = float(len(members))
+        samples = [np.concatenate([members[k] for k in rng.integers(0, len(members), size=len(members))])
+                   for _ in range(n_boot)]
     lo, hi = 100 * alpha / 2, 100 * (1 - alpha / 2)
     for name, f in ESTIMATORS.items():
         out[name] = f(w, r, q, v)
-        boots = np.array([f(w[i], r[i], q[i], v[i]) for i in idx])
+        boots = np.array([f(w[i], r[i], q[i], v[i]) for i in samples])
         boots = boots[np.isfinite(boots)]
         out[f"{name}_ci_low"] = float(np.percentile(boots, lo)) if boots.size else float("nan")
         out[f"{name}_ci_high"] = float(np.percentile(boots, hi)) if boots.size else float("nan")

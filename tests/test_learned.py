@@ -87,6 +87,8 @@ def test_serve_mode_ranks_by_score_and_preempts_the_top() -> None:
     waiting = [_cand(i) for i in range(6)]
     dec = pol.admit(waiting, _state())
     assert list(dec.order)[:6] == [f"r{i}" for i in range(5, -1, -1)]  # longest predicted first
+    log = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), mode="log")
+    log.admit(waiting, _state())
     assert waiting[0].predictions == {"len_p50": 100.0, "len_p90": 150.0}  # logged with the decision
     running = [_cand(i, status=RequestStatus.RUNNING) for i in range(6)]
     assert pol.preempt(running, _state()).victim == "r5"

@@ -36,8 +36,7 @@ def _check_frequencies(decide, n_cands: int) -> None:
 
 def test_logging_policy_propensities_match_frequencies() -> None:
     lengths = {f"r{i}": 100.0 * (i + 1) for i in range(5)}
-    pol = LoggingPolicy(seed=1)
-    pol.predictor = FixedLengths(lengths)
+    pol = LoggingPolicy(predictors=FixedLengths(lengths), seed=1)
     waiting = [_cand(i) for i in range(5)]
     running = [_cand(i, status=RequestStatus.RUNNING) for i in range(5)]
 
