@@ -315,3 +315,14 @@ def test_malformed_model_uri_fails_at_start_up(monkeypatch):
     monkeypatch.setenv("KVPILOT_MODEL_URI", "kvpilot:champion")
     with pytest.raises(HookConfigError, match="KVPILOT_MODEL_URI.*kvpilot:champion"):
         build_policy(HookConfig(policy="registry"))
+
+
+def test_poll_interval_from_the_environment():
+    from serving_hook.config import HookConfig, HookConfigError, load_config
+
+    assert load_config({}).model_poll_s == 60.0  # serving polls by default
+    assert load_config({"KVPILOT_MODEL_POLL_S": "0"}).model_poll_s == 0.0
+    assert HookConfig().model_poll_s == 0.0  # a config built in code (the simulator) never polls
+    for bad in ("-1", "often", "nan"):
+        with pytest.raises(HookConfigError, match="KVPILOT_MODEL_POLL_S"):
+            load_config({"KVPILOT_MODEL_POLL_S": bad})
