@@ -399,8 +399,8 @@ def promote_cmd(
     except (PromotionError, RegistryError) as err:
         raise _fail(str(err)) from None
     typer.echo(render_comparison(result))
-    if not result.promoted:
-        raise typer.Exit(1)
+    if result.rows and not result.promoted:
+        raise typer.Exit(1)  # refused by the gate
 
 
 @app.command("demo")

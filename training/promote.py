@@ -86,7 +86,9 @@ def promote(
         return GateResult(version, before, False, f"version {version} is already the champion")
     if force:
         return _move(version, before, f"--force: the gate was skipped (champion was version {before})")
-    rows = compare(version, before, heldout, out_dir, progress=progress)
+    with tempfile.TemporaryDirectory(prefix="kvpilot-promote-") as tmp:
+        rows = compare(version, before, heldout, Path(out_dir) if out_dir is not None else Path(tmp),
+                       progress=progress)
     cand, champ = rows_by_version(rows, version), rows_by_version(rows, before)
     ok, reason = passes_gate(cand, champ)
     result = _move(version, before, reason) if ok else GateResult(version, before, False, reason)
@@ -111,13 +113,12 @@ def rows_by_version(rows: list[dict[str, Any]], version: str) -> dict[str, Any]:
     return next(r for r in rows if r["policy"] == policy_name(version))
 
 
-def compare(candidate: str, champion: str, heldout: HeldoutParams, out_dir: Path | None, *,
+def compare(candidate: str, champion: str, heldout: HeldoutParams, out: Path, *,
             progress: bool = True) -> list[dict[str, Any]]:
-    """Simulate both versions (downloaded from the registry) and vLLM default on the held-out workload."""
+    """Simulate both versions (downloaded from the registry into ``out``) and vLLM default on the held-out workload."""
     from training import registry
     from training.evaluate import evaluate
 
-    out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="kvpilot-promote-"))
     out.mkdir(parents=True, exist_ok=True)
     names = []
     for version in (champion, candidate):
