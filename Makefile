@@ -24,4 +24,4 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvpilot-demo
+	rm -rf $(VENV) build *.egg-info kvpilot-demo kvpilot-train mlruns.db mlartifacts

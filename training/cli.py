@@ -17,8 +17,10 @@ import typer
 from rich.console import Console
 
 from data.errors import DataValidationError
+from training import predictors_cli
 from training.policy_cli import register as register_train_policy
-from training.predictors_cli import predictors_app, train_app
+from training.predictors_cli import predictors_app
+from training.train import HELDOUT_KV_FRACTION, HELDOUT_SEED
 
 app = typer.Typer(
     help="kvpilot: a learned, KV-cache-aware scheduler for vLLM rollout servers.",
@@ -27,6 +29,12 @@ app = typer.Typer(
 )
 workload_app = typer.Typer(help="Generate, import, validate and describe workloads.", no_args_is_help=True)
 app.add_typer(workload_app, name="workload")
+#: ``kvpilot train --logs ...`` trains everything (the group's own callback); its subcommands come from the modules
+#: that own them: ``train predictors`` (every command on predictors_cli's ``train_app``) and ``train policy``.
+train_app = typer.Typer(help="Train kvpilot's models: with --logs, predictors and policy into one MLflow run; or one "
+                        "part with a subcommand.", no_args_is_help=True, invoke_without_command=True,
+                        pretty_exceptions_enable=False)
+train_app.registered_commands.extend(predictors_cli.train_app.registered_commands)
 register_train_policy(train_app)
 app.add_typer(train_app, name="train")
 app.add_typer(predictors_app, name="predictors")
@@ -289,8 +297,110 @@ def evaluate_cmd(
                   f"summary.md, summary.csv, summary.json and plots in {out_dir}", highlight=False)
 
 
-#: The demo's KV size: small enough that the default workload preempts and evicts.
-DEMO_KV_FRACTION = 0.3
+def _policy_config(options: Optional[str]):
+    """An ``OfflineConfig`` from a JSON object of its fields (None: its defaults)."""
+    from policy.offline import OfflineConfig
+
+    if not options:
+        return OfflineConfig()
+    try:
+        values = json.loads(options)
+    except ValueError as err:
+        raise _fail(f"--policy-config is not valid JSON: {err}") from None
+    if not isinstance(values, dict):
+        raise _fail("--policy-config must be a JSON object")
+    try:
+        return dataclasses.replace(OfflineConfig(), **values)
+    except (ValueError, TypeError) as err:
+        known = ", ".join(f.name for f in dataclasses.fields(OfflineConfig))
+        raise _fail(f"--policy-config: {err} (OfflineConfig fields: {known})") from None
+
+
+def _heldout(workload: Optional[Path], kv_fraction: float, seed: int):
+    from training.train import HeldoutParams
+
+    if workload is not None and not workload.exists():
+        raise _fail(f"no such workload: {workload}")
+    if not kv_fraction > 0:
+        raise _fail(f"--kv-fraction must be > 0, got {kv_fraction}")
+    return HeldoutParams(workload=workload, kv_fraction=kv_fraction, seed=seed)
+
+
+@train_app.callback()
+def train(
+    ctx: typer.Context,
+    logs: Annotated[Optional[list[Path]], typer.Option(
+        "--logs", help="Telemetry run folders with decisions (e.g. `simulate --policy logging`); repeat.")] = None,
+    experiment: Annotated[str, typer.Option("--experiment", help="MLflow experiment.")] = "kvpilot",
+    out: Annotated[Path, typer.Option("-o", "--out", help="Work folder: the POLICY_DIR and the held-out "
+                                      "evaluation.")] = Path("kvpilot-train"),
+    test_steps: Annotated[Optional[str], typer.Option(
+        "--test-steps", help="Predictors' held-out RL steps, e.g. '6-7'; default: the last quarter.")] = None,
+    trees: Annotated[int, typer.Option("--trees", help="Boosting rounds per predictor.")] = 100,
+    policy_config: Annotated[Optional[str], typer.Option(
+        "--policy-config", help="JSON object of policy.offline.OfflineConfig fields, e.g. '{\"epochs\": 20}'.")] = None,
+    heldout_workload: Annotated[Optional[Path], typer.Option(
+        "--heldout-workload", help="Held-out workload for the simulator evaluation; default: a fresh synthetic "
+        "one with an unseen seed.")] = None,
+    heldout_seed: Annotated[int, typer.Option("--heldout-seed", help="Seed of the default held-out workload.")]
+    = HELDOUT_SEED,
+    kv_fraction: Annotated[float, typer.Option("--kv-fraction", help="KV size of the held-out evaluation.")]
+    = HELDOUT_KV_FRACTION,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bars on stderr.")] = True,
+) -> None:
+    """Fit the predictors and the policy on logs in one MLflow run, evaluate, and register a new `kvpilot` version."""
+    if ctx.invoked_subcommand is not None:
+        if logs:
+            raise _fail(f"--logs before `{ctx.invoked_subcommand}`: give the subcommand's options after its name")
+        return
+    if not logs:
+        raise _fail("kvpilot train needs --logs DIR (repeatable), or a subcommand (see --help)")
+    missing = [str(p) for p in logs if not p.exists()]
+    if missing:
+        raise _fail(f"no such log: {', '.join(missing)}")
+    from training.train import PredictorParams, TrainError, train_and_register
+
+    steps = predictors_cli._steps(test_steps)
+    params = PredictorParams(test_steps=tuple(steps) if steps else None, num_trees=trees)
+    try:
+        result = train_and_register(logs, out, experiment=experiment, predictor_params=params,
+                                    policy_config=_policy_config(policy_config),
+                                    heldout=_heldout(heldout_workload, kv_fraction, heldout_seed), progress=progress,
+                                    console=console)
+    except (TrainError, DataValidationError) as err:
+        raise _fail(str(err)) from None
+    from training.promote import render_table
+    from training.train import CANDIDATE
+
+    typer.echo(render_table(result.evaluation, {CANDIDATE: f"kvpilot v{result.version}"}))
+    console.print(f"run {result.run_id} in {result.tracking_uri}; next: kvpilot promote --version {result.version}",
+                  highlight=False)
+
+
+@app.command("promote")
+def promote_cmd(
+    version: Annotated[int, typer.Option("--version", help="Registered version of `kvpilot` to promote.")],
+    force: Annotated[bool, typer.Option("--force", help="Move the champion alias without the gate.")] = False,
+    workload: Annotated[Optional[Path], typer.Option(
+        "--workload", "-w", help="Held-out workload; default: a fresh synthetic one with an unseen seed.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the default held-out workload.")] = HELDOUT_SEED,
+    kv_fraction: Annotated[float, typer.Option("--kv-fraction", help="KV size where vLLM default preempts.")]
+    = HELDOUT_KV_FRACTION,
+    out_dir: Annotated[Optional[Path], typer.Option("-o", "--out-dir", help="Keep the evaluation here.")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+) -> None:
+    """Move the `champion` alias to a version if it is no worse than the champion on makespan and recompute."""
+    from training.promote import PromotionError, promote, render_comparison
+    from training.registry import RegistryError
+
+    try:
+        result = promote(version, force=force, heldout=_heldout(workload, kv_fraction, seed), out_dir=out_dir,
+                         progress=progress)
+    except (PromotionError, RegistryError) as err:
+        raise _fail(str(err)) from None
+    typer.echo(render_comparison(result))
+    if result.rows and not result.promoted:
+        raise typer.Exit(1)  # refused by the gate
 
 
 @app.command("demo")
@@ -299,33 +409,10 @@ def demo(
         "kvpilot-demo"
     ),
 ) -> None:
-    """Run the main job end to end on embedded defaults."""
-    from data.io import read_workload, write_workload
-    from data.stats import render_stats, workload_stats as compute
-    from data.synth import SynthConfig, generate
+    """Run the whole loop on embedded defaults: log, train, register, promote, serve from the registry, compare."""
+    from training.demo import run_demo
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    workload_path = out_dir / "workload.parquet"
-    console.rule("1. generate the default synthetic workload")
-    t0 = time.perf_counter()
-    write_workload(generate(SynthConfig()), workload_path)
-    console.print(f"{workload_path} in {time.perf_counter() - t0:.2f} s")
-    console.rule("2. validate it")
-    table = read_workload(workload_path)
-    console.print(f"valid: {table.num_rows:,} requests")
-    console.rule("3. summary")
-    typer.echo(render_stats(compute(table)))
-    console.rule(f"4. simulate it: vllm-default, one H200-7B replica, KV {DEMO_KV_FRACTION:g} x its need")
-    from simulator.metrics import render_summary
-
-    import shutil
-
-    shutil.rmtree(out_dir / "sim-vllm-default", ignore_errors=True)  # the demo's own output of an earlier run
-    summary = _simulate(workload_path, out_dir / "sim-vllm-default", "vllm-default", None, 1, "round-robin", None,
-                        DEMO_KV_FRACTION, "H200-7B", 256, 8192, True)
-    typer.echo(render_summary(summary))
-    console.print(f"simulated in {summary['wall_s']:.1f} s; telemetry in {out_dir / 'sim-vllm-default'}",
-                  highlight=False)
+    run_demo(out_dir, console=console)
 
 
 def main() -> None:

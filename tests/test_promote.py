@@ -1,0 +1,107 @@
+"""`kvpilot promote` on a real MLflow SQLite store with real small simulations: the first version becomes champion,
+a deliberately worse candidate is refused, a better one is accepted, --force skips the gate.
+
+The two POLICY_DIRs are real learned-policy bundles whose scorers are wired by hand, so the test does not hang on
+how well a tiny training run goes: the better one admits in arrival order and preempts the request with the
+least progress (close to vLLM's own choices); the worse one admits the longest predicted first and preempts the
+request with the most progress, which costs both makespan and recompute under KV pressure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.loop_fixtures import KV, base_policy_dir, mlflow_store, tiny_workload, wired  # noqa: F401 - a fixture
+from training.train import HeldoutParams
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> tuple[Path, Path]:
+    """(better POLICY_DIR, worse POLICY_DIR)."""
+    root = tmp_path_factory.mktemp("policies")
+    base = base_policy_dir(root)
+    better = wired(base, root / "better", None, ("log_computed_tokens", -1.0))
+    worse = wired(base, root / "worse", ("log_pred_remaining", 1.0), ("log_computed_tokens", 1.0))
+    return better, worse
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory: pytest.TempPathFactory) -> HeldoutParams:
+    return HeldoutParams(workload=tiny_workload(tmp_path_factory.mktemp("heldout") / "w.parquet", seed=77),
+                         kv_fraction=KV)
+
+
+def _register(policy_dir: Path) -> str:
+    import mlflow
+
+    from training import registry
+
+    registry.configure("promote-test")
+    with mlflow.start_run():
+        return str(registry.log_policy_model(policy_dir).version)
+
+
+def _champion() -> str:
+    from training import registry
+
+    return str(registry.get_champion().version)
+
+
+@pytest.mark.usefixtures("mlflow_store")
+def test_gate(policies: tuple[Path, Path], heldout: HeldoutParams, tmp_path: Path) -> None:
+    from training.cli import app
+    from training.promote import passes_gate, promote, render_comparison
+
+    better_dir, worse_dir = policies
+    v1 = _register(worse_dir)
+    first = promote(v1, heldout=heldout)
+    assert first.promoted and first.champion_before is None and not first.rows  # no comparison for the first
+    assert _champion() == v1
+
+    v2 = _register(better_dir)
+    better = promote(v2, heldout=heldout, out_dir=tmp_path / "g2", progress=False)
+    text = render_comparison(better)
+    assert better.promoted, text
+    assert _champion() == v2
+    assert f"candidate v{v2}" in text and f"champion v{v1}" in text and "vllm-default" in text
+
+    v3 = _register(worse_dir)
+    res = CliRunner().invoke(app, ["promote", "--version", v3, "--workload", str(heldout.workload), "--kv-fraction",
+                                   str(KV), "-o", str(tmp_path / "g3"), "--no-progress"])
+    assert res.exit_code == 1, res.output  # refused
+    assert f"candidate v{v3}" in res.output and f"champion v{v2}" in res.output and "not promoted" in res.output
+    assert _champion() == v2
+    # what it refused: worse than the champion on the same run's numbers, by more than the tolerance
+    rows = json.loads((tmp_path / "g3" / "evaluation" / "summary.json").read_text())
+    cand, champ = (next(r for r in rows if r["policy"] == f"kvpilot-v{v}") for v in (v3, v2))
+    assert not passes_gate(cand, champ)[0]
+    assert cand["makespan_s"] > champ["makespan_s"] or cand["recomputed_tokens"] > champ["recomputed_tokens"]
+
+    forced = promote(v3, force=True, heldout=heldout)
+    assert forced.promoted and not forced.rows and _champion() == v3
+
+
+def test_passes_gate_tolerances() -> None:
+    from training.promote import MAKESPAN_TOLERANCE, passes_gate
+
+    champ = {"makespan_s": 100.0, "recomputed_tokens": 1000}
+    assert passes_gate({"makespan_s": 100.0, "recomputed_tokens": 1000}, champ)[0]  # equal: no worse
+    assert passes_gate({"makespan_s": 100.0 * (1 + MAKESPAN_TOLERANCE) - 1e-9, "recomputed_tokens": 0}, champ)[0]
+    ok, why = passes_gate({"makespan_s": 102.0, "recomputed_tokens": 900}, champ)
+    assert not ok and "worse on makespan" in why
+    ok, why = passes_gate({"makespan_s": 90.0, "recomputed_tokens": 2000}, champ)
+    assert not ok and "worse on recompute" in why
+
+
+@pytest.mark.usefixtures("mlflow_store")
+def test_unknown_version_is_a_clear_error() -> None:
+    from training.cli import app
+
+    res = CliRunner().invoke(app, ["promote", "--version", "999", "--no-progress"])
+    assert res.exit_code == 2 and "no version 999" in res.output

@@ -1,0 +1,91 @@
+"""`kvpilot train --logs` into a real MLflow SQLite store, and the demo's whole loop on tiny workloads: the store it
+leaves holds the run (params, metrics, artifacts), the registered model and its `champion` alias."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.loop_fixtures import KV, logged_run, mlflow_store, tiny_workload  # noqa: F401 - a fixture
+from tests.test_sim_run import small_config
+from training.cli import app
+
+
+def test_train_group_keeps_its_subcommands(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["train", "--help"])
+    assert res.exit_code == 0 and "--logs" in res.output and "predictors" in res.output and "policy" in res.output
+    res = CliRunner().invoke(app, ["train", "predictors", "--help"])
+    assert res.exit_code == 0 and "--test-steps" in res.output
+    res = CliRunner().invoke(app, ["train", "policy", "--help"])
+    assert res.exit_code == 0 and "--predictors" in res.output
+    res = CliRunner().invoke(app, ["train", "--logs", str(tmp_path), "predictors", "--logs", str(tmp_path),
+                                   "-o", str(tmp_path / "m")])
+    assert res.exit_code == 2 and "--logs before `predictors`" in res.output
+    res = CliRunner().invoke(app, ["train", "--logs", str(tmp_path / "nope")])
+    assert res.exit_code == 2 and "no such log" in res.output and "nope" in res.output
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> Path:
+    return logged_run(tmp_path_factory.mktemp("logs"))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
+def test_train_logs_one_run_and_registers_a_version(run_dir: Path, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    heldout = tiny_workload(tmp_path / "heldout.parquet", seed=77)
+    res = CliRunner().invoke(app, ["train", "--logs", str(run_dir), "--experiment", "train-test", "-o",
+                                   str(tmp_path / "work"), "--heldout-workload", str(heldout), "--kv-fraction",
+                                   str(KV), "--trees", "20", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "kvpilot v1" in res.output and "vllm-default" in res.output  # the held-out table
+    client = MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name("train-test").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    p, m = run.data.params, run.data.metrics
+    assert int(p["data.requests_rows"]) > 0 and int(p["data.decisions_rows"]) > 0
+    assert float(p["data.time_end_s"]) > float(p["data.time_start_s"]) >= 0.0
+    assert p["predictors.num_trees"] == "20" and p["heldout.kv_fraction"] == str(KV)
+    assert any(k.startswith("policy.") for k in p)  # OfflineConfig's hyper-parameters
+    assert -1.0 <= m["predictors.length.kendall_tau"] <= 1.0 and 0.0 <= m["predictors.reuse.auc"] <= 1.0
+    assert m["ope.dr_ci_low"] <= m["ope.dr"] <= m["ope.dr_ci_high"]
+    assert m["heldout.makespan_ratio_vs_default"] > 0 and m["heldout.vllm-default.preemptions"] > 0
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "heldout")}
+    assert {"heldout/summary.md", "heldout/makespan.png"} <= artifacts
+    version = client.get_model_version("kvpilot", "1")
+    assert version.run_id == run.info.run_id
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
+def test_demo_loop_leaves_run_model_and_alias(tmp_path: Path, vllm_engine) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from training.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(train=small_config(0, prompts=8, group=4, steps=3), heldout=small_config(77, 8, 4, 1),
+                     kv_fraction=KV, baselines=("sortedrl", "heddle"), jobs=1, experiment="demo-test",
+                     policy_options={})
+    result = run_demo(tmp_path / "demo", cfg)
+    labels = [r["label"] for r in result.rows]
+    assert labels[0].startswith("vLLM default") and labels[1].startswith("best baseline: ")
+    assert "from the registry" in labels[-1]
+    served = result.rows[-1]
+    assert served["makespan_s"] == pytest.approx(served["direct_makespan_s"])  # registry = the same model loaded
+    assert served.get("hook_fallbacks", 0) == 0
+    assert (tmp_path / "demo" / "before_after.md").is_file() and (tmp_path / "demo" / "before_after.png").is_file()
+    # what `mlflow ui` shows: the run, the registered model and its alias
+    client = MlflowClient(tracking_uri=result.tracking_uri)
+    exp = client.get_experiment_by_name("demo-test")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1 and runs[0].data.metrics
+    champion = client.get_model_version_by_alias("kvpilot", "champion")
+    assert str(champion.version) == result.version and champion.run_id == runs[0].info.run_id
+    assert "champion" in client.get_registered_model("kvpilot").aliases

@@ -1,0 +1,170 @@
+"""``kvpilot promote``: the promotion gate that moves the ``champion`` alias of the registered model ``kvpilot``.
+
+:func:`promote` simulates the candidate version and the current champion (both
+loaded from the registry as learned policies, serving) beside vLLM default on
+one held-out workload with :func:`training.evaluate.evaluate`, and moves the
+alias only if the candidate is no worse on both the mean RL-step makespan and
+the recomputed tokens, within :data:`MAKESPAN_TOLERANCE` and
+:data:`RECOMPUTE_TOLERANCE` of the champion. The first version (no champion
+yet) becomes champion directly; ``force`` skips the gate.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training.train import HeldoutParams, heldout_workload, register_policy_dir
+
+#: The candidate may be at most this much slower than the champion (relative mean RL-step makespan).
+MAKESPAN_TOLERANCE = 0.01
+#: The candidate may recompute at most this much more than the champion (relative), plus one KV block's tokens.
+RECOMPUTE_TOLERANCE = 0.05
+RECOMPUTE_SLACK_TOKENS = 16
+#: The metrics of the comparison table.
+COLUMNS = ("makespan_s", "makespan_ratio_vs_default", "recomputed_tokens", "preemptions", "prefix_hit_rate",
+           "trajectory_p99_s")
+
+
+class PromotionError(ValueError):
+    """No such version, or a simulation of the gate failed."""
+
+
+@dataclass
+class GateResult:
+    version: str
+    champion_before: str | None
+    promoted: bool
+    reason: str
+    rows: list[dict[str, Any]] = field(default_factory=list)  # the evaluation's rows (empty when not evaluated)
+
+
+def passes_gate(candidate: dict[str, Any], champion: dict[str, Any]) -> tuple[bool, str]:
+    """Whether ``candidate``'s row is no worse than ``champion``'s on makespan and recompute, and why."""
+    c_m, h_m = float(candidate["makespan_s"]), float(champion["makespan_s"])
+    c_r, h_r = float(candidate["recomputed_tokens"]), float(champion["recomputed_tokens"])
+    makespan_ok = c_m <= h_m * (1 + MAKESPAN_TOLERANCE)
+    recompute_ok = c_r <= h_r * (1 + RECOMPUTE_TOLERANCE) + RECOMPUTE_SLACK_TOKENS
+    what = (f"makespan {c_m:.2f} s vs {h_m:.2f} s (x{c_m / h_m if h_m else float('nan'):.3f}, allowed "
+            f"x{1 + MAKESPAN_TOLERANCE:g}); recomputed tokens {c_r:,.0f} vs {h_r:,.0f} (allowed "
+            f"x{1 + RECOMPUTE_TOLERANCE:g} + {RECOMPUTE_SLACK_TOKENS})")
+    if makespan_ok and recompute_ok:
+        return True, f"no worse: {what}"
+    worse = [w for w, ok in (("makespan", makespan_ok), ("recompute", recompute_ok)) if not ok]
+    return False, f"worse on {' and '.join(worse)}: {what}"
+
+
+def promote(
+    version: int | str,
+    *,
+    force: bool = False,
+    heldout: HeldoutParams | None = None,
+    out_dir: Path | None = None,
+    progress: bool = True,
+) -> GateResult:
+    """Run the gate for ``version`` of ``kvpilot`` and move ``champion`` when it passes (see the module docstring).
+
+    ``heldout``: the gate's workload and KV size (None: the defaults); ``out_dir`` keeps the evaluation (a
+    temporary folder by default)."""
+    from training import registry
+
+    heldout = heldout or HeldoutParams()
+    version = str(version)
+    client = registry.client()
+    try:
+        client.get_model_version(registry.MODEL_NAME, version)
+    except Exception as e:  # noqa: BLE001 - MLflow raises its own exception types for a missing version
+        raise PromotionError(f"no version {version} of the registered model {registry.MODEL_NAME!r} in "
+                             f"{registry.tracking_uri()}: {e}") from None
+    champion = registry.get_champion()
+    before = str(champion.version) if champion is not None else None
+    if before is None:
+        return _move(version, None, "first version: it becomes champion without a comparison")
+    if before == version:
+        return GateResult(version, before, False, f"version {version} is already the champion")
+    if force:
+        return _move(version, before, f"--force: the gate was skipped (champion was version {before})")
+    with tempfile.TemporaryDirectory(prefix="kvpilot-promote-") as tmp:
+        rows = compare(version, before, heldout, Path(out_dir) if out_dir is not None else Path(tmp),
+                       progress=progress)
+    cand, champ = rows_by_version(rows, version), rows_by_version(rows, before)
+    ok, reason = passes_gate(cand, champ)
+    result = _move(version, before, reason) if ok else GateResult(version, before, False, reason)
+    result.rows = rows
+    return result
+
+
+def _move(version: str, before: str | None, reason: str) -> GateResult:
+    from training import registry
+
+    registry.set_champion(version)
+    registry.client().set_model_version_tag(registry.MODEL_NAME, version, "promotion", reason)
+    return GateResult(version, before, True, reason)
+
+
+def policy_name(version: str) -> str:
+    """The evaluation's policy name of a registry version."""
+    return f"kvpilot-v{version}"
+
+
+def rows_by_version(rows: list[dict[str, Any]], version: str) -> dict[str, Any]:
+    return next(r for r in rows if r["policy"] == policy_name(version))
+
+
+def compare(candidate: str, champion: str, heldout: HeldoutParams, out: Path, *,
+            progress: bool = True) -> list[dict[str, Any]]:
+    """Simulate both versions (downloaded from the registry into ``out``) and vLLM default on the held-out workload."""
+    from training import registry
+    from training.evaluate import evaluate
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = []
+    for version in (champion, candidate):
+        policy_dir, _ = registry.fetch_policy_dir(f"models:/{registry.MODEL_NAME}/{version}", out / "models" / version)
+        register_policy_dir(policy_name(version), policy_dir)
+        names.append(policy_name(version))
+    workload = heldout_workload(heldout, out)
+    result = evaluate(workload, names, out / "evaluation", kv_fractions=[heldout.kv_fraction], jobs=1,
+                      progress=progress, sim_options=heldout.sim_options or None)
+    failed = [r for r in result.rows if r.get("error")]
+    if failed:
+        raise PromotionError("gate simulation failed: " + "; ".join(f"{r['policy']}: {r['error']}" for r in failed))
+    return result.rows
+
+
+def render_table(rows: list[dict[str, Any]], labels: dict[str, str] | None = None) -> str:
+    """Evaluation rows as a Markdown table of :data:`COLUMNS` (``labels`` renames policies)."""
+    labels = labels or {}
+    lines = ["| policy | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append(f"| {labels.get(row['policy'], row['policy'])} | "
+                     + " | ".join(_fmt(row.get(c)) for c in COLUMNS) + " |")
+    if not any(r.get("preemptions") for r in rows if r["policy"] == "vllm-default"):
+        lines.append("warning: vLLM default did not preempt on this workload: no KV pressure to win on")
+    return "\n".join(lines)
+
+
+def render_comparison(result: GateResult) -> str:
+    """The comparison table (when the gate ran) and the verdict."""
+    lines = []
+    if result.rows:
+        labels = {policy_name(result.version): f"candidate v{result.version}"}
+        if result.champion_before is not None:
+            labels[policy_name(result.champion_before)] = f"champion v{result.champion_before}"
+        lines += [render_table(result.rows, labels), ""]
+    verdict = "promoted" if result.promoted else "not promoted"
+    lines.append(f"version {result.version}: {verdict} ({result.reason}); champion is now version "
+                 f"{result.version if result.promoted else result.champion_before}")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)

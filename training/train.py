@@ -1,0 +1,266 @@
+"""``kvpilot train``: fit both predictors and the policy in one MLflow run, evaluate it, register one version.
+
+:func:`train_and_register` loads telemetry run folders, fits the LightGBM
+length and reuse predictors (:func:`predictors.pipeline.train_bundle`, whole RL
+steps held out), fits the learned policy on them (:func:`policy.offline.train_policy`,
+which writes a POLICY_DIR carrying those predictors), simulates the trained
+policy against vLLM default on a held-out workload (:func:`training.evaluate.evaluate`),
+and logs all of it to one MLflow run: every hyper-parameter and the data's
+time range and row counts as params; predictor quality, OPE estimates with
+their CIs and the simulator's ratios as metrics; the evaluation table, plots
+and the predictors' report as artifacts. The POLICY_DIR becomes a new version
+of the registered model ``kvpilot`` (one version = one consistent set of
+boosters, torch policy, feature schema and telemetry schema version).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+#: The seed of the default held-out workload; synthetic training workloads use small seeds (0, 1, ...).
+HELDOUT_SEED = 90_001
+#: The default held-out evaluation's KV size: small enough that vLLM default preempts.
+HELDOUT_KV_FRACTION = 0.3
+
+
+class TrainError(ValueError):
+    """Bad training input (missing logs, no decisions, an unreadable held-out workload), raised before fitting."""
+
+
+@dataclass(frozen=True)
+class PredictorParams:
+    """The predictors' hyper-parameters (see ``kvpilot train predictors``)."""
+
+    test_steps: tuple[int, ...] | None = None  # held-out RL steps; None: the last quarter
+    horizon_s: float = 10.0
+    num_trees: int = 100
+    num_threads: int = 2
+
+
+@dataclass(frozen=True)
+class HeldoutParams:
+    """The simulator evaluation after training: the trained policy vs vLLM default on a held-out workload."""
+
+    workload: Path | None = None  # None: a fresh synthetic workload (seed ``seed``, ``steps`` x ``prompts``)
+    seed: int = HELDOUT_SEED
+    steps: int = 1
+    prompts_per_step: int = 16
+    kv_fraction: float = HELDOUT_KV_FRACTION
+    sim_options: dict[str, Any] = field(default_factory=dict)  # extra run_simulation options (e.g. decode_stride)
+
+
+@dataclass
+class TrainResult:
+    run_id: str
+    version: str
+    policy_dir: Path
+    metrics: dict[str, float]
+    evaluation: list[dict[str, Any]]
+    tracking_uri: str
+
+
+def heldout_workload(params: HeldoutParams, out_dir: Path) -> Path:
+    """The held-out workload file: ``params.workload``, or a synthetic one generated into ``out_dir``."""
+    if params.workload is not None:
+        if not Path(params.workload).exists():
+            raise TrainError(f"no such held-out workload: {params.workload}")
+        return Path(params.workload)
+    from data.io import write_workload
+    from data.synth import SynthConfig, generate
+
+    path = out_dir / f"heldout-seed{params.seed}.parquet"
+    cfg = SynthConfig(seed=params.seed, steps=params.steps, prompts_per_step=params.prompts_per_step)
+    write_workload(generate(cfg), path)
+    return path
+
+
+def data_summary(log_dirs: Sequence[Path]) -> dict[str, Any]:
+    """Row counts of every telemetry table and the simulated/served time range, over all logs."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    from data.io import read_telemetry
+    from data.schemas import TELEMETRY_TABLES
+    from predictors.logs import telemetry_dir
+
+    out: dict[str, Any] = {f"data.{t}_rows": 0 for t in TELEMETRY_TABLES}
+    starts, ends, rl_steps = [], [], set()
+    for log in log_dirs:
+        tdir = telemetry_dir(Path(log))
+        if tdir is None:
+            raise TrainError(f"{log}: no telemetry (expected {log}/telemetry/requests or {log}/requests)")
+        for table in TELEMETRY_TABLES:
+            if (tdir / table).is_dir():
+                out[f"data.{table}_rows"] += ds.dataset(tdir / table, format="parquet").count_rows()
+        steps = read_telemetry(tdir, "steps", ["time_s", "duration_s"])
+        if steps.num_rows:
+            starts.append(pc.min(steps["time_s"]).as_py())
+            ends.append(pc.max(pc.add(steps["time_s"], steps["duration_s"])).as_py())
+        rl_steps.update(s for s in read_telemetry(tdir, "requests", ["step"])["step"].to_pylist() if s is not None)
+    out["data.logs"] = len(log_dirs)
+    out["data.time_start_s"] = min(starts, default=0.0)
+    out["data.time_end_s"] = max(ends, default=0.0)
+    out["data.rl_steps"] = len(rl_steps)
+    return out
+
+
+def flat_metrics(report: dict[str, Any], prefix: str) -> dict[str, float]:
+    """The numeric leaves of a nested report as ``prefix.a.b`` keys (lists are left out)."""
+    out: dict[str, float] = {}
+    for key, value in report.items():
+        name = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            out.update(flat_metrics(value, name))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[name] = float(value)
+    return out
+
+
+def _stage(console: Console, text: str) -> None:
+    console.rule(f"[bold]{text}")
+
+
+def train_and_register(
+    log_dirs: Sequence[Path],
+    work_dir: Path,
+    *,
+    experiment: str = "kvpilot",
+    predictor_params: PredictorParams | None = None,
+    policy_config: Any = None,
+    heldout: HeldoutParams | None = None,
+    progress: bool = True,
+    console: Console | None = None,
+) -> TrainResult:
+    """Fit, evaluate, log and register (see the module docstring); ``work_dir`` keeps the POLICY_DIR and the evaluation.
+
+    ``policy_config`` is a :class:`policy.offline.OfflineConfig`; None (here and for the other parameter objects):
+    the defaults."""
+    import mlflow
+
+    from predictors.logs import load_logs
+    from predictors.pipeline import render_report, train_bundle
+    from training import registry
+
+    console = console or Console(stderr=True)
+    log_dirs = [Path(p) for p in log_dirs]
+    missing = [str(p) for p in log_dirs if not p.exists()]
+    if missing:
+        raise TrainError(f"no such log: {', '.join(missing)}")
+    if not log_dirs:
+        raise TrainError("no logs given (--logs DIR, repeatable)")
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    policy_dir = work_dir / "policy"
+    if policy_dir.exists():
+        shutil.rmtree(policy_dir)  # an earlier training's output in the same work folder
+    from policy.offline import OfflineConfig, train_policy
+
+    policy_config = policy_config or OfflineConfig()
+    predictor_params = predictor_params or PredictorParams()
+    heldout = heldout or HeldoutParams()
+
+    _stage(console, f"1/4 data: {len(log_dirs)} log folder(s)")
+    data = data_summary(log_dirs)
+    if not data["data.decisions_rows"]:
+        raise TrainError(f"no decisions telemetry in {', '.join(map(str, log_dirs))}: simulate or serve with an "
+                         "exploring policy (e.g. --policy logging) to log decisions with propensities")
+    frame = load_logs(log_dirs)
+    console.print(", ".join(f"{k.removeprefix('data.')} {v:,.6g}" for k, v in data.items()), highlight=False)
+
+    registry.configure(experiment)
+    with mlflow.start_run() as run:
+        mlflow.log_params({**data, **_params("predictors", dataclasses.asdict(predictor_params)),
+                           **_params("policy", dataclasses.asdict(policy_config)),
+                           **_params("heldout", dataclasses.asdict(heldout)),
+                           "log_dirs": ",".join(str(p) for p in log_dirs)})
+
+        _stage(console, "2/4 predictors: LightGBM length and reuse models")
+        try:
+            bundle = train_bundle(frame, test_steps=predictor_params.test_steps,
+                                  horizon_s=predictor_params.horizon_s, num_trees=predictor_params.num_trees,
+                                  num_threads=predictor_params.num_threads)
+        except ValueError as err:  # too few steps or rows to split and fit
+            raise TrainError(f"predictors: {err}") from None
+        with tempfile.TemporaryDirectory(prefix="kvpilot-predictors-") as tmp:
+            predictors_dir = bundle.save(Path(tmp) / "predictors")
+            console.print(render_report(bundle.report), highlight=False, soft_wrap=True)
+            metrics = flat_metrics({k: v for k, v in bundle.report.items() if k in ("length", "reuse")},
+                                   "predictors")
+
+            _stage(console, "3/4 policy: offline contextual bandit from logged decisions")
+            try:
+                policy_metrics = train_policy(log_dirs, predictors_dir, policy_dir, policy_config, progress=progress)
+            except ValueError as err:  # no usable decisions, a bad log
+                raise TrainError(f"policy: {err}") from None
+        metrics.update({k: float(v) for k, v in policy_metrics.items()})
+        console.print("  ".join(f"{k} {v:.4g}" for k, v in policy_metrics.items()), highlight=False, soft_wrap=True)
+
+        _stage(console, "4/4 held-out simulation: the trained policy vs vLLM default")
+        rows = evaluate_policy_dir(policy_dir, heldout, work_dir / "heldout", progress=progress)
+        metrics.update(heldout_metrics(rows))
+        mlflow.log_metrics(metrics)
+        for path in sorted((work_dir / "heldout" / "evaluation").iterdir()):
+            if path.is_file():  # the tables and plots; not runs/ (each case's telemetry)
+                mlflow.log_artifact(str(path), artifact_path="heldout")
+        mlflow.log_dict(bundle.report, "predictors/report.json")
+        mlflow.log_artifact(str(policy_dir / "policy.json"), artifact_path="policy")
+        version = registry.log_policy_model(policy_dir).version
+    console.print(f"registered [bold]{registry.MODEL_NAME}[/] version {version} (run {run.info.run_id})")
+    return TrainResult(run.info.run_id, str(version), policy_dir, metrics, rows, mlflow.get_tracking_uri())
+
+
+def _params(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+    return {f"{prefix}.{k}": json.dumps(v, default=str) if isinstance(v, (dict, list, tuple)) else v
+            for k, v in values.items()}
+
+
+#: The evaluation's name for the trained policy.
+CANDIDATE = "kvpilot-candidate"
+
+
+def register_policy_dir(name: str, policy_dir: Path) -> None:
+    """Make ``policy_dir`` simulatable under the policy name ``name`` in this process (a learned policy, serving)."""
+    from policy.registry import create_policy, register
+
+    register(name, lambda: create_policy("learned", model=str(policy_dir)), replace=True)
+
+
+def evaluate_policy_dir(policy_dir: Path, heldout: HeldoutParams, out_dir: Path, *,
+                        progress: bool = True) -> list[dict[str, Any]]:
+    """Simulate the POLICY_DIR and vLLM default on the held-out workload; the evaluation's rows."""
+    from training.evaluate import evaluate
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workload = heldout_workload(heldout, out_dir)
+    register_policy_dir(CANDIDATE, policy_dir)
+    result = evaluate(workload, [CANDIDATE], out_dir / "evaluation", kv_fractions=[heldout.kv_fraction],
+                      jobs=1, progress=progress, sim_options=heldout.sim_options or None)
+    failed = [r for r in result.rows if r.get("error")]
+    if failed:
+        raise TrainError("held-out simulation failed: " + "; ".join(f"{r['policy']}: {r['error']}" for r in failed))
+    return result.rows
+
+
+def heldout_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The candidate's held-out simulator metrics and its ratios to vLLM default (``heldout.*``)."""
+    out: dict[str, float] = {}
+    for row in rows:
+        who = "candidate" if row["policy"] == CANDIDATE else row["policy"]
+        for key in ("makespan_s", "recomputed_tokens", "prefix_hit_rate", "preemptions", "trajectory_p99_s"):
+            if row.get(key) is not None:
+                out[f"heldout.{who}.{key}"] = float(row[key])
+        if row["policy"] == CANDIDATE:
+            for key in ("makespan_ratio_vs_default", "recompute_ratio_vs_default", "hit_rate_ratio_vs_default"):
+                if row.get(key) is not None:
+                    out[f"heldout.{key}"] = float(row[key])
+    return out
