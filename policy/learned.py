@@ -15,7 +15,8 @@ the highest preemption score). ``mode="log"``: a Plackett-Luce sample at
 ``temperature`` mixed with a uniform draw at rate ``epsilon``; the logged
 ``propensity`` is the exact probability of the logged action (the first
 admitted request, or the victim) under that mixture. Retention and eviction
-are left to vLLM (the learned policy does not use those levers).
+are left to vLLM (the learned policy does not use those levers); with
+``preempt=False`` preemption is too (admission only).
 
 **Starvation.** A request that has waited ``max_wait_steps`` engine steps or
 ``max_wait_s`` seconds since it (re-)entered the queue goes first, FCFS among
@@ -319,12 +320,14 @@ class LearnedPolicy(_Sampler):
         max_wait_steps: Optional[float] = RUNTIME_DEFAULTS["max_wait_steps"],
         max_wait_s: Optional[float] = RUNTIME_DEFAULTS["max_wait_s"],
         seed: Optional[int] = 0,
+        preempt: bool = True,
         manifest: Optional[dict] = None,
         predictors_dir: Optional[Path] = None,
     ) -> None:
         if mode not in ("serve", "log"):
             raise ValueError(f"option mode must be 'serve' or 'log', got {mode!r}")
         super().__init__(predictor, max_wait_steps, max_wait_s, seed)
+        self.uses_preemption = bool(preempt)  # False: vLLM chooses the victims
         self.mode = mode
         self.temperature = check_positive("temperature", temperature)
         self.epsilon = float(epsilon)

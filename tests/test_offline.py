@@ -27,12 +27,12 @@ def test_train_policy_writes_a_policy_dir(learned_runs: dict, tmp_path: Path) ->
 
     out = tmp_path / "pol"
     m = train_policy([learned_runs["train1"], learned_runs["train2"]], learned_runs["predictors"], out,
-                     OfflineConfig(epochs=2), progress=False)
+                     OfflineConfig(epochs=1), progress=False)
     for k in ("ope.dr", "ope.dr_ci_low", "ope.dr_ci_high", "ope.ips", "ope.snips", "behaviour.value"):
         assert np.isfinite(m[k]), k
     assert m["ope.dr_ci_low"] <= m["ope.dr"] <= m["ope.dr_ci_high"]
     manifest = json.loads((out / "policy.json").read_text())
-    assert manifest["config"]["epochs"] == 2 and manifest["trained_on"]["decisions_train"] > 0
+    assert manifest["config"]["epochs"] == 1 and manifest["trained_on"]["decisions_train"] > 0
     assert (out / "predictors" / "length").is_dir()
     LearnedPolicy.load(out)
 

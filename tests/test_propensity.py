@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from policy.interface import RequestStatus
 from policy.learned import LearnedPolicy, LoggingPolicy
+from tests.learned_logs import learned_runs  # noqa: F401 - the fixture
 from tests.test_learned import FixedLengths, _cand, _state, _state_dict
 
 N = 4000
@@ -71,16 +70,14 @@ def test_learned_log_mode_propensities_match_frequencies() -> None:
 
 
 @pytest.mark.vllm
-def test_logged_propensities_on_the_real_scheduler(vllm_engine, tmp_path: Path) -> None:
+def test_logged_propensities_on_the_real_scheduler(learned_runs: dict) -> None:  # noqa: F811
     """In a real run's decisions telemetry, E[1 / p(logged action)] equals the number of candidates.
 
     (For any behaviour policy with full support, sum_a p(a) / p(a) = n.) Checked with a 4-sigma CLT bound.
     """
     from data.io import read_telemetry
-    from tests.learned_logs import simulate, tiny_workload
 
-    run = simulate(tiny_workload(1), "logging", tmp_path / "run")
-    d = read_telemetry(run / "telemetry", "decisions").to_pandas()
+    d = read_telemetry(learned_runs["train1"] / "telemetry", "decisions").to_pandas()
     assert set(d["policy"]) == {"logging"}
     n = d["candidate_ids"].map(len).to_numpy()
     p = d["propensity"].to_numpy()
