@@ -26,7 +26,8 @@ It writes, under ``out_dir``:
 * ``makespan.png``, ``hit_rate.png``, ``recompute.png``: the metric against
   the KV fraction, one line per policy, one panel per replica count;
 * ``trajectory_ecdf.png``: the ECDF of trajectory completion times (first turn
-  released to verification done) per policy at the smallest KV fraction.
+  released to verification done) per policy at the smallest KV fraction, one
+  panel per replica count.
 """
 
 from __future__ import annotations
@@ -363,20 +364,22 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
             ax.grid(True, alpha=0.3)
         _legend(fig, axes[0][-1], policies, style)
         files.append(_save(fig, out / fname))
-    # ECDF of trajectory completion times at the smallest KV fraction (one replica count: the smallest)
-    kv0, r0 = min(c.kv_fraction for c in cases), min(c.replicas for c in cases)
-    fig, ax = plt.subplots(figsize=(6.7, 4.2))
-    for p in policies:
-        d = np.sort(np.asarray(trajectory_s.get(Case(p, kv0, r0).name) or [], dtype=float))
-        if d.size:
-            ax.step(d, np.arange(1, d.size + 1) / d.size, where="post", label=p, color=style[p]["color"],
-                    linestyle=style[p]["linestyle"], linewidth=style[p]["linewidth"])
-            ax.plot(d[-1], 1.0, marker=style[p]["marker"], color=style[p]["color"], markersize=style[p]["markersize"])
-    ax.set_xlabel("trajectory completion time (s, simulated)")
-    ax.set_ylabel("fraction of trajectories completed")
-    ax.set_title(f"Trajectory completion ECDF (KV {kv0:g}, {r0} replica{'s' if r0 > 1 else ''})")
-    ax.grid(True, alpha=0.3)
-    _legend(fig, ax, policies, style)
+    # ECDF of trajectory completion times at the smallest KV fraction, one panel per replica count
+    kv0 = min(c.kv_fraction for c in cases)
+    fig, axes = plt.subplots(1, len(reps), figsize=(5.2 * len(reps) + 1.5, 4.2), squeeze=False)
+    for ax, r in zip(axes[0], reps):
+        for p in policies:
+            d = np.sort(np.asarray(trajectory_s.get(Case(p, kv0, r).name) or [], dtype=float))
+            if d.size:
+                ax.step(d, np.arange(1, d.size + 1) / d.size, where="post", label=p, color=style[p]["color"],
+                        linestyle=style[p]["linestyle"], linewidth=style[p]["linewidth"])
+                ax.plot(d[-1], 1.0, marker=style[p]["marker"], color=style[p]["color"],
+                        markersize=style[p]["markersize"])
+        ax.set_xlabel("trajectory completion time (s, simulated)")
+        ax.set_ylabel("fraction of trajectories completed")
+        ax.set_title(f"Trajectory completion ECDF (KV {kv0:g}, {r} replica{'s' if r > 1 else ''})")
+        ax.grid(True, alpha=0.3)
+    _legend(fig, axes[0][-1], policies, style)
     files.append(_save(fig, out / "trajectory_ecdf.png"))
     return files
 
