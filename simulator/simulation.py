@@ -601,10 +601,10 @@ class Simulation:
         """Decode stride k: up to k tokens per request (never past its script) and the k iterations' cost.
 
         A request whose scheduled chunk is at most k tokens past its prompt is decoding: it computes the
-        tokens it sampled last step and samples e more, one per iteration (contexts before + 1 .. before + e).
-        A prefill chunk that completes samples its first token in iteration 1 and decodes the other e - 1 in
-        iterations 2 .. e. So a request of L output tokens is charged its prefill and L - 1 decode
-        iterations, as at k = 1.
+        tokens it sampled last step and samples e more, one per iteration. A prefill chunk that completes
+        samples its first token in iteration 1 and decodes the other e - 1 in iterations 2 .. e. So a request
+        of L output tokens is charged its prefill and L - 1 decode iterations, each reading the context it
+        reads at k = 1 (a lone request takes exactly as long as at k = 1).
         """
         k = self.stride
         requests = rep.requests
@@ -630,14 +630,12 @@ class Simulation:
             pos = r.num_output_tokens
             e = min(k, len(script) - pos)
             sampled.append(script[pos:pos + e])
-            if n <= k and before >= r.num_prompt_tokens:
-                ends[e] += 1
-                bases[e] += before
-            else:
+            # Sampling output token m reads prompt + m - 1 tokens, as at k = 1: iteration j reads computed - 1 + j.
+            ends[e] += 1
+            bases[e] += computed - 1
+            if n > k or before < r.num_prompt_tokens:  # a prefill chunk: its iteration 1 samples the first token
                 prefill += n
                 pairs += n * before + n * (n + 1) // 2
-                ends[e] += 1
-                bases[e] += computed - 1
                 late += 1
                 late_base += computed - 1
         seqs = [0] * k
