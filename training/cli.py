@@ -244,6 +244,10 @@ def evaluate_cmd(
                                     "1 is exact. Default: training.evaluate.DEFAULT_DECODE_STRIDE, chosen with "
                                     "benchmarks/bench_stride.py.")
     ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Reuse the cases an earlier evaluation into -o finished at this stride "
+                           "(same workload, router and preset assumed).")
+    ] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
@@ -270,7 +274,7 @@ def evaluate_cmd(
     t0 = time.perf_counter()
     try:
         result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
-                          jobs=jobs, progress=progress, decode_stride=decode_stride)
+                          jobs=jobs, progress=progress, decode_stride=decode_stride, resume=resume)
     except EvaluationError as err:
         raise _fail(str(err)) from None
     failed = [r for r in result.rows if r.get("error")]

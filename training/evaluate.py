@@ -8,6 +8,10 @@ once and runs several cases). A case that fails is a row with an ``error``,
 not a failed evaluation. ``vllm-default`` is always run, for the ratios.
 Cases run at the simulator's decode stride :data:`DEFAULT_DECODE_STRIDE`
 (``decode_stride``; 1 is the exact path, see :mod:`simulator.simulation`).
+Each finished case leaves ``runs/<case>/summary.json`` and
+``trajectories.json``; with ``resume`` a case that an earlier evaluation into
+the same folder finished at the same stride is read back, not rerun (the
+workload, router and preset must be the same: they are not checked).
 
 It writes, under ``out_dir``:
 
@@ -150,11 +154,28 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-r
     except Exception as e:  # noqa: BLE001 - reported in the table, not a crash of the evaluation
         row["error"] = f"{type(e).__name__}: {e}"
         return row, []
-    summary = dict(result.summary)
-    for k in ("policy", "kv_fraction", "replicas"):
-        summary.pop(k, None)
-    row.update(summary)
-    return row, [t.end_s - t.start_s for t in result.trajectories]
+    durations = [t.end_s - t.start_s for t in result.trajectories]
+    (run_dir / "trajectories.json").write_text(json.dumps(durations))
+    return _row(row, result.summary), durations
+
+
+def _row(row: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    row.update({k: v for k, v in summary.items() if k not in ("policy", "kv_fraction", "replicas")})
+    return row
+
+
+def finished_case(case: Case, out_dir: Path, decode_stride: int) -> tuple[dict[str, Any], list[float]] | None:
+    """A case an earlier evaluation into ``out_dir`` finished at this stride (summary and trajectories), or None."""
+    run_dir = Path(out_dir) / "runs" / case.name
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        durations = json.loads((run_dir / "trajectories.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if summary.get("decode_stride", 1) != decode_stride:
+        return None
+    row = {"policy": case.policy, "kv_fraction": case.kv_fraction, "replicas": case.replicas, "error": None}
+    return _row(row, summary), [float(d) for d in durations]
 
 
 def _worker_case(case: Case, out_dir: str, router: str, preset: str,
@@ -174,6 +195,7 @@ def evaluate(
     jobs: int = 1,
     progress: bool = True,
     decode_stride: int = DEFAULT_DECODE_STRIDE,
+    resume: bool = False,
     sim_options: dict[str, Any] | None = None,
     on_case: Callable[[Case, dict[str, Any]], None] | None = None,
 ) -> EvaluationResult:
@@ -205,11 +227,18 @@ def evaluate(
             on_case(case, res[0])
 
     try:
-        if jobs == 1 or len(cases) == 1:
-            for case in cases:
+        todo = []
+        for case in cases:
+            earlier = finished_case(case, out, decode_stride) if resume else None
+            if earlier is not None:
+                done(case, earlier)
+            else:
+                todo.append(case)
+        if jobs == 1 or len(todo) <= 1:
+            for case in todo:
                 done(case, run_case(workload, case, out, router=router, preset=preset, sim_options=sim_options))
         else:
-            _run_parallel(cases, str(Path(workload_path)), str(out), router, preset, sim_options, jobs, done)
+            _run_parallel(todo, str(Path(workload_path)), str(out), router, preset, sim_options, jobs, done)
     finally:
         if bar is not None:
             bar.stop()
