@@ -3,7 +3,7 @@
 Simulates the default synthetic workload (2 RL steps x 64 prompts x 8) on one
 H200-7B replica for each policy x KV fraction x stride k, and prints, side by
 side with k = 1: makespan (s per RL step), preemptions, prefix hit rate,
-recomputed tokens, engine steps, wall time, and each policy's makespan ratio to
+recomputed tokens, engine steps, wall and CPU time, and each policy's makespan ratio to
 vllm-default at the same k and KV fraction; plus each k's largest deviation of a
 policy ratio from k = 1's (the number that picks ``evaluate``'s default stride).
 
@@ -43,11 +43,12 @@ def _path(results: Path, policy: str, kv: float, k: int) -> Path:
 def _run(workload, policy: str, kv: float, k: int) -> dict:
     from simulator.simulation import Simulation
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     sim = Simulation(workload, policy, kv_fraction=kv, decode_stride=k, progress=False, validate=False)
     s = sim.run().summary
     row = {key: s[key] for key in KEYS}
     row["end_to_end_s"] = time.perf_counter() - t0
+    row["cpu_s"] = time.process_time() - c0  # this process's CPU time: the cost without other load
     return row
 
 
@@ -93,7 +94,7 @@ def report(results: Path, strides: list[int], kvs: list[float], policies: list[s
                     rows[p, kv, k] = json.loads(path.read_text())
     head = (f"{'policy':<14} {'kv':>4} {'k':>3} {'makespan':>9} {'(k=1)':>8} {'ratio':>6} {'(k=1)':>6} "
             f"{'preempt':>7} {'(k=1)':>6} {'hit':>6} {'(k=1)':>6} {'recompute':>10} {'(k=1)':>10} "
-            f"{'steps':>7} {'wall s':>7} {'(k=1)':>6}")
+            f"{'steps':>7} {'wall s':>7} {'(k=1)':>6} {'cpu s':>6}")
     print(head)
     worst: dict[int, float] = {}
     for kv in kvs:
@@ -112,7 +113,8 @@ def report(results: Path, strides: list[int], kvs: list[float], policies: list[s
                       f"{ratio:>6.3f} {ratio1:>6.3f} {r['preemptions']:>7} {g('preemptions', 'd'):>6} "
                       f"{r['prefix_hit_rate']:>6.3f} {g('prefix_hit_rate', '.3f'):>6} "
                       f"{r['recomputed_tokens']:>10,} {g('recomputed_tokens', ','):>10} "
-                      f"{r['engine_steps']:>7,} {r['wall_s']:>7.1f} {g('wall_s', '.1f'):>6}")
+                      f"{r['engine_steps']:>7,} {r['wall_s']:>7.1f} {g('wall_s', '.1f'):>6} "
+                      f"{r['cpu_s'] if 'cpu_s' in r else float('nan'):>6.1f}")
     for k in sorted(worst):
         print(f"k={k}: largest |policy ratio / its k=1 ratio - 1| = {worst[k]:.2%}")
 

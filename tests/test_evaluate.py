@@ -20,6 +20,7 @@ from training.evaluate import (
     DEFAULT,
     DEFAULT_DECODE_STRIDE,
     EvaluationError,
+    NOT_IN_ALL,
     build_cases,
     evaluate,
     resolve_policies,
@@ -46,7 +47,11 @@ def test_resolve_policies() -> None:
     from policy.registry import known_policies
 
     assert resolve_policies("sortedrl, rollpacker") == [DEFAULT, "sortedrl", "rollpacker"]
-    assert resolve_policies("all") == [DEFAULT] + [p for p in known_policies() if p != DEFAULT]
+    every = resolve_policies("all")
+    assert every == [DEFAULT] + [p for p in known_policies() if p != DEFAULT and p not in NOT_IN_ALL]
+    # the thirteen plus lrb-online; nothing that needs a trained model or only explores
+    assert {"vllm-priority", "rollpacker", "oracle", "lrb", "lrb-online"} <= set(every)
+    assert not {"learned", "registry", "logging"} & set(every)
     with pytest.raises(EvaluationError, match="unknown policy 'nope'.*known policies: .*vllm-default"):
         resolve_policies("sortedrl,nope")
     cases = build_cases([DEFAULT, "sortedrl"], [0.4, 0.2, 0.2], [2, 1])
@@ -122,6 +127,20 @@ def test_cli_two_replicas(vllm_engine: Any, workload_path: Path, tmp_path: Path)
     rows = json.loads((out / "summary.json").read_text())
     assert [(r["policy"], r["replicas"], r["makespan_ratio_vs_default"]) for r in rows] == [(DEFAULT, 2, 1.0)]
     assert rows[0]["router"] == "least-loaded" and rows[0]["decode_stride"] == 4
+    # --resume reads the finished case back instead of simulating it again; another stride reruns it
+    run = out / "runs" / "vllm-default-kv0.5-r2" / "summary.json"
+    before = run.stat().st_mtime_ns
+    args = ["evaluate", "-w", str(workload_path), "-o", str(out), "--policies", "vllm-default", "--kv-fractions",
+            "0.5", "--replicas", "2", "--router", "least-loaded", "--no-progress", "--resume"]
+    res = CliRunner().invoke(app, [*args, "--decode-stride", "4"])
+    assert res.exit_code == 0, res.output
+    assert run.stat().st_mtime_ns == before
+    again = json.loads((out / "summary.json").read_text())
+    assert again[0]["makespan_s"] == rows[0]["makespan_s"] and again[0]["decode_stride"] == 4
+    res = CliRunner().invoke(app, [*args, "--decode-stride", "2"])
+    assert res.exit_code == 0, res.output
+    assert run.stat().st_mtime_ns != before
+    assert json.loads((out / "summary.json").read_text())[0]["decode_stride"] == 2
 
 
 @pytest.mark.vllm

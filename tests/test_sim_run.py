@@ -283,9 +283,10 @@ def test_cli_simulate_json(vllm_engine: Any, tmp_path: Path) -> None:
     write_workload(generate(small_config(6, prompts=4, steps=1)), path)
     res = CliRunner().invoke(app, ["simulate", "--workload", str(path), "--policy", "vllm-default",
                                    "--kv-fraction", "0.3", "--preset", "H200-7B", "-o", str(tmp_path / "run"),
-                                   "--json", "--no-progress"])
+                                   "--json", "--no-progress", "--decode-stride", "4"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
+    assert summary["decode_stride"] == 4
     for key in ("makespan_s", "tokens_per_s", "prefix_hit_rate", "recomputed_tokens", "recomputed_tokens_preemption",
                 "recomputed_tokens_eviction", "preemptions", "trajectory_p50_s", "trajectory_p99_s"):
         assert key in summary
@@ -345,6 +346,8 @@ def test_cli_bad_configuration_exits_2(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "--replicas must be >= 1" in res.output
     res = runner.invoke(app, ["simulate", "--workload", str(path), "--kv-blocks", "3", "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and "smaller than the largest request" in res.output
+    res = runner.invoke(app, ["simulate", "--workload", str(path), "--decode-stride", "0", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "decode_stride must be an integer >= 1, got 0" in res.output
     assert not (tmp_path / "o" / "telemetry").exists()
 
 

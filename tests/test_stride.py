@@ -81,6 +81,23 @@ def test_stride_one_is_the_exact_path(runs: dict) -> None:
     assert h.hexdigest() == "5c2d8554824ff5f83cb6a41da2ed36910f2cc4fbca9eb8c20cc716a70e01d318"
 
 
+@pytest.mark.vllm
+def test_a_lone_request_takes_as_long_as_at_stride_one(vllm_engine: Any) -> None:
+    """One request alone: the strided steps charge the same prefill and decode iterations, with the same contexts."""
+    w = generate(small_config(5, prompts=2, group=2, steps=1))
+    rows = w.to_pylist()
+    pick = next(r for r in rows if r["kind"] == "rollout" and r["domain"] == "code" and r["output_tokens"] > 50
+                and sum(x["session_id"] == r["session_id"] for x in rows) == 1)
+    lone = pa.Table.from_pylist([pick], schema=w.schema)
+    finish, steps = {}, {}
+    for k in (1, 5, 16):
+        sim = Simulation(lone, "vllm-default", decode_stride=k, progress=False)
+        steps[k] = sim.run().summary["engine_steps"]
+        finish[k] = sim.finish_times[0]
+    assert steps[16] * 10 < steps[1]
+    assert finish[5] == pytest.approx(finish[1], rel=1e-9) and finish[16] == pytest.approx(finish[1], rel=1e-9)
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True])
 def test_bad_stride_fails_before_simulating(bad: Any) -> None:
     workload = generate(small_config(5, prompts=2, group=2, steps=1))

@@ -254,6 +254,10 @@ def evaluate_cmd(
                                     "1 is exact. Default: training.evaluate.DEFAULT_DECODE_STRIDE, chosen with "
                                     "benchmarks/bench_stride.py.")
     ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Reuse the cases an earlier evaluation into -o finished at this stride "
+                           "(same workload, router and preset assumed).")
+    ] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
     model: Annotated[Optional[Path], typer.Option(
         "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`).")] = None,
@@ -282,7 +286,7 @@ def evaluate_cmd(
     t0 = time.perf_counter()
     try:
         result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
-                          jobs=jobs, progress=progress, decode_stride=decode_stride,
+                          jobs=jobs, progress=progress, decode_stride=decode_stride, resume=resume,
                           policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None
