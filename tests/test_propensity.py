@@ -33,27 +33,17 @@ def _check_frequencies(decide, n_cands: int) -> None:
     assert total == pytest.approx(1.0, abs=1e-9)  # the propensities of all actions sum to 1
 
 
-def test_logging_policy_propensities_match_frequencies() -> None:
-    lengths = {f"r{i}": 100.0 * (i + 1) for i in range(5)}
-    pol = LoggingPolicy(predictors=FixedLengths(lengths), seed=1)
-    waiting = [_cand(i) for i in range(5)]
-    running = [_cand(i, status=RequestStatus.RUNNING) for i in range(5)]
-
-    def admit():
-        d = pol.admit(waiting, _state())
-        return d.order[0], d.propensity
-
-    def preempt():
-        d = pol.preempt(running, _state())
-        return d.victim, d.propensity
-
-    _check_frequencies(admit, 5)
-    _check_frequencies(preempt, 5)
+def _logging_policy(lengths: dict[str, float]) -> LoggingPolicy:
+    return LoggingPolicy(predictors=FixedLengths(lengths), seed=1)
 
 
-def test_learned_log_mode_propensities_match_frequencies() -> None:
-    lengths = {f"r{i}": 100.0 * (i + 1) for i in range(5)}
-    pol = LearnedPolicy(_state_dict(remaining_weight=0.8), FixedLengths(lengths), mode="log", epsilon=0.1, seed=2)
+def _learned_log_policy(lengths: dict[str, float]) -> LearnedPolicy:
+    return LearnedPolicy(_state_dict(remaining_weight=0.8), FixedLengths(lengths), mode="log", epsilon=0.1, seed=2)
+
+
+@pytest.mark.parametrize("make_policy", [_logging_policy, _learned_log_policy], ids=["logging", "learned-log"])
+def test_propensities_match_frequencies(make_policy) -> None:
+    pol = make_policy({f"r{i}": 100.0 * (i + 1) for i in range(5)})
     waiting = [_cand(i) for i in range(5)]
     running = [_cand(i, status=RequestStatus.RUNNING) for i in range(5)]
 
