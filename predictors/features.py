@@ -128,6 +128,16 @@ class Vocab:
         return self.values
 
 
+def feature_matrix(X, names: Sequence[str]) -> np.ndarray:
+    """``X`` (a DataFrame with columns ``names``, or an array) as an (n, len(names)) float64 matrix; else ValueError."""
+    if isinstance(X, pd.DataFrame):
+        X = X[list(names)].to_numpy(np.float64)
+    X = np.asarray(X, dtype=np.float64)
+    if X.ndim != 2 or X.shape[1] != len(names):
+        raise ValueError(f"expected an (n, {len(names)}) feature matrix, got {X.shape}")
+    return X
+
+
 def prompt_key(prompt_id, group_id, step=None):
     """The prompt's identity across RL steps (see the module docstring)."""
     if prompt_id is not None and prompt_id == prompt_id:

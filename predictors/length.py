@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from policy.interface import CandidateRequest, Event, EventKind
-from predictors.features import LENGTH_CATEGORICAL, LENGTH_FEATURES, Vocab, length_features, prompt_key
+from predictors.features import LENGTH_CATEGORICAL, LENGTH_FEATURES, Vocab, feature_matrix, length_features, prompt_key
 from predictors.compiled import CompiledScoring
 from predictors.model_io import DEFAULT_TREES, load_boosters, read_manifest, training_threads, write_model
 
@@ -99,11 +99,7 @@ class LengthModel(CompiledScoring):
     # ------------------------------------------------------------------ scoring
     def predict_features(self, X) -> np.ndarray:
         """(n, 2) array of (p50, p90) output tokens for a feature matrix in :data:`LENGTH_FEATURES` order."""
-        if isinstance(X, pd.DataFrame):
-            X = X[list(LENGTH_FEATURES)].to_numpy(np.float64)
-        X = np.asarray(X, dtype=np.float64)
-        if X.ndim != 2 or X.shape[1] != len(LENGTH_FEATURES):
-            raise ValueError(f"expected an (n, {len(LENGTH_FEATURES)}) feature matrix, got {X.shape}")
+        X = feature_matrix(X, LENGTH_FEATURES)
         out = np.empty((len(X), 2))
         if len(X) == 0:
             return out

@@ -31,6 +31,7 @@ from predictors.features import (
     REUSE_FEATURES,
     REUSE_OFFSETS_S,
     Vocab,
+    feature_matrix,
     reuse_rows,
 )
 from predictors.compiled import CompiledScoring
@@ -99,11 +100,7 @@ class ReuseModel(CompiledScoring):
     # ------------------------------------------------------------------ scoring
     def predict_features(self, X) -> np.ndarray:
         """(n, 2) array: P(next use within the horizon), predicted seconds to the next use."""
-        if isinstance(X, pd.DataFrame):
-            X = X[list(REUSE_FEATURES)].to_numpy(np.float64)
-        X = np.asarray(X, dtype=np.float64)
-        if X.ndim != 2 or X.shape[1] != len(REUSE_FEATURES):
-            raise ValueError(f"expected an (n, {len(REUSE_FEATURES)}) feature matrix, got {X.shape}")
+        X = feature_matrix(X, REUSE_FEATURES)
         out = np.empty((len(X), 2))
         if len(X) and self._compiled is not None:
             raw = self._compiled.predict_raw(X)
