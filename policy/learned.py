@@ -23,6 +23,10 @@ are left to vLLM (the learned policy does not use those levers); with
 the starved, whatever its score; such a decision is deterministic
 (propensity 1).
 
+**Inputs per step.** Candidates' features live in a per-request table
+(:class:`policy.learned_table.FeatureTable`) refreshed on change events, so a
+step costs a few vectorised numpy calls, not a read of every candidate object.
+
 **Behaviour policy** (:class:`LoggingPolicy`, registered as ``logging``): per
 decision, one component of a mixture is drawn (vLLM's FCFS order / tail
 victim, shortest and longest predicted remaining output first, uniform); the
@@ -57,7 +61,8 @@ from policy.interface import (
     Policy,
     PreemptionDecision,
 )
-from policy.learned_features import FEATURES, RAW, model_features
+from policy.learned_features import FEATURES, RAW
+from policy.learned_table import FeatureTable
 
 __all__ = [
     "FORMAT",
@@ -145,10 +150,12 @@ class NumpyScorer:
         return int(self.mean.shape[0])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        h = (np.asarray(x, dtype=np.float32) - self.mean) * self.inv_scale
+        h = np.asarray(x, dtype=np.float32) - self.mean
+        h *= self.inv_scale
         last = len(self.layers) - 1
         for i, (w, b) in enumerate(self.layers):
-            h = h @ w + b
+            h = h @ w
+            h += b
             if i < last:
                 np.maximum(h, 0.0, out=h)
         return h
@@ -208,17 +215,11 @@ def candidate_raw(
     return out
 
 
-def _predict(lengths: Optional[LengthCache], cands: Sequence[CandidateRequest],
-             log: bool) -> list[tuple[float, float]]:
-    """(p50, p90) per candidate (cached per request until a sibling finishes); with ``log``, also written to
-    ``candidate.predictions`` so the hook logs them with the decision."""
+def _predict(lengths: Optional[LengthCache], cands: Sequence[CandidateRequest]) -> list[tuple[float, float]]:
+    """(p50, p90) per candidate (cached per request until a sibling finishes)."""
     if lengths is None:
         return [(math.nan, math.nan)] * len(cands)
-    preds = lengths.lookup(cands)
-    if log:
-        for c, p in zip(cands, preds):
-            c.predictions = {"len_p50": p[0], "len_p90": p[1]}
-    return preds
+    return lengths.lookup(cands)
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -228,32 +229,6 @@ def _softmax(z: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------- policies
-
-
-class _Starvation:
-    """Tracks when each waiting request (re-)entered the queue; the starved go first, FCFS."""
-
-    def __init__(self, max_wait_steps: Optional[float], max_wait_s: Optional[float]) -> None:
-        self.max_wait_steps = max_wait_steps
-        self.max_wait_s = max_wait_s
-        self.since: dict[str, tuple[int, float]] = {}
-
-    def starved(self, waiting: Sequence[CandidateRequest], state: EngineState) -> list[int]:
-        since = self.since
-        now = (state.engine_step, state.time_s)
-        starts = [since.setdefault(c.request_id, now) for c in waiting]
-        ms = self.max_wait_steps if self.max_wait_steps is not None else math.inf
-        mt = self.max_wait_s if self.max_wait_s is not None else math.inf
-        oldest = next(iter(since.values()), now)  # insertion order: the first entry is the oldest
-        if now[0] - oldest[0] < ms and now[1] - oldest[1] < mt:
-            return []
-        out = [i for i, s in enumerate(starts) if now[0] - s[0] >= ms or now[1] - s[1] >= mt]
-        out.sort(key=lambda i: starts[i])
-        return out
-
-    def observe(self, event: Event) -> None:
-        if event.kind in (EventKind.SCHEDULED, EventKind.FINISHED):
-            self.since.pop(event.request_id, None)
 
 
 class _Sampler(Policy):
@@ -267,18 +242,30 @@ class _Sampler(Policy):
                  seed: Optional[int]) -> None:
         self.predictor = predictor
         self.lengths = LengthCache(predictor) if predictor is not None else None
-        self.starvation = _Starvation(
-            check_positive("max_wait_steps", max_wait_steps, allow_none=True),
-            check_positive("max_wait_s", max_wait_s, allow_none=True),
-        )
         self.phase = StepPhase()
+        self.table = FeatureTable(self._raw, self.phase.phase,
+                                  check_positive("max_wait_steps", max_wait_steps, allow_none=True),
+                                  check_positive("max_wait_s", max_wait_s, allow_none=True))
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
         self._observe = getattr(predictor, "observe", None)
 
+    def _raw(self, cands: Sequence[CandidateRequest], state: EngineState) -> np.ndarray:
+        return candidate_raw(cands, _predict(self.lengths, cands), state, self.phase)
+
+    def _features(self, cands: Sequence[CandidateRequest], state: EngineState, log: bool,
+                  refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates' scorer input and table rows; with ``log``, their length predictions are written to
+        ``candidate.predictions`` so that the hook logs them with the decision."""
+        x, idx = self.table.features(cands, state, refresh)
+        if log and self.lengths is not None:
+            for c, p in zip(cands, self.table.predictions(idx)):
+                c.predictions = {"len_p50": p[0], "len_p90": p[1]}
+        return x, idx
+
     def on_event(self, event: Event) -> None:
         self.phase.observe(event)
-        self.starvation.observe(event)
+        self.table.observe(event)
         if self._observe is not None:
             self._observe(event)
         if event.kind is EventKind.FINISHED and self.lengths is not None:
@@ -343,10 +330,11 @@ class LearnedPolicy(_Sampler):
             self.name = "learned-log"
 
     # --------------------------------------------------------------------------- scoring
-    def scores(self, cands: Sequence[CandidateRequest], state: EngineState, head: int) -> np.ndarray:
-        """The ``head`` score (ADMIT or PREEMPT) of each candidate: one forward pass for all of them."""
-        raw = candidate_raw(cands, _predict(self.lengths, cands, self.mode == "log"), state, self.phase)
-        return self.scorer(model_features(raw))[:, head].astype(np.float64)
+    def scores(self, cands: Sequence[CandidateRequest], state: EngineState, head: int,
+               refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The ``head`` score (ADMIT or PREEMPT) of each candidate (one forward pass for all), and their table rows."""
+        x, idx = self._features(cands, state, self.mode == "log", refresh)
+        return self.scorer(x)[:, head].astype(np.float64), idx
 
     def _probs(self, s: np.ndarray) -> np.ndarray:
         n = len(s)
@@ -355,8 +343,8 @@ class LearnedPolicy(_Sampler):
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         if not waiting:
             return None
-        starved = self.starvation.starved(waiting, state)
-        s = self.scores(waiting, state, ADMIT)
+        s, idx = self.scores(waiting, state, ADMIT)
+        starved = self.table.starved(idx, state)
         if self.mode == "serve":
             return AdmissionDecision(order=self._order(starved, s, waiting, state))
         if starved:
@@ -373,7 +361,7 @@ class LearnedPolicy(_Sampler):
     def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:
         if not running:
             return None
-        s = self.scores(running, state, PREEMPT)
+        s, _ = self.scores(running, state, PREEMPT, refresh=True)
         if self.mode == "serve":
             return PreemptionDecision(victim=running[int(np.argmax(s))].request_id)
         p = self._probs(s)
@@ -536,9 +524,11 @@ class LoggingPolicy(_Sampler):
         self.admit_w = _weights("admit_weights", admit_weights, LOGGING_ADMIT)
         self.preempt_w = _weights("preempt_weights", preempt_weights, LOGGING_PREEMPT)
 
-    def _remaining(self, cands: Sequence[CandidateRequest], state: EngineState) -> np.ndarray:
-        raw = candidate_raw(cands, _predict(self.lengths, cands, True), state, self.phase)
-        return np.expm1(model_features(raw)[:, FEATURES.index("log_pred_remaining")].astype(np.float64))
+    def _remaining(self, cands: Sequence[CandidateRequest], state: EngineState,
+                   refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted remaining output of each candidate, and their table rows."""
+        x, idx = self._features(cands, state, True, refresh)
+        return np.expm1(x[:, FEATURES.index("log_pred_remaining")].astype(np.float64)), idx
 
     def _pick(self, weights: dict[str, float]) -> str:
         u = self.rng.random()
@@ -568,8 +558,8 @@ class LoggingPolicy(_Sampler):
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         if not waiting:
             return None
-        starved = self.starvation.starved(waiting, state)
-        rem = self._remaining(waiting, state)
+        rem, idx = self._remaining(waiting, state)
+        starved = self.table.starved(idx, state)
         n = len(waiting)
         kind = self._pick(self.admit_w)
         if kind == "fcfs":
@@ -589,7 +579,7 @@ class LoggingPolicy(_Sampler):
     def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:
         if not running:
             return None
-        rem = self._remaining(running, state)
+        rem, _ = self._remaining(running, state, refresh=True)
         n = len(running)
         kind = self._pick(self.preempt_w)
         i = self._choice(kind, rem, n - 1)

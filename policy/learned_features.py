@@ -5,11 +5,15 @@ Online (:mod:`policy.learned`) the raw values come from
 :class:`policy.interface.EngineState`; offline (:mod:`policy.offline`) from a
 ``decisions`` row's logged :data:`policy.interface.CANDIDATE_FEATURES`, the
 length predictor replayed on the ``requests`` table, and the ``steps`` row of
-the decision's engine step. Both fill a :data:`RAW` matrix and call
-:func:`model_features`, so the scorer never sees two definitions.
+the decision's engine step. Both use the same three parts: :func:`row_features`
+(per request), :func:`step_features` (per engine step) and :func:`set_features`
+(per candidate set); offline calls them through :func:`model_features`, online
+:mod:`policy.learned_table` keeps the per-request part between steps.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -39,24 +43,29 @@ def remaining(p50: np.ndarray, p90: np.ndarray, generated: np.ndarray, max_token
     return np.minimum(r, cap)
 
 
-#: Raw columns that enter the scorer as ``log1p(max(nan_to_num(v), 0))``, and their feature columns.
-_LOG_RAW = [R[k] for k in ("prompt_tokens", "output_tokens", "computed_tokens", "max_tokens", "group_size", "wait_s",
-                           "preemptions", "num_running", "num_waiting")]
-_LOG_X = [0, 1, 2, 3, 5, 8, 9, 19, 20]
-#: Raw columns that enter as ``nan_to_num(v)``, and their feature columns.
-_NUM_RAW = [R[k] for k in ("is_running", "kv_usage", "pinned_frac", "step_phase")]
-_NUM_X = [10, 17, 18, 21]
+def _log(v: np.ndarray) -> np.ndarray:
+    return np.log1p(np.maximum(np.nan_to_num(v, nan=0.0), 0.0))
+
+
+#: Per-request raw columns that enter the scorer as ``log1p(max(nan_to_num(v), 0))``, and their feature columns.
+_LOG_RAW = [R[k] for k in ("prompt_tokens", "output_tokens", "computed_tokens", "max_tokens", "group_size",
+                           "preemptions")]
+_LOG_X = [0, 1, 2, 3, 5, 9]
 _GROUP_RAW = [R["group_finished"], R["group_running"]]
+#: Feature columns that change in every engine step (wait time, engine state, RL step phase): :func:`step_features`.
+STEP_X = (8, 17, 18, 19, 20, 21)
+#: Feature columns that depend on the whole decision's candidate set: :func:`set_features`.
+SET_X = (15, 16)
 
 
-def model_features(raw: np.ndarray) -> np.ndarray:
-    """(n, len(FEATURES)) float32 scorer input of one decision's candidates from their (n, len(RAW)) raw values.
+def row_features(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The per-request feature columns (float64; :data:`STEP_X` and :data:`SET_X` left 0), and ``log1p(remaining)``.
 
-    Element-wise transforms are applied to blocks of columns at once (fewer numpy calls inside the scheduler step).
+    A row depends only on its own request, so the online policy computes it when the request changes, not per step.
     """
     raw = np.asarray(raw, dtype=np.float64)
     n = raw.shape[0]
-    x = np.empty((n, len(FEATURES)), dtype=np.float64)
+    x = np.zeros((n, len(FEATURES)), dtype=np.float64)
     c = lambda k: raw[:, R[k]]  # noqa: E731
     out = c("output_tokens")
     mx = np.nan_to_num(c("max_tokens"), nan=0.0)
@@ -69,15 +78,49 @@ def model_features(raw: np.ndarray) -> np.ndarray:
     rem = np.where(np.isfinite(rem), rem, p90)
     gs = c("group_size")
     gsz = np.where(np.isfinite(gs) & (gs > 0), gs, np.nan)
-    x[:, _LOG_X] = np.log1p(np.maximum(np.nan_to_num(raw[:, _LOG_RAW], nan=0.0), 0.0))
+    x[:, _LOG_X] = _log(raw[:, _LOG_RAW])
     x[:, 4] = np.minimum(np.nan_to_num(c("turn"), nan=0.0), 16.0)
     x[:, 6:8] = np.nan_to_num(raw[:, _GROUP_RAW] / gsz[:, None], nan=0.0)
-    x[:, _NUM_X] = np.nan_to_num(raw[:, _NUM_RAW], nan=0.0)
+    x[:, 10] = np.nan_to_num(c("is_running"), nan=0.0)
     x[:, 11] = np.log1p(p50)
     x[:, 12] = np.log1p(p90)
     lr = np.log1p(rem)
     x[:, 13] = lr
     x[:, 14] = np.log1p(np.maximum(np.nan_to_num(c("prompt_tokens") + out + rem, nan=0.0), 0.0))
-    x[:, 15] = lr - (lr.max() if n else 0.0)
-    x[:, 16] = (np.argsort(np.argsort(lr, kind="stable"), kind="stable") / max(n - 1, 1)) if n else lr
+    return x, lr
+
+
+def step_features(x: np.ndarray, wait_s: Any, state: Any, step_phase: Any) -> None:
+    """Fill the :data:`STEP_X` columns of ``x`` in place.
+
+    ``state``: (kv_usage, pinned_frac, num_running, num_waiting), per row ((n, 4)) or shared by every row ((4,)).
+    NaN counts as 0 and values are clipped at 0 (``fmax``: one numpy call per column block; this runs in every
+    engine step).
+    """
+    s = np.fmax(np.asarray(state, dtype=np.float64), 0.0)
+    s[..., 2:] = np.log1p(s[..., 2:])
+    x[:, 17:21] = s
+    x[:, 8] = np.log1p(np.fmax(wait_s, 0.0))
+    x[:, 21] = np.fmax(step_phase, 0.0)
+
+
+def set_features(x: np.ndarray, lr: np.ndarray) -> None:
+    """Fill the :data:`SET_X` columns of ``x`` in place: ``log1p(remaining)`` against the set's maximum, and its rank."""
+    n = len(lr)
+    if not n:
+        return
+    x[:, 15] = lr - lr.max()
+    rank = np.empty(n)
+    rank[np.argsort(lr, kind="stable")] = np.arange(n) / max(n - 1, 1)
+    x[:, 16] = rank
+
+
+def model_features(raw: np.ndarray) -> np.ndarray:
+    """(n, len(FEATURES)) float32 scorer input of one decision's candidates from their (n, len(RAW)) raw values."""
+    raw = np.asarray(raw, dtype=np.float64)
+    x, lr = row_features(raw)
+    c = lambda k: raw[:, R[k]]  # noqa: E731
+    step_features(x, c("wait_s"), raw[:, [R["kv_usage"], R["pinned_frac"], R["num_running"], R["num_waiting"]]],
+                  c("step_phase"))
+    set_features(x, lr)
     return x.astype(np.float32)

@@ -1,0 +1,215 @@
+"""The learned policies' per-request input table: a row is computed when its request changes, not in every step.
+
+Reading ~20 values of each of hundreds of candidate objects into numpy in every
+engine step cost more than vLLM's ``schedule()`` itself. :class:`FeatureTable`
+keeps one row per request instead: its :func:`policy.learned_features.row_features`
+(and length predictions) are computed when the request is first seen and again
+only after an event marks it changed (it was scheduled or preempted, or a
+sibling of its group was scheduled, preempted or finished: the group counters
+and the length prediction change then). Per step it fills, vectorised, only the
+columns that change in every step (wait time, engine state, RL step phase) and
+the candidate-set columns, so the scorer's input equals
+``model_features(candidate_raw(...))`` (a test checks it through the real
+scheduler).
+
+Until the table has received an event (a policy used outside the hook), and for
+running candidates (their tokens change in every step), every row is refreshed
+from the candidates in each call. It also keeps the starvation clock: when each
+waiting request (re-)entered the queue.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import numpy as np
+
+from policy.interface import CandidateRequest, EngineState, Event, EventKind
+from policy.learned_features import FEATURES, R, row_features, set_features, step_features
+
+_WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
+#: Rows beyond which a table that receives no FINISHED events starts afresh.
+MAX_ROWS = 1 << 17
+
+
+class FeatureTable:
+    """Rows of per-request features keyed by request id; :meth:`features` assembles one decision's scorer input."""
+
+    def __init__(self, raw_of: Callable[[Sequence[CandidateRequest], EngineState], np.ndarray],
+                 phase_of: Callable[[Optional[int]], float], max_wait_steps: Optional[float],
+                 max_wait_s: Optional[float], capacity: int = 256) -> None:
+        #: (candidates, state) -> their raw matrix (length predictions included)
+        self.raw_of = raw_of
+        self.phase_of = phase_of
+        self.max_wait_steps = math.inf if max_wait_steps is None else float(max_wait_steps)
+        self.max_wait_s = math.inf if max_wait_s is None else float(max_wait_s)
+        self.tracking = False  # set by the first event: from then on, rows change only on events
+        self._alloc(capacity)
+
+    def _alloc(self, cap: int) -> None:
+        self.rows: dict[str, int] = {}
+        self.members: dict[str, set[str]] = {}  # group id -> request ids with a row
+        self.group: dict[str, Optional[str]] = {}  # request id -> group id
+        self.free: list[int] = list(range(cap - 1, -1, -1))
+        self.x = np.zeros((cap, len(FEATURES)))  # row_features
+        self.lr = np.zeros(cap)  # log1p(predicted remaining output)
+        self.arrival = np.zeros(cap)
+        self.running = np.zeros(cap, dtype=bool)
+        self.preds = np.full((cap, 2), math.nan)  # length p50, p90
+        self.step = np.zeros(cap, dtype=np.int64)  # index into self.steps
+        self.since = np.full((cap, 2), math.nan)  # (engine step, time) it (re-)entered the queue
+        self.dirty = np.zeros(cap, dtype=bool)
+        self.steps: dict[Optional[int], int] = {}  # RL step -> index
+        self._cands: Optional[list] = None  # the last call's candidates, and their rows
+        self._idx = np.empty(0, dtype=np.int64)
+        self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
+        self._clock_idx: Optional[np.ndarray] = None  # the rows whose oldest queue entry is cached
+
+    def _grow(self) -> None:
+        cap = len(self.x)
+        for name in ("x", "lr", "arrival", "running", "preds", "step", "since", "dirty"):
+            a = getattr(self, name)
+            b = np.full((2 * cap,) + a.shape[1:], math.nan) if name in ("preds", "since") else \
+                np.zeros((2 * cap,) + a.shape[1:], dtype=a.dtype)
+            b[:cap] = a
+            setattr(self, name, b)
+        self.free.extend(range(2 * cap - 1, cap - 1, -1))
+
+    # ------------------------------------------------------------------ events
+    def observe(self, event: Event) -> None:
+        """Mark the rows an event changes: the request's own, and its group's (counters, length prediction)."""
+        self.tracking = True
+        kind = event.kind
+        if kind is not EventKind.SCHEDULED and kind is not EventKind.PREEMPTED and kind is not EventKind.FINISHED:
+            return
+        rid = event.request_id
+        row = self.rows.get(rid)
+        if kind is EventKind.FINISHED:
+            if row is not None:
+                self._drop(rid, row)
+        elif row is not None:
+            self.dirty[row] = True
+            if kind is EventKind.SCHEDULED:
+                self.since[row] = math.nan
+                self._clock_idx = None
+        gid = event.meta.group_id
+        if gid is not None:
+            rows = self.rows
+            for sib in self.members.get(gid, ()):
+                self.dirty[rows[sib]] = True
+
+    def _drop(self, rid: str, row: int) -> None:
+        del self.rows[rid]
+        gid = self.group.pop(rid)
+        if gid is not None:
+            m = self.members[gid]
+            m.discard(rid)
+            if not m:
+                del self.members[gid]
+        self.free.append(row)
+        self._cands = None  # the row may be reused
+
+    # ------------------------------------------------------------------ rows
+    def _rows(self, cands: Sequence[CandidateRequest]) -> np.ndarray:
+        """Each candidate's row (new rows are allocated, marked dirty)."""
+        if self._cands is not None and self._cands == cands:  # the hook reuses its objects: identity compare
+            return self._idx
+        if len(self.rows) + len(cands) > MAX_ROWS:
+            self._alloc(len(self.x))
+        rows = self.rows
+        get = rows.get
+        idx = [get(c.request_id, -1) for c in cands]
+        for i, r in enumerate(idx):
+            if r < 0:
+                c = cands[i]
+                if not self.free:
+                    self._grow()
+                r = idx[i] = rows[c.request_id] = self.free.pop()
+                gid = c.meta.group_id
+                self.group[c.request_id] = gid
+                if gid is not None:
+                    self.members.setdefault(gid, set()).add(c.request_id)
+                self.dirty[r] = True
+                self.since[r] = math.nan
+        self._cands = list(cands)
+        self._idx = np.asarray(idx, dtype=np.int64)
+        return self._idx
+
+    def _fill(self, cands: Sequence[CandidateRequest], rows: np.ndarray, state: EngineState) -> np.ndarray:
+        raw = self.raw_of(cands, state)
+        x, lr = row_features(raw)
+        self.x[rows] = x
+        self.lr[rows] = lr
+        self.running[rows] = raw[:, _RUNNING] > 0
+        self.preds[rows] = raw[:, [_P50, _P90]]
+        self.arrival[rows] = [c.arrival_s for c in cands]
+        steps = self.steps
+        self.step[rows] = [steps.setdefault(c.meta.step, len(steps)) for c in cands]
+        self.dirty[rows] = False
+        self._x_idx = self._clock_idx = None
+        return raw
+
+    def features(self, cands: Sequence[CandidateRequest], state: EngineState,
+                 refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The (n, len(FEATURES)) float32 scorer input of a decision (valid until the next call), and the rows.
+
+        ``refresh``: refill every row from the candidates (running candidates change in every step).
+        """
+        idx = self._rows(cands)
+        if refresh or not self.tracking:
+            raw = self._fill(cands, idx, state)
+            wait = raw[:, _WAIT]
+        else:
+            need = np.flatnonzero(self.dirty[idx])
+            if need.size:
+                self._fill([cands[i] for i in need.tolist()], idx[need], state)
+            wait = None
+        if idx is not self._x_idx:  # rows and set columns of the last call are no longer valid
+            self._assemble(idx)
+        if wait is None:
+            wait = state.time_s - self._arrival  # -inf (clipped to 0) for running requests
+        x = self._x
+        step_features(x, wait, (state.kv_usage, state.num_pinned_blocks / max(state.num_total_blocks, 1),
+                                state.num_running, state.num_waiting),
+                      np.array([self.phase_of(s) for s in self.steps])[self._step])
+        return x, idx
+
+    def _assemble(self, idx: np.ndarray) -> None:
+        """Cache what stays fixed while the rows do: their features, set columns, arrival times and RL steps."""
+        x = self.x[idx]
+        set_features(x, self.lr[idx])
+        self._x = x.astype(np.float32)
+        self._x_idx = idx
+        self._arrival = np.where(self.running[idx], math.inf, self.arrival[idx])
+        self._step = self.step[idx]
+
+    def predictions(self, idx: np.ndarray) -> list[tuple[float, float]]:
+        """(p50, p90) of each row."""
+        return [tuple(p) for p in self.preds[idx].tolist()]
+
+    # ------------------------------------------------------------------ starvation
+    def starved(self, idx: np.ndarray, state: EngineState) -> list[int]:
+        """Positions (in ``idx``) of the requests waiting for ``max_wait_steps`` steps or ``max_wait_s`` seconds
+        since they (re-)entered the queue, FCFS by that time; the clock of a request starts at its first sight."""
+        now = (state.engine_step, state.time_s)
+        if idx is not self._clock_idx:
+            self._start_clocks(idx, now)
+        step0, t0 = self._oldest
+        if now[0] - step0 < self.max_wait_steps and now[1] - t0 < self.max_wait_s:
+            return []
+        s = self.since[idx]
+        old = (now[0] - s[:, 0] >= self.max_wait_steps) | (now[1] - s[:, 1] >= self.max_wait_s)
+        pos = np.flatnonzero(old)
+        return pos[np.lexsort((pos, s[pos, 1], s[pos, 0]))].tolist()
+
+    def _start_clocks(self, idx: np.ndarray, now: tuple[int, float]) -> None:
+        """Start the clock of the rows that have none; cache the oldest start of ``idx``."""
+        s = self.since[idx]
+        unset = np.isnan(s[:, 0])
+        if unset.any():
+            s[unset] = now
+            self.since[idx[unset]] = s[unset]
+        self._oldest = (s[:, 0].min(initial=math.inf), s[:, 1].min(initial=math.inf))
+        self._clock_idx = idx
