@@ -15,8 +15,11 @@ the highest preemption score). ``mode="log"``: a Plackett-Luce sample at
 ``temperature`` mixed with a uniform draw at rate ``epsilon``; the logged
 ``propensity`` is the exact probability of the logged action (the first
 admitted request, or the victim) under that mixture. Retention and eviction
-are left to vLLM (the learned policy does not use those levers); with
-``preempt=False`` preemption is too (admission only).
+are left to vLLM (the learned policy does not use those levers). So is
+preemption by default (``preempt=False``, a runtime option in ``policy.json``):
+the learned preemption head chose victims whose recompute cost about twice that
+of vLLM's tail victim, so vLLM's own choice is kept; ``preempt=True`` uses the
+head.
 
 **Starvation.** A request that has waited ``max_wait_steps`` engine steps or
 ``max_wait_s`` seconds since it (re-)entered the queue goes first, FCFS among
@@ -87,6 +90,9 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "epsilon": 0.1,
     "max_wait_steps": 20_000,
     "max_wait_s": 300.0,
+    # Off by default: vLLM's own victim (the tail of the running list) is used. The learned preemption head
+    # picked costly victims: measured, its victims' recompute was about 2x that of vLLM's tail victim (issue #7).
+    "preempt": False,
 }
 
 
@@ -307,7 +313,7 @@ class LearnedPolicy(_Sampler):
         max_wait_steps: Optional[float] = RUNTIME_DEFAULTS["max_wait_steps"],
         max_wait_s: Optional[float] = RUNTIME_DEFAULTS["max_wait_s"],
         seed: Optional[int] = 0,
-        preempt: bool = True,
+        preempt: bool = RUNTIME_DEFAULTS["preempt"],
         manifest: Optional[dict] = None,
         predictors_dir: Optional[Path] = None,
     ) -> None:
@@ -315,6 +321,8 @@ class LearnedPolicy(_Sampler):
             raise ValueError(f"option mode must be 'serve' or 'log', got {mode!r}")
         super().__init__(predictor, max_wait_steps, max_wait_s, seed)
         self.uses_preemption = bool(preempt)  # False: vLLM chooses the victims
+        self.runtime = {"temperature": temperature, "epsilon": epsilon, "max_wait_steps": max_wait_steps,
+                        "max_wait_s": max_wait_s, "preempt": bool(preempt)}
         self.mode = mode
         self.temperature = check_positive("temperature", temperature)
         self.epsilon = float(epsilon)
@@ -381,7 +389,9 @@ class LearnedPolicy(_Sampler):
             if pred_out.exists():
                 shutil.rmtree(pred_out)
             shutil.copytree(self.predictors_dir, pred_out)
-        m = manifest_for(self.manifest.get("config", {}), self.manifest.get("trained_on", {}))
+        config = {**self.manifest.get("config", {})}
+        config["runtime"] = {**self.runtime, **config.get("runtime", {})}  # the manifest's, else those in use
+        m = manifest_for(config, self.manifest.get("trained_on", {}))
         (out / "policy.json").write_text(json.dumps(m, indent=2, default=float))
         return out
 
@@ -393,6 +403,7 @@ class LearnedPolicy(_Sampler):
         state = _read_state(d / "policy.pt")
         predictor = _read_predictor(d / "predictors")
         runtime = {**RUNTIME_DEFAULTS, **manifest.get("config", {}).get("runtime", {}), **options}
+        manifest = {**manifest, "config": {**manifest.get("config", {}), "runtime": runtime}}  # saved as in use
         try:
             return cls(state, predictor, mode=mode, manifest=manifest, predictors_dir=d / "predictors", **runtime)
         except (KeyError, ValueError) as e:

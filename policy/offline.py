@@ -76,6 +76,10 @@ class OfflineConfig:
     #: labels across candidate rows, so nothing learned comes from outcomes
     shuffle_rewards: bool = False
     seed: int = 0
+    #: whether the trained policy chooses preemption victims with its preemption head (``policy.json``'s runtime
+    #: option ``preempt``). Off: vLLM's own victim (the tail of the running list) is used, since the learned head
+    #: picked victims whose recompute cost about 2x that of vLLM's tail victim. The head is trained either way.
+    preempt: bool = False
     runtime: dict = field(default_factory=lambda: dict(RUNTIME_DEFAULTS))
 
     def __post_init__(self) -> None:
@@ -508,7 +512,7 @@ def train_policy(
     metrics.update(evaluate_policy_on(fn, q_train, test, config))
     cfg = asdict(config)
     cfg["hidden"] = list(config.hidden)
-    runtime = {**RUNTIME_DEFAULTS, **config.runtime, "temperature": config.temperature}
+    runtime = {**RUNTIME_DEFAULTS, **config.runtime, "temperature": config.temperature, "preempt": config.preempt}
     cfg["runtime"] = runtime
     trained_on = {"logs": [str(p) for p in log_dirs], "predictors": str(predictors_dir),
                   "decisions_train": int(len(train)), "decisions_test": int(len(test)),

@@ -44,7 +44,8 @@ def base_policy_dir(root: Path) -> Path:
     wl = tiny_workload(root / "predictors-train.parquet", seed=1, steps=4, prompts=8)
     predictors = train_bundle(load_logs([wl]), num_trees=20, num_threads=1).save(root / "predictors")
     state = build_scorer().state_dict()
-    return LearnedPolicy(state, None, predictors_dir=predictors).save(root / "base")
+    # preempt=True: the wired scorers below choose victims with their preemption head
+    return LearnedPolicy(state, None, predictors_dir=predictors, preempt=True).save(root / "base")
 
 
 def wired(base: Path, out: Path, admit: tuple[str, float] | None, preempt: tuple[str, float]) -> Path:

@@ -150,6 +150,10 @@ def test_save_load_round_trip(policy_dir: Path) -> None:
     a = LearnedPolicy.load(policy_dir)
     b = LearnedPolicy.load(policy_dir, mode="log")
     assert a.epsilon == 0.2 and b.mode == "log"
+    assert not a.uses_preemption  # vLLM's victim by default
+    with_head = LearnedPolicy.load(a.save(policy_dir.parent / "head"), preempt=True)
+    assert with_head.uses_preemption
+    assert LearnedPolicy.load(with_head.save(policy_dir.parent / "head2")).uses_preemption  # saved with the option
     x = np.random.default_rng(1).normal(size=(10, len(FEATURES))).astype(np.float32)
     np.testing.assert_allclose(a.scorer(x), NumpyScorer(_state_dict(7))(x), rtol=1e-6)
     waiting = [_cand(i, prompt=50 * (i + 1)) for i in range(5)]

@@ -34,7 +34,10 @@ def test_train_policy_writes_a_policy_dir(learned_runs: dict, tmp_path: Path) ->
     manifest = json.loads((out / "policy.json").read_text())
     assert manifest["config"]["epochs"] == 1 and manifest["trained_on"]["decisions_train"] > 0
     assert (out / "predictors" / "length").is_dir()
-    LearnedPolicy.load(out)
+    # by default the trained policy leaves preemption victims to vLLM; the head stays available as an option
+    assert manifest["config"]["preempt"] is False and manifest["config"]["runtime"]["preempt"] is False
+    assert not LearnedPolicy.load(out).uses_preemption
+    assert LearnedPolicy.load(out, preempt=True).uses_preemption
 
 
 def test_informative_logs_beat_shuffled_outcomes(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811
