@@ -13,7 +13,7 @@ the decision's engine step. Both use the same three parts: :func:`row_features`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -104,23 +104,36 @@ def step_features(x: np.ndarray, wait_s: Any, state: Any, step_phase: Any) -> No
     x[:, 21] = np.fmax(step_phase, 0.0)
 
 
-def set_features(x: np.ndarray, lr: np.ndarray) -> None:
-    """Fill the :data:`SET_X` columns of ``x`` in place: ``log1p(remaining)`` against the set's maximum, and its rank."""
+def set_features(x: np.ndarray, lr: np.ndarray, offsets: Optional[np.ndarray] = None) -> None:
+    """Fill the :data:`SET_X` columns of ``x`` in place: ``log1p(remaining)`` against the set's maximum, and its rank.
+
+    ``offsets``: rows ``offsets[d]:offsets[d + 1]`` form decision ``d`` (non-empty); None: one decision.
+    """
     n = len(lr)
     if not n:
         return
-    x[:, 15] = lr - lr.max()
+    if offsets is None:
+        x[:, 15] = lr - lr.max()
+        rank = np.empty(n)
+        rank[np.argsort(lr, kind="stable")] = np.arange(n) / max(n - 1, 1)
+        x[:, 16] = rank
+        return
+    sizes = np.diff(offsets)
+    seg = np.repeat(np.arange(len(sizes)), sizes)
+    x[:, 15] = lr - np.maximum.reduceat(lr, offsets[:-1])[seg]
+    order = np.lexsort((lr, seg))  # by decision, then lr; ties in row order (as a stable argsort)
     rank = np.empty(n)
-    rank[np.argsort(lr, kind="stable")] = np.arange(n) / max(n - 1, 1)
+    rank[order] = (np.arange(n) - offsets[:-1][seg]) / np.maximum(sizes - 1, 1)[seg]
     x[:, 16] = rank
 
 
-def model_features(raw: np.ndarray) -> np.ndarray:
-    """(n, len(FEATURES)) float32 scorer input of one decision's candidates from their (n, len(RAW)) raw values."""
+def model_features(raw: np.ndarray, offsets: Optional[np.ndarray] = None) -> np.ndarray:
+    """(n, len(FEATURES)) float32 scorer input of one decision's candidates from their (n, len(RAW)) raw values
+    (of several decisions' at once with ``offsets``, see :func:`set_features`)."""
     raw = np.asarray(raw, dtype=np.float64)
     x, lr = row_features(raw)
     c = lambda k: raw[:, R[k]]  # noqa: E731
     step_features(x, c("wait_s"), raw[:, [R["kv_usage"], R["pinned_frac"], R["num_running"], R["num_waiting"]]],
                   c("step_phase"))
-    set_features(x, lr)
+    set_features(x, lr, offsets)
     return x.astype(np.float32)

@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from policy.learned import RUNTIME_DEFAULTS, LearnedPolicy, build_scorer
 from policy.learned_features import FEATURES, RAW, R, model_features
@@ -76,6 +77,9 @@ class OfflineConfig:
     #: labels across candidate rows, so nothing learned comes from outcomes
     shuffle_rewards: bool = False
     seed: int = 0
+    #: torch threads while fitting. 1: a batch is ~10k rows x 32 units, where intra-op threads cost more than they
+    #: give (measured on a shared 2-core machine: 4.2 s CPU per epoch with 1 thread, 17.1 s with 2)
+    threads: int = 1
     #: whether the trained policy chooses preemption victims with its preemption head (``policy.json``'s runtime
     #: option ``preempt``). Off: vLLM's own victim (the tail of the running list) is used, since the learned head
     #: picked victims whose recompute cost about 2x that of vLLM's tail victim. The head is trained either way.
@@ -85,6 +89,8 @@ class OfflineConfig:
     def __post_init__(self) -> None:
         if self.objective not in ("dr", "ips"):
             raise ValueError(f"objective must be 'dr' or 'ips', got {self.objective!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
         if self.oracle_rule not in ("lpt", "srpt"):
             raise ValueError(f"oracle_rule must be 'lpt' or 'srpt', got {self.oracle_rule!r}")
         self.hidden = tuple(int(h) for h in self.hidden)
@@ -139,8 +145,8 @@ def _telemetry_dir(path: Path) -> Path:
     return d
 
 
-def _offline_predictions(log_dir: Path, length_model: Any) -> tuple[dict, dict]:
-    """request id -> (p50, p90) at arrival and at admission, the LightGBM model replayed on the log."""
+def _offline_predictions(log_dir: Path, length_model: Any) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(p50, p90) per request id at arrival and at admission: the LightGBM model replayed on the log."""
     from predictors.features import length_features
     from predictors.logs import load_log
 
@@ -148,30 +154,41 @@ def _offline_predictions(log_dir: Path, length_model: Any) -> tuple[dict, dict]:
     out = []
     for at in ("arrival", "admit"):
         X = length_features(df, at=at, vocab=length_model.vocab)
-        p = length_model.predict_features(X)
-        out.append(dict(zip(X["request_id"], map(tuple, p.tolist()))))
+        p = np.asarray(length_model.predict_features(X), dtype=np.float64)
+        p = pd.DataFrame(p[:, :2], index=pd.Index(X["request_id"]), columns=["p50", "p90"])
+        out.append(p[~p.index.duplicated(keep="last")])
     return out[0], out[1]
 
 
-def _phase_fn(req: pd.DataFrame):
-    """phase(step, t): finished / arrived requests of RL step ``step`` by time ``t``."""
-    per: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for s, g in req.groupby(req["step"].fillna(0).astype(int)):
-        per[int(s)] = (np.sort(g["arrival_s"].astype(float).to_numpy()),
-                       np.sort(g["finish_s"].astype(float).fillna(np.inf).to_numpy()))
+def _lookup(index: pd.Index, ids: np.ndarray, values: np.ndarray, missing: float = np.nan) -> np.ndarray:
+    """``values`` (aligned with ``index``) at each of ``ids``; ``missing`` where an id is not in ``index``."""
+    pos = index.get_indexer(ids)
+    out = values[np.maximum(pos, 0)].astype(np.float64)
+    out[pos < 0] = missing
+    return out
 
-    def phase(step: int, t: float) -> float:
-        a, f = per.get(step, (np.empty(0), np.empty(0)))
-        na = np.searchsorted(a, t, side="right")
-        return float(min(1.0, np.searchsorted(f, t, side="right") / na)) if na else 0.0
 
-    return phase
+def _step_phase(req: pd.DataFrame, steps: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Per row: finished / arrived requests of RL step ``steps[i]`` by time ``t[i]`` (0 before any arrived)."""
+    out = np.zeros(len(t))
+    rs = req["step"].fillna(0).astype(int).to_numpy()
+    arr = req["arrival_s"].astype(float).to_numpy()
+    fin = req["finish_s"].astype(float).fillna(np.inf).to_numpy()
+    for s in np.unique(steps):
+        m = steps == s
+        a, f = np.sort(arr[rs == s]), np.sort(fin[rs == s])
+        na = np.searchsorted(a, t[m], side="right")
+        nf = np.searchsorted(f, t[m], side="right")
+        out[m] = np.where(na > 0, np.minimum(1.0, nf / np.maximum(na, 1)), 0.0)
+    return out
 
 
 def _usable(dec) -> np.ndarray:
     """Row indices of the decisions that can be learned from: admit / preempt, >= 2 candidates, an action."""
     kinds = dec.column("kind").to_numpy(zero_copy_only=False)
-    ncand = np.array([len(c) for c in dec.column("candidate_ids").to_pylist()]) if dec.num_rows else np.zeros(0)
+    import pyarrow.compute as pc
+
+    ncand = pc.list_value_length(dec.column("candidate_ids")).to_numpy(zero_copy_only=False)
     keep = np.isin(kinds, list(KINDS)) & (ncand >= 2) & (dec.column("chosen").to_numpy() >= 0)
     return np.nonzero(keep)[0]
 
@@ -198,9 +215,51 @@ def logged_rewards(log_dir: str | Path, config: OfflineConfig | None = None) -> 
                     config)
 
 
+#: Logged candidate feature columns (:data:`policy.interface.CANDIDATE_FEATURES`) and the raw columns they fill.
+_LOGGED = {"prompt_tokens": 0, "computed_tokens": 2, "output_tokens": 3, "max_tokens": 4, "turn": 5,
+           "group_size": 6, "group_finished": 7, "group_running": 8, "wait_s": 9, "preemptions": 10,
+           "is_running": 11}
+_N_LOGGED = 14
+
+
+def _candidates(d: pa.Table, config: OfflineConfig, rng: np.random.Generator):
+    """Flat candidate rows of decisions ``d``: (offsets, ids, logged features (rows, 14), chosen index per decision).
+
+    A decision with more than ``max_candidates`` keeps its logged action and a random subset of the others.
+    """
+    import pyarrow.compute as pc
+
+    ids_col = d.column("candidate_ids").combine_chunks()
+    offsets = ids_col.offsets.to_numpy().astype(np.int64)
+    offsets = offsets - offsets[0]
+    ids = pc.list_flatten(ids_col).to_numpy(zero_copy_only=False)
+    feats = pc.list_flatten(pc.list_flatten(d.column("features").combine_chunks()))
+    f = feats.to_numpy(zero_copy_only=False).astype(np.float64).reshape(len(ids), _N_LOGGED)
+    chosen = d.column("chosen").to_numpy().astype(np.int64)
+    sizes = np.diff(offsets)
+    big = np.flatnonzero(sizes > config.max_candidates)
+    if len(big):
+        keep = np.ones(len(ids), dtype=bool)
+        for i in big.tolist():
+            n, ch = int(sizes[i]), int(chosen[i])
+            others = rng.choice(np.delete(np.arange(n), ch), config.max_candidates - 1, replace=False)
+            sel = np.sort(np.concatenate([[ch], others]))
+            m = np.zeros(n, dtype=bool)
+            m[sel] = True
+            keep[offsets[i]:offsets[i + 1]] = m
+            chosen[i] = int(np.searchsorted(sel, ch))
+            sizes[i] = len(sel)
+        ids, f = ids[keep], f[keep]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return offsets, ids, f, chosen
+
+
 def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig, log_index: int = 0,
                    rng: Optional[np.random.Generator] = None) -> Decisions:
-    """The decisions of one log directory as a :class:`Decisions` batch (see the module docstring)."""
+    """The decisions of one log directory as a :class:`Decisions` batch (see the module docstring).
+
+    Vectorised over candidate rows: no Python work per decision or candidate (but for oversized decisions).
+    """
     from data.io import read_telemetry
 
     log_dir = Path(log_dir)
@@ -212,66 +271,43 @@ def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig
     idx = _usable(dec)
     if len(idx) > config.max_decisions:
         idx = np.sort(rng.choice(idx, config.max_decisions, replace=False))
-    d = dec.take(idx).to_pandas()
-    arr_pred, adm_pred = _offline_predictions(log_dir, length_model)
-    out_tokens = dict(zip(req["request_id"], req["output_tokens"].astype(float)))
-    req_step = dict(zip(req["request_id"], req["step"].fillna(0).astype(int)))
-    phase = _phase_fn(req)
-    # engine state per (replica, engine_step); total blocks per replica = free blocks at their most free
-    steps = steps.set_index(["replica", "engine_step"]).sort_index()
-    total = (steps["free_blocks"].groupby(level=0).max()).to_dict()
-    rewards = _rewards(d, req, steps.reset_index(), config)
-    xs, trs, sizes, chosen = [], [], [], []
-    for row in d.itertuples(index=False):
-        f = np.asarray(np.stack(row.features), dtype=np.float64)
-        ids = list(row.candidate_ids)
-        ch = int(row.chosen)
-        n = len(ids)
-        if n > config.max_candidates:  # keep the logged action, a random subset of the others
-            others = rng.choice(np.delete(np.arange(n), ch), config.max_candidates - 1, replace=False)
-            sel = np.sort(np.concatenate([[ch], others]))
-            f = f[sel]
-            ids = [ids[i] for i in sel]
-            ch = int(np.searchsorted(sel, ch))
-            n = len(ids)
-        raw = np.full((n, len(RAW)), np.nan)
-        for name, j in (("prompt_tokens", 0), ("computed_tokens", 2), ("output_tokens", 3), ("max_tokens", 4),
-                        ("turn", 5), ("group_size", 6), ("group_finished", 7), ("group_running", 8),
-                        ("wait_s", 9), ("preemptions", 10), ("is_running", 11)):
-            raw[:, R[name]] = f[:, j]
-        p_log = f[:, 12:14]
-        running = f[:, 11] > 0.5
-        for i, rid in enumerate(ids):
-            if np.isfinite(p_log[i, 0]):
-                raw[i, R["pred_p50"]], raw[i, R["pred_p90"]] = p_log[i]
-            else:
-                p = (adm_pred if running[i] else arr_pred).get(rid, (np.nan, np.nan))
-                raw[i, R["pred_p50"]], raw[i, R["pred_p90"]] = p
-        try:
-            st = steps.loc[(row.replica, row.engine_step)]
-            tot = max(float(total.get(row.replica, 1.0)), 1.0)
-            raw[:, R["kv_usage"]] = st["kv_usage"]
-            raw[:, R["pinned_frac"]] = st["pinned_blocks"] / tot
-            raw[:, R["num_running"]] = st["running"]
-            raw[:, R["num_waiting"]] = st["waiting"]
-        except KeyError:
-            pass
-        t = float(row.time_s)
-        cand_steps = [req_step.get(rid, 0) for rid in ids]
-        ph = {st: phase(st, t) for st in set(cand_steps)}
-        raw[:, R["step_phase"]] = [ph[st] for st in cand_steps]
-        xs.append(model_features(raw))
-        trs.append(np.array([out_tokens.get(rid, np.nan) for rid in ids]) - f[:, 3])
-        sizes.append(n)
-        chosen.append(ch)
-    if not xs:
+    dec = dec.take(idx)
+    if dec.num_rows == 0:
         return Decisions(np.zeros((0, len(FEATURES)), np.float32), np.zeros(0), np.zeros(1, np.int64),
                          np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0),
                          np.zeros(0, np.int64))
-    return Decisions(
-        np.concatenate(xs), np.concatenate(trs), np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-        d["kind"].map(KINDS).to_numpy(np.int64), np.asarray(chosen, np.int64),
-        d["propensity"].to_numpy(float), rewards, d["time_s"].to_numpy(float), np.full(len(d), log_index, np.int64))
+    d = dec.select(["replica", "engine_step", "time_s", "kind", "propensity"]).to_pandas()
+    offsets, ids, f, chosen = _candidates(dec, config, rng)
+    seg = np.repeat(np.arange(len(d)), np.diff(offsets))
+    raw = np.full((len(ids), len(RAW)), np.nan)
+    for name, j in _LOGGED.items():
+        raw[:, R[name]] = f[:, j]
+    # length predictions: the logged ones, else the model replayed (at arrival if waiting, at admission if running)
+    arr_pred, adm_pred = _offline_predictions(log_dir, length_model)
+    running = f[:, 11] > 0.5
+    logged = np.isfinite(f[:, 12])
+    for col, j in (("pred_p50", 12), ("pred_p90", 13)):
+        k = col[-3:]
+        replay = np.where(running, _lookup(adm_pred.index, ids, adm_pred[k].to_numpy()),
+                          _lookup(arr_pred.index, ids, arr_pred[k].to_numpy()))
+        raw[:, R[col]] = np.where(logged, f[:, j], replay)
+    # engine state of the decision's step; total blocks per replica = free blocks at their most free
+    total = steps.groupby("replica")["free_blocks"].transform("max").clip(lower=1.0)
+    st = d[["replica", "engine_step"]].merge(
+        steps.assign(pinned_frac=steps["pinned_blocks"] / total).drop_duplicates(["replica", "engine_step"]),
+        on=["replica", "engine_step"], how="left")
+    for col, name in (("kv_usage", "kv_usage"), ("pinned_frac", "pinned_frac"), ("num_running", "running"),
+                      ("num_waiting", "waiting")):
+        raw[:, R[col]] = st[name].to_numpy(np.float64)[seg]
+    rid = pd.Index(req["request_id"])
+    cand_step = _lookup(rid, ids, req["step"].fillna(0).astype(int).to_numpy(), missing=0).astype(np.int64)
+    raw[:, R["step_phase"]] = _step_phase(req, cand_step, d["time_s"].to_numpy(float)[seg])
+    x = model_features(raw, offsets)
+    true_rem = _lookup(rid, ids, req["output_tokens"].astype(float).to_numpy()) - f[:, 3]
+    rewards = _rewards(d, req, steps, config)
+    return Decisions(x, true_rem, offsets, d["kind"].map(KINDS).to_numpy(np.int64), chosen,
+                     d["propensity"].to_numpy(float), rewards, d["time_s"].to_numpy(float),
+                     np.full(len(d), log_index, np.int64))
 
 
 # ------------------------------------------------------------------------------------------ fitting
@@ -328,7 +364,19 @@ def _segment_log_softmax(s, seg, n: int):
 
 
 def fit_scorer(train: Decisions, config: OfflineConfig, progress: bool = False) -> tuple[Any, RidgeQ, dict]:
-    """Fit the scorer (torch) on ``train``; returns (scorer, reward model, training metrics)."""
+    """Fit the scorer (torch) on ``train`` with ``config.threads`` torch threads; returns (scorer, reward model,
+    training metrics)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _fit(train, config, progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _fit(train: Decisions, config: OfflineConfig, progress: bool) -> tuple[Any, RidgeQ, dict]:
     import torch
 
     torch.manual_seed(config.seed)

@@ -19,6 +19,8 @@ def test_offline_config_rejects_bad_values() -> None:
         OfflineConfig(objective="ppo")
     with pytest.raises(ValueError, match="oracle_rule"):
         OfflineConfig(oracle_rule="random")
+    with pytest.raises(ValueError, match="threads"):
+        OfflineConfig(threads=0)
 
 
 def test_train_policy_writes_a_policy_dir(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811
