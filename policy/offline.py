@@ -329,7 +329,7 @@ class RidgeQ:
         for k in (0, 1):
             m = data.kind == k
             if not m.any():
-                self.coef[k] = np.zeros(xc.shape[1] + 1)
+                self.coef[k] = np.zeros(xc.shape[1] + 2)  # weights of the design (features, 1), intercept
                 continue
             A = self._design(xc[m])
             mu, sd = A.mean(0), A.std(0) + 1e-6
