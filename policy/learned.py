@@ -279,7 +279,10 @@ class _Sampler(Policy):
 
     def _order(self, first: list[int], keys: np.ndarray, waiting: Sequence[CandidateRequest],
                state: EngineState) -> list[str]:
-        """Request ids: ``first`` (starved), then the rest by descending ``keys``, up to vLLM's admission limit."""
+        """Request ids: ``first`` (starved), then the rest by descending ``keys``, up to vLLM's admission limit.
+
+        ``waiting`` must be the candidates of the table's last :meth:`FeatureTable.features` call (their ids are
+        kept there as an array)."""
         k = admission_limit(state, len(waiting))
         if first:
             keys = keys.copy()
@@ -290,10 +293,11 @@ class _Sampler(Policy):
         else:
             part = np.argpartition(-keys, take)[:take] if take else np.empty(0, dtype=int)
             top = part[np.argsort(-keys[part], kind="stable")]
-        ids = [waiting[i].request_id for i in first]
-        skip = set(first)
-        ids.extend(waiting[i].request_id for i in top[:take].tolist() if i not in skip)
-        return ids
+        top = top[:take]
+        ids = self.table.request_ids
+        if not first:
+            return ids[top].tolist()
+        return ids[first].tolist() + ids[top[~np.isin(top, first)]].tolist()
 
 
 class LearnedPolicy(_Sampler):

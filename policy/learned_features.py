@@ -91,17 +91,20 @@ def row_features(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def step_features(x: np.ndarray, wait_s: Any, state: Any, step_phase: Any) -> None:
-    """Fill the :data:`STEP_X` columns of ``x`` in place.
+    """Fill the :data:`STEP_X` columns of ``x`` in place (an argument given as None leaves its columns as they are).
 
     ``state``: (kv_usage, pinned_frac, num_running, num_waiting), per row ((n, 4)) or shared by every row ((4,)).
     NaN counts as 0 and values are clipped at 0 (``fmax``: one numpy call per column block; this runs in every
     engine step).
     """
-    s = np.fmax(np.asarray(state, dtype=np.float64), 0.0)
-    s[..., 2:] = np.log1p(s[..., 2:])
-    x[:, 17:21] = s
-    x[:, 8] = np.log1p(np.fmax(wait_s, 0.0))
-    x[:, 21] = np.fmax(step_phase, 0.0)
+    if state is not None:
+        s = np.fmax(np.asarray(state, dtype=np.float64), 0.0)
+        s[..., 2:] = np.log1p(s[..., 2:])
+        x[:, 17:21] = s
+    if wait_s is not None:
+        x[:, 8] = np.log1p(np.fmax(wait_s, 0.0))
+    if step_phase is not None:
+        x[:, 21] = np.fmax(step_phase, 0.0)
 
 
 def set_features(x: np.ndarray, lr: np.ndarray, offsets: Optional[np.ndarray] = None) -> None:

@@ -64,6 +64,7 @@ class FeatureTable:
         self.steps: dict[Optional[int], int] = {}  # RL step -> index
         self._cands: Optional[list] = None  # the last call's candidates, and their rows
         self._idx = np.empty(0, dtype=np.int64)
+        self.request_ids = np.empty(0, dtype=object)  # the last call's candidates' ids
         self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
         self._clock_idx: Optional[np.ndarray] = None  # the rows whose oldest queue entry is cached
 
@@ -86,6 +87,7 @@ class FeatureTable:
             return
         rid = event.request_id
         row = self.rows.get(rid)
+        self._cands = None  # the next call looks for dirty rows among its candidates
         if kind is EventKind.FINISHED:
             if row is not None:
                 self._drop(rid, row)
@@ -109,13 +111,10 @@ class FeatureTable:
             if not m:
                 del self.members[gid]
         self.free.append(row)
-        self._cands = None  # the row may be reused
 
     # ------------------------------------------------------------------ rows
     def _rows(self, cands: Sequence[CandidateRequest]) -> np.ndarray:
         """Each candidate's row (new rows are allocated, marked dirty)."""
-        if self._cands is not None and self._cands == cands:  # the hook reuses its objects: identity compare
-            return self._idx
         if len(self.rows) + len(cands) > MAX_ROWS:
             self._alloc(len(self.x))
         rows = self.rows
@@ -135,6 +134,7 @@ class FeatureTable:
                 self.since[r] = math.nan
         self._cands = list(cands)
         self._idx = np.asarray(idx, dtype=np.int64)
+        self.request_ids = np.array([c.request_id for c in cands], dtype=object)
         return self._idx
 
     def _fill(self, cands: Sequence[CandidateRequest], rows: np.ndarray, state: EngineState) -> np.ndarray:
@@ -157,23 +157,29 @@ class FeatureTable:
 
         ``refresh``: refill every row from the candidates (running candidates change in every step).
         """
-        idx = self._rows(cands)
+        cached = self._cands is not None and self._cands == cands  # the hook reuses its objects: identity compare
+        idx = self._idx if cached else self._rows(cands)
         if refresh or not self.tracking:
             raw = self._fill(cands, idx, state)
             wait = raw[:, _WAIT]
         else:
-            need = np.flatnonzero(self.dirty[idx])
-            if need.size:
-                self._fill([cands[i] for i in need.tolist()], idx[need], state)
+            if not cached:  # (no event since the last call: its rows are clean)
+                need = np.flatnonzero(self.dirty[idx])
+                if need.size:
+                    self._fill([cands[i] for i in need.tolist()], idx[need], state)
             wait = None
         if idx is not self._x_idx:  # rows and set columns of the last call are no longer valid
             self._assemble(idx)
         if wait is None:
             wait = state.time_s - self._arrival  # -inf (clipped to 0) for running requests
         x = self._x
-        step_features(x, wait, (state.kv_usage, state.num_pinned_blocks / max(state.num_total_blocks, 1),
-                                state.num_running, state.num_waiting),
-                      np.array([self.phase_of(s) for s in self.steps])[self._step])
+        eng = (state.kv_usage, state.num_pinned_blocks / max(state.num_total_blocks, 1), state.num_running,
+               state.num_waiting)
+        phases = [self.phase_of(s) for s in self.steps]
+        # the columns of the cached input that did not change since the last call are left as they are
+        step_features(x, wait, eng if eng != self._eng else None,
+                      np.array(phases)[self._step] if phases != self._phases else None)
+        self._eng, self._phases = eng, phases
         return x, idx
 
     def _assemble(self, idx: np.ndarray) -> None:
@@ -184,6 +190,7 @@ class FeatureTable:
         self._x_idx = idx
         self._arrival = np.where(self.running[idx], math.inf, self.arrival[idx])
         self._step = self.step[idx]
+        self._eng = self._phases = None  # step columns not filled yet
 
     def predictions(self, idx: np.ndarray) -> list[tuple[float, float]]:
         """(p50, p90) of each row."""
