@@ -676,7 +676,10 @@ class Simulation:
         ids, rep.aborts = rep.aborts, set()
         rep.pending = [r for r in rep.pending if r.request_id not in ids]
         t0 = time.perf_counter()
-        rep.sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        # One id at a time, in a fixed order: vLLM frees the blocks of a set of ids in the set's order, which
+        # depends on the process's string hash seed, and the free order decides later evictions.
+        for rid in sorted(ids):
+            rep.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
         self._sched_s += time.perf_counter() - t0
         for rid in ids:
             self._scripts.pop(rid, None)
