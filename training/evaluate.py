@@ -47,9 +47,12 @@ from typing import Any
 
 DEFAULT = "vllm-default"
 #: The simulator's decode stride for evaluations. benchmarks/bench_stride.py, default workload, KV 0.1, one
-#: replica: vllm-default's makespan at k = 16 is 0.17 % from the exact path's (k = 8: 0.06 %), its hit rate
-#: equal, with 16x fewer engine steps and ~1/4 of the CPU time; oracle's makespan ratio to it 1.035 vs 1.031,
-#: sjf-predicted's 1.028 vs 1.015.
+#: replica, makespan ratio to vllm-default at the same stride (exact k = 1 / k = 16 / k = 32): oracle 1.031 /
+#: 1.029 / 1.032, sjf-predicted 1.015 / 1.028 / 1.014; vllm-default's own makespan 535.8 / 534.9 / 534.9 s, its
+#: preemptions 1,032 / 714 / 642, its hit rate 0.288 / 0.288 / 0.284; oracle's hit rate 0.70 / 0.66 / 0.61 (its
+#: k = 1 run predates oracle's latest change).
+#: k = 32 costs ~0.7x the CPU of k = 16 but is not the default: on tests/test_promote.py's tiny held-out
+#: workload it reverses the makespan order of its two learned policies (the gate test fails at k = 32).
 DEFAULT_DECODE_STRIDE = 16
 
 #: Registered policies that ``--policies all`` leaves out, so that ``all`` is issue #5's thirteen baselines:
