@@ -5,14 +5,15 @@ H200-7B replica for each policy x KV fraction x stride k, and prints, side by
 side with k = 1: makespan (s per RL step), preemptions, prefix hit rate,
 recomputed tokens, engine steps, wall and CPU time, and each policy's makespan ratio to
 vllm-default at the same k and KV fraction; plus each k's largest deviation of a
-policy ratio from k = 1's (the number that picks ``evaluate``'s default stride).
+policy's makespan ratio from k = 1's (the number that picks ``evaluate``'s default stride)
+and of its hit-rate ratio.
 
 Each run's summary is kept as ``<results>/<policy>-kv<f>-k<k>.json``; a rerun
 only simulates what is missing there (k = 1 runs take ~3 CPU-minutes each), so
 runs can be added a few at a time. ``--report`` prints without simulating.
 
 Run from the repository root: ``nice -n 10 .venv/bin/python -m benchmarks.bench_stride
-[--strides 1,4,8,16] [--kv-fractions 0.1,0.2] [--policies vllm-default,oracle,sjf-predicted]
+[--strides 1,8,16,32] [--kv-fractions 0.1,0.2] [--policies vllm-default,oracle,sjf-predicted]
 [--results DIR] [--report]``.
 """
 
@@ -54,7 +55,7 @@ def _run(workload, policy: str, kv: float, k: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strides", default="1,4,8,16")
+    parser.add_argument("--strides", default="1,8,16,32")
     parser.add_argument("--kv-fractions", default="0.1,0.2")
     parser.add_argument("--policies", default="vllm-default,oracle,sjf-predicted")
     parser.add_argument("--results", type=Path, default=None,
@@ -97,6 +98,7 @@ def report(results: Path, strides: list[int], kvs: list[float], policies: list[s
             f"{'steps':>7} {'wall s':>7} {'(k=1)':>6} {'cpu s':>6}")
     print(head)
     worst: dict[int, float] = {}
+    worst_hit: dict[int, float] = {}
     for kv in kvs:
         for p in policies:
             for k in strides:
@@ -108,6 +110,10 @@ def report(results: Path, strides: list[int], kvs: list[float], policies: list[s
                 ratio1 = r1["makespan_s"] / d1["makespan_s"] if r1 and d1 else float("nan")
                 if k != 1 and p != "vllm-default" and ratio == ratio and ratio1 == ratio1:
                     worst[k] = max(worst.get(k, 0.0), abs(ratio / ratio1 - 1))
+                    hit = r["prefix_hit_rate"] / d["prefix_hit_rate"] if d["prefix_hit_rate"] else float("nan")
+                    hit1 = r1["prefix_hit_rate"] / d1["prefix_hit_rate"] if d1["prefix_hit_rate"] else float("nan")
+                    if hit == hit and hit1 == hit1:
+                        worst_hit[k] = max(worst_hit.get(k, 0.0), abs(hit / hit1 - 1))
                 g = (lambda key, fmt: format(r1[key], fmt) if r1 else "-")
                 print(f"{p:<14} {kv:>4g} {k:>3} {r['makespan_s']:>9.1f} {g('makespan_s', '8.1f'):>8} "
                       f"{ratio:>6.3f} {ratio1:>6.3f} {r['preemptions']:>7} {g('preemptions', 'd'):>6} "
@@ -116,7 +122,8 @@ def report(results: Path, strides: list[int], kvs: list[float], policies: list[s
                       f"{r['engine_steps']:>7,} {r['wall_s']:>7.1f} {g('wall_s', '.1f'):>6} "
                       f"{r['cpu_s'] if 'cpu_s' in r else float('nan'):>6.1f}")
     for k in sorted(worst):
-        print(f"k={k}: largest |policy ratio / its k=1 ratio - 1| = {worst[k]:.2%}")
+        print(f"k={k}: largest |policy ratio / its k=1 ratio - 1| = {worst[k]:.2%} (makespan), "
+              f"{worst_hit.get(k, float('nan')):.2%} (hit rate)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ int64 whether it comes from a ``bytes`` event, an ``int`` event, or
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 _MASK = (1 << 64) - 1
 _SIGN = 1 << 63
@@ -25,11 +25,12 @@ def hash_to_int64(h: Any) -> int:
         v = h & _MASK
     else:  # BlockHashWithGroupId or anything else bytes-like
         v = int.from_bytes(bytes(h)[-8:], "big")
-    return v - (1 << 64) if v & _SIGN else v
+    return (v ^ _SIGN) - _SIGN  # two's complement: v - 2**64 when bit 63 is set
 
 
 def hashes_to_int64(hs: Iterable[Any]) -> list[int]:
-    return [hash_to_int64(h) for h in hs]
+    """:func:`hash_to_int64` of each hash (vLLM's int form, the common one, converted inline)."""
+    return [((h & _MASK) ^ _SIGN) - _SIGN if type(h) is int else hash_to_int64(h) for h in hs]
 
 
 def kv_event_rows(events: Iterable[Any], *, time_s: float, replica: int, engine_step: int) -> list[dict]:
@@ -38,18 +39,18 @@ def kv_event_rows(events: Iterable[Any], *, time_s: float, replica: int, engine_
 
     rows: list[dict] = []
     for ev in events:
-        parent: Optional[int] = None
-        num_tokens: Optional[int] = None
-        if isinstance(ev, BlockStored):
+        parent: int | None = None
+        num_tokens: int | None = None
+        if isinstance(ev, BlockRemoved):  # the most frequent event
+            kind = "removed"
+            hashes = hashes_to_int64(ev.block_hashes)
+            medium = ev.medium
+        elif isinstance(ev, BlockStored):
             kind = "stored"
             hashes = hashes_to_int64(ev.block_hashes)
             if ev.parent_block_hash is not None:
                 parent = hash_to_int64(ev.parent_block_hash)
             num_tokens = len(ev.token_ids) if ev.token_ids is not None else None
-            medium = ev.medium
-        elif isinstance(ev, BlockRemoved):
-            kind = "removed"
-            hashes = hashes_to_int64(ev.block_hashes)
             medium = ev.medium
         elif isinstance(ev, AllBlocksCleared):
             kind = "cleared"

@@ -107,6 +107,7 @@ requests go to the replica of its first turn (told to the router through
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import heapq
 import math
@@ -114,7 +115,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -675,7 +676,10 @@ class Simulation:
         ids, rep.aborts = rep.aborts, set()
         rep.pending = [r for r in rep.pending if r.request_id not in ids]
         t0 = time.perf_counter()
-        rep.sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        # One id at a time, in a fixed order: vLLM frees the blocks of a set of ids in the set's order, which
+        # depends on the process's string hash seed, and the free order decides later evictions.
+        for rid in sorted(ids):
+            rep.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
         self._sched_s += time.perf_counter() - t0
         for rid in ids:
             self._scripts.pop(rid, None)
@@ -902,7 +906,8 @@ class Simulation:
             gc.collect()
             gc.freeze()
             try:
-                result = self._loop(writer)
+                with _vllm_envs_cached():
+                    result = self._loop(writer)
             finally:
                 gc.unfreeze()
         finally:
@@ -1025,6 +1030,23 @@ class Simulation:
     @property
     def finish_times(self) -> list[float]:
         return list(self._finish_time)
+
+
+@contextlib.contextmanager
+def _vllm_envs_cached() -> Iterator[None]:
+    """vLLM's environment variables read once, as vLLM's EngineCore does after start-up; restored afterwards.
+
+    Unless cached, every ``vllm.envs.X`` read looks up ``os.environ`` (``maybe_convert_block_hash`` reads one
+    per hashed block). The cache is lifted at the end, so that a later run in this process sees changes."""
+    import vllm.envs as envs
+
+    was_cached = hasattr(envs.__getattr__, "cache_clear")
+    envs.enable_envs_cache()
+    try:
+        yield
+    finally:
+        if not was_cached:
+            envs.disable_envs_cache()
 
 
 def _clock_of(rep: _Replica) -> Callable[[], float]:

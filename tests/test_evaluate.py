@@ -19,10 +19,12 @@ from training.cli import app
 from training.evaluate import (
     DEFAULT,
     DEFAULT_DECODE_STRIDE,
+    Case,
     EvaluationError,
     NOT_IN_ALL,
     build_cases,
     evaluate,
+    expected_cost,
     resolve_policies,
 )
 
@@ -49,9 +51,11 @@ def test_resolve_policies() -> None:
     assert resolve_policies("sortedrl, rollpacker") == [DEFAULT, "sortedrl", "rollpacker"]
     every = resolve_policies("all")
     assert every == [DEFAULT] + [p for p in known_policies() if p != DEFAULT and p not in NOT_IN_ALL]
-    # the thirteen plus lrb-online; nothing that needs a trained model or only explores
-    assert {"vllm-priority", "rollpacker", "oracle", "lrb", "lrb-online"} <= set(every)
-    assert not {"learned", "registry", "logging"} & set(every)
+    # exactly the thirteen; nothing that needs a trained model, only explores, or learns as it runs
+    assert sorted(every) == sorted(["vllm-default", "vllm-priority", "sjf-predicted", "sortedrl", "rollpacker",
+                                    "heddle", "rolloutpipe", "seer", "continuum", "kvflow", "marconi", "lrb",
+                                    "oracle"])
+    assert resolve_policies("lrb-online") == [DEFAULT, "lrb-online"]  # still runnable by name
     with pytest.raises(EvaluationError, match="unknown policy 'nope'.*known policies: .*vllm-default"):
         resolve_policies("sortedrl,nope")
     cases = build_cases([DEFAULT, "sortedrl"], [0.4, 0.2, 0.2], [2, 1])
@@ -147,7 +151,19 @@ def test_cli_two_replicas(vllm_engine: Any, workload_path: Path, tmp_path: Path)
 @pytest.mark.slow
 def test_evaluate_parallel_jobs(vllm_engine: Any, workload_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "evalj"
-    result = evaluate(workload_path, ["sortedrl"], out, kv_fractions=[0.5], replicas=[1], jobs=2, progress=False)
-    assert [r["error"] for r in result.rows] == [None, None]
+    result = evaluate(workload_path, ["sortedrl", "oracle"], out, kv_fractions=[0.5], replicas=[1], jobs=2,
+                      progress=False)
+    assert [r["error"] for r in result.rows] == [None, None, None]
+    # oracle runs first (longest expected), the rows keep the grid's order
+    assert [r["policy"] for r in result.rows] == [DEFAULT, "sortedrl", "oracle"]
     assert result.rows[1]["makespan_ratio_vs_default"] == pytest.approx(
         result.rows[1]["makespan_s"] / result.rows[0]["makespan_s"])
+
+
+def test_cases_are_handed_out_longest_expected_first() -> None:
+    cases = build_cases([DEFAULT, "sortedrl", "oracle"], [0.1, 0.2, 0.4], [1, 2])
+    ranked = sorted(cases, key=expected_cost, reverse=True)
+    assert ranked[0] == Case("oracle", 0.1, 1)  # the smallest cache, one replica, a costly hook
+    assert ranked[-1] in (Case(DEFAULT, 0.4, 2), Case("sortedrl", 0.4, 2))
+    assert expected_cost(Case(DEFAULT, 0.1, 1)) > expected_cost(Case(DEFAULT, 0.2, 1)) \
+        > expected_cost(Case(DEFAULT, 0.4, 1)) > expected_cost(Case(DEFAULT, 0.4, 2))

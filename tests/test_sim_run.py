@@ -422,3 +422,44 @@ def test_a_policy_that_holds_everything_stalls_with_a_clear_error(vllm_engine: A
     workload = generate(small_config(1, prompts=2, group=2, steps=1))
     with pytest.raises(SimulationError, match=r"replica 0 stalled: \d+ request\(s\) waiting"):
         run_simulation(workload, HoldAll, kv_fraction=1.0, progress=False, stall_steps=50)
+
+
+def test_vllm_env_reads_are_cached_only_during_a_run() -> None:
+    """vLLM's env variables are cached while the loop runs (as EngineCore does) and uncached afterwards."""
+    import vllm.envs as envs
+
+    from simulator.simulation import _vllm_envs_cached
+
+    def cached() -> bool:
+        return hasattr(envs.__getattr__, "cache_clear")
+
+    assert not cached()
+    with _vllm_envs_cached():
+        assert cached()
+    assert not cached()  # a later run, or a test, sees changes to os.environ again
+    envs.enable_envs_cache()
+    try:
+        with _vllm_envs_cached():
+            assert cached()
+        assert cached()  # cached by someone else before: left as it was
+    finally:
+        envs.disable_envs_cache()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("policy", ["vllm-default", "kvflow"])
+def test_cached_env_reads_change_no_result(vllm_engine: Any, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run with vLLM's env variables cached gives exactly the numbers of one that reads them every time."""
+    import contextlib
+
+    import simulator.simulation as simulation
+
+    workload = generate(small_config(9, prompts=8, group=4, steps=1))
+    kw: dict[str, Any] = {"kv_fraction": 0.2, "progress": False, "validate": False, "decode_stride": 8}
+    cached = run_simulation(workload, policy, **kw).summary
+    monkeypatch.setattr(simulation, "_vllm_envs_cached", contextlib.nullcontext)
+    uncached = run_simulation(workload, policy, **kw).summary
+    for key in ("makespan_s", "preemptions", "recomputed_tokens", "prefix_hit_rate", "engine_steps",
+                "group_completion_s"):
+        assert cached[key] == uncached[key], key
+    assert cached["preemptions"] > 0
