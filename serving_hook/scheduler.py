@@ -721,6 +721,12 @@ class KVPilotMixin:
         if self._kvp_budget_left < 0 and not self._kvp_step_fallback:
             self._kvp_fail("on_event", "overrun", f"step budget {self._kvp_budget * 1e3:.2f} ms")
 
+    @property
+    def _kvp_log_decisions(self) -> bool:
+        """Whether decisions are logged (with every candidate's features): the writer keeps that table."""
+        w = self.kvpilot_telemetry
+        return w is not None and "decisions" in getattr(w, "tables", ("decisions",))
+
     def _kvp_log_decision(
         self,
         kind: str,
@@ -788,7 +794,7 @@ class KVPilotMixin:
                 ordered.extend(r for r in reqs if r.request_id not in seen)
         hold = dec.hold
         held = [r for r in ordered if r.request_id in hold] if hold else []
-        if self.kvpilot_telemetry is not None:
+        if self._kvp_log_decisions:
             first = ordered[0].request_id if ordered else None
             idx = next((i for i, c in enumerate(cands) if c.request_id == first), -1)
             self._kvp_log_decision(
@@ -887,7 +893,7 @@ class KVPilotMixin:
                 if r.request_id == dec.victim:
                     victim, idx = r, j
                     break
-        if self.kvpilot_telemetry is not None:
+        if self._kvp_log_decisions:
             self._kvp_log_decision(
                 "preempt",
                 now,
@@ -958,7 +964,7 @@ class KVPilotMixin:
             for pid in pins.release_policy(dec.release):
                 pin_info.pop(pid, None)
         st = self.kvpilot_stats
-        log = self.kvpilot_telemetry is not None
+        log = self._kvp_log_decisions
         feats = {cp.prefix_id: cp for cp in prefixes} if log else None
         for pid, ret in (dec.actions or {}).items():
             entry = by_id.get(pid)
@@ -1077,7 +1083,7 @@ class KVPilotMixin:
         if moved:
             st.eviction_orders += 1
             st.evict_first_blocks += moved
-        if self.kvpilot_telemetry is not None:
+        if self._kvp_log_decisions:
             idx = next((i for i, cp in enumerate(prefixes) if cp.prefix_id == first), -1)
             self._kvp_log_decision(
                 "retain",

@@ -21,7 +21,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -203,14 +203,20 @@ class TelemetryWriter:
         rows_per_file: int = 50_000,
         flush_interval_s: float = 5.0,
         metadata: Mapping[str, Mapping[str, str]] | None = None,
+        tables: Collection[str] | None = None,
     ) -> None:
-        """Start the drain thread; ``metadata`` maps a table to key/values stored in each of its files."""
+        """Start the drain thread; ``metadata`` maps a table to key/values stored in each of its files.
+
+        ``tables``: the tables written (default: all); rows put for another table are skipped, not counted as dropped.
+        """
         if capacity < 1 or rows_per_file < 1 or flush_interval_s < 0:
             raise ValueError("capacity and rows_per_file must be >= 1 and flush_interval_s >= 0")
-        unknown = set(metadata or {}) - set(TELEMETRY_TABLES)
+        unknown = (set(metadata or {}) | set(tables or ())) - set(TELEMETRY_TABLES)
         if unknown:
-            raise ValueError(f"metadata for unknown telemetry tables: {sorted(unknown)}")
+            raise ValueError(f"unknown telemetry tables: {sorted(unknown)} (known: {', '.join(TELEMETRY_TABLES)})")
         self.out_dir = Path(out_dir)
+        self.tables = frozenset(TELEMETRY_TABLES if tables is None else tables)
+        self._skipped = frozenset(TELEMETRY_TABLES) - self.tables
         self._drain = _Drain(self.out_dir, capacity, rows_per_file, flush_interval_s, metadata or {})
         self._finalizer = weakref.finalize(self, self._drain.close)
 
@@ -219,6 +225,8 @@ class TelemetryWriter:
 
         The row is kept by reference until the drain thread converts it: do not mutate it afterwards.
         """
+        if table in self._skipped:
+            return True
         d = self._drain
         with d.lock:
             n = len(d.buf)

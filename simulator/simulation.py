@@ -286,6 +286,7 @@ class Simulation:
         stall_steps: int = 100_000,
         validate: bool = True,
         decode_stride: int = 1,
+        decision_log: bool = True,
     ) -> None:
         t0 = time.perf_counter()
         # ---- configuration checks, all before anything runs
@@ -371,6 +372,9 @@ class Simulation:
         self.idle_step_s = idle_step_s
         self.stall_steps = stall_steps
         self.stride = decode_stride
+        #: Log the ``decisions`` table (every candidate's features at every decision): training needs it,
+        #: an evaluation that only compares summaries does not.
+        self.decision_log = decision_log
         self.out_dir = Path(out_dir) if out_dir is not None else None
         # Longest context a request reaches, for vLLM's max_model_len.
         full = workload.column("prompt_tokens").to_numpy().astype(np.int64) + output
@@ -883,6 +887,7 @@ class Simulation:
         from vllm.v1.outputs import ModelRunnerOutput
 
         from data.io import read_telemetry
+        from data.schemas import TELEMETRY_TABLES
         from policy.interface import FEATURE_NAMES
         from serving_hook.telemetry import TelemetryWriter
 
@@ -898,8 +903,9 @@ class Simulation:
         if tel_dir.exists() and any(tel_dir.iterdir()):
             raise SimulationError(f"{tel_dir} already holds telemetry; choose an empty output directory")
         meta = {"decisions": {"kvpilot.feature_names": json.dumps({k: list(v) for k, v in FEATURE_NAMES.items()})}}
+        tables = None if self.decision_log else [t for t in TELEMETRY_TABLES if t != "decisions"]
         writer = TelemetryWriter(tel_dir, capacity=2_000_000, rows_per_file=200_000, flush_interval_s=30.0,
-                                 metadata=meta)
+                                 metadata=meta, tables=tables)
         try:
             self._reps = self._build_replicas(writer)
             # The block pools are millions of long-lived objects: keep them out of the collector's scans.

@@ -160,6 +160,22 @@ def test_evaluate_parallel_jobs(vllm_engine: Any, workload_path: Path, tmp_path:
         result.rows[1]["makespan_s"] / result.rows[0]["makespan_s"])
 
 
+@pytest.mark.vllm
+def test_decision_log_is_optional_and_changes_no_result(vllm_engine: Any, workload_path: Path,
+                                                         tmp_path: Path) -> None:
+    """Evaluation runs leave the decisions table out by default; with it, every result is the same."""
+    runs = {}
+    for log in (False, True):
+        res = evaluate(workload_path, ["sjf-predicted"], tmp_path / str(log), kv_fractions=[0.3], progress=False,
+                       decision_log=log)
+        runs[log] = res.rows
+        decisions = tmp_path / str(log) / "runs" / "sjf-predicted-kv0.3-r1" / "telemetry" / "decisions"
+        assert any(decisions.glob("part-*.parquet")) is log
+    timing = ("wall_s", "scheduler_s", "hook_s", "setup_s", "simulator_overhead")
+    strip = [[{k: v for k, v in r.items() if k not in timing} for r in rows] for rows in runs.values()]
+    assert strip[0] == strip[1]
+
+
 def test_cases_are_handed_out_longest_expected_first() -> None:
     cases = build_cases([DEFAULT, "sortedrl", "oracle"], [0.1, 0.2, 0.4], [1, 2])
     ranked = sorted(cases, key=expected_cost, reverse=True)

@@ -287,6 +287,19 @@ def test_table_metadata_is_stored_in_each_file(tmp_path: Path) -> None:
         TelemetryWriter(tmp_path, metadata={"nope": {}})
 
 
+def test_tables_not_kept_are_skipped_not_dropped(tmp_path: Path) -> None:
+    writer = TelemetryWriter(tmp_path, tables=["requests", "steps"])
+    for i in range(10):
+        for table, make in ROWS.items():
+            assert writer.put(table, make(i))
+    writer.close()
+    assert writer.dropped == 0
+    assert writer.rows_written == {"requests": 10, "steps": 10}
+    assert parts(tmp_path, "decisions") == [] and parts(tmp_path, "kv_events") == []
+    with pytest.raises(ValueError, match="desicions"):
+        TelemetryWriter(tmp_path, tables=["desicions"])
+
+
 def test_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(telemetry.ENV_DIR, raising=False)
     assert from_env() is None

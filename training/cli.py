@@ -156,7 +156,7 @@ def simulate(
     ] = None,
     replicas: Annotated[int, typer.Option("--replicas", help="Number of replicas.")] = 1,
     router: Annotated[
-        str, typer.Option("--router", help="round-robin, least-loaded or cache-aware (several replicas).")
+        str, typer.Option("--router", help="round-robin, least-loaded, cache-aware or kv-aware (several replicas).")
     ] = "round-robin",
     kv_blocks: Annotated[
         Optional[int], typer.Option("--kv-blocks", help="KV blocks (16 tokens) per replica.")
@@ -245,7 +245,7 @@ def evaluate_cmd(
     ] = "0.1,0.2,0.4",
     replicas: Annotated[str, typer.Option("--replicas", help="Replica count(s), e.g. 1 or 1,2.")] = "1",
     router: Annotated[
-        str, typer.Option("--router", help="round-robin, least-loaded or cache-aware (several replicas).")
+        str, typer.Option("--router", help="round-robin, least-loaded, cache-aware or kv-aware (several replicas).")
     ] = "round-robin",
     jobs: Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (each imports vLLM once).")] = 1,
     preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
@@ -261,6 +261,8 @@ def evaluate_cmd(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
     model: Annotated[Optional[Path], typer.Option(
         "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`).")] = None,
+    decision_log: Annotated[bool, typer.Option(
+        "--decision-log", help="Also write each run's decisions telemetry (for training or OPE; slower).")] = False,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import EvaluationError, build_cases, evaluate, resolve_policies
@@ -287,7 +289,7 @@ def evaluate_cmd(
     try:
         result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
                           jobs=jobs, progress=progress, decode_stride=decode_stride, resume=resume,
-                          policy_options={"learned": {"model": str(model)}} if model is not None else None)
+                          decision_log=decision_log, policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None
     failed = [r for r in result.rows if r.get("error")]
