@@ -5,6 +5,8 @@
 * :func:`furthest_first` orders prefixes by predicted next use, the furthest
   first (never used = ``inf`` first), ties broken by LRU (least recently
   freed first), then by id, so an order is deterministic.
+* :func:`tail_starts` finds where each candidate's own tail begins (past the
+  blocks it shares with other candidates): the part the lever moves.
 * :class:`ReuseEventsMixin` forwards events to a predictor's ``observe``.
 
 Plain Python, no vLLM.
@@ -19,7 +21,10 @@ from typing import Any, Optional
 from policy.interface import CachedPrefix, Event
 from policy.predictors import OracleReusePredictor, ReusePredictor
 
-__all__ = ["REUSE_PREDICTOR_NAMES", "resolve_reuse_predictor", "furthest_first", "check_count", "ReuseEventsMixin"]
+__all__ = [
+    "REUSE_PREDICTOR_NAMES", "resolve_reuse_predictor", "furthest_first", "tail_starts", "check_count",
+    "ReuseEventsMixin",
+]
 
 REUSE_PREDICTOR_NAMES: tuple[str, ...] = ("oracle",)
 
@@ -76,6 +81,22 @@ def furthest_first(prefixes: Sequence[CachedPrefix], next_uses: Sequence[float])
         ((-_as_time(t), p.last_used_s, p.prefix_id) for p, t in zip(prefixes, next_uses)),
     )
     return [pid for _, _, pid in keyed]
+
+
+def tail_starts(prefixes: Sequence[CachedPrefix]) -> list[int]:
+    """Per prefix, the index of its first block after the deepest one another candidate shares (its own tail)."""
+    count: dict[int, int] = {}
+    for p in prefixes:
+        for b in p.block_ids:
+            count[b] = count.get(b, 0) + 1
+    out = []
+    for p in prefixes:
+        ids = p.block_ids
+        i = len(ids)
+        while i and count[ids[i - 1]] == 1:
+            i -= 1
+        out.append(i)
+    return out
 
 
 def check_count(name: str, value: Any, *, allow_none: bool = False) -> Optional[int]:
