@@ -24,9 +24,13 @@ learned from what the eviction lever and the events show, with no training data:
   for the tests to check that.
 * **Retraining.** The last ``window`` labels train a LightGBM classifier of
   P(use within ``horizon_s``) every ``retrain_every`` new labels, with few
-  trees and ``num_threads`` threads (default 1), synchronously inside the
-  eviction call (its time is measured and counted in :attr:`stats`). A window
-  with one class, or any training error, is counted in ``train_failures`` and
+  trees and ``num_threads`` threads (default 1). By default synchronously
+  inside the eviction call (deterministic; its time is measured in
+  :attr:`stats`); with ``background=True`` on one worker thread (LightGBM
+  releases the GIL while it fits): the window is copied on the engine thread,
+  and the new booster is swapped in at the first eviction call after the fit
+  ends (one fit at a time; :meth:`wait` adopts one in flight). A window with
+  one class, or any training error, is counted in ``train_failures`` and
   leaves the current model (none before the first success: the policy keeps
   LRU).
 
@@ -45,6 +49,7 @@ import math
 import random
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -135,7 +140,7 @@ class OnlineReuseLearner:
 
     def __init__(self, horizon_s: float = 30.0, window: int = 4096, retrain_every: int = 512,
                  min_labels: int = 256, samples_per_call: int = 8, num_trees: int = 32, num_threads: int = 1,
-                 chain_stride: int = 8, seed: int = 0) -> None:
+                 chain_stride: int = 8, background: bool = False, seed: int = 0) -> None:
         for name, v in (("horizon_s", horizon_s),):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"option {name} must be a finite number > 0, got {v!r}")
@@ -164,6 +169,9 @@ class OnlineReuseLearner:
         self._pending_by_key: dict[int, list[_Sample]] = {}
         self._new_labels = 0
         self._last_call_s = -math.inf
+        #: with ``background``, fits run on one worker thread and the booster is swapped in at a later call
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-lrb-fit") if background else None
+        self._training: Optional[Future] = None
 
     # ------------------------------------------------------------------ events
     def observe(self, event: Event) -> None:
@@ -205,8 +213,7 @@ class OnlineReuseLearner:
             self.stats.samples += 1
         self._last_call_s = now_s
         self.stats.observe_s += time.perf_counter() - t0
-        if self._new_labels >= self.retrain_every and len(self.window) >= self.min_labels:
-            self.retrain()
+        self._maybe_retrain()
 
     def _learn_chain(self, p: CachedPrefix, now_s: float) -> None:
         rid = p.owner_request_id
@@ -301,23 +308,56 @@ class OnlineReuseLearner:
 
     # ------------------------------------------------------------------ training
     def retrain(self) -> bool:
-        """Fit a fresh classifier on the window; ``False`` (counted) when the window is degenerate or fitting fails."""
+        """Fit a fresh classifier on the window now; ``False`` (counted) when it is degenerate or fitting fails."""
         self._new_labels = 0
+        return self._adopt(self._fit, self._snapshot())
+
+    def _maybe_retrain(self) -> None:
+        """Adopt a finished background fit; start a fit (here or in the background) when enough labels came."""
+        job = self._training
+        if job is not None and job.done():
+            self._training = None
+            self._adopt(job.result)
+        if self._new_labels < self.retrain_every or len(self.window) < self.min_labels:
+            return
+        if self._executor is None:
+            self.retrain()
+        elif self._training is None:
+            self._new_labels = 0
+            self._training = self._executor.submit(self._fit, self._snapshot())
+
+    def wait(self) -> None:
+        """Block until a background fit in flight has finished and been adopted (tests, end of run)."""
+        if self._training is not None:
+            job, self._training = self._training, None
+            self._adopt(job.result)
+
+    def _snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        y = np.fromiter((lab for _, lab in self.window), float, len(self.window))
+        return np.asarray([x for x, _ in self.window], dtype=np.float32).reshape(-1, len(ONLINE_REUSE_FEATURES)), y
+
+    def _fit(self, data: tuple[np.ndarray, np.ndarray]) -> tuple[lgb.Booster, float]:
+        """A classifier fitted on ``(X, y)`` and the seconds it took (raises on a one-class window)."""
+        t0 = time.perf_counter()
+        X, y = data
+        if len(y) == 0 or y.min() == y.max():
+            raise ValueError(f"the label window holds one class only ({len(y)} labels)")
+        # leaves of at least 20 labels, fewer while the window is small (a warm-up of a few hundred)
+        params = {**TRAIN_PARAMS, "num_threads": self.num_threads, "min_data_in_leaf": max(2, min(20, len(y) // 10))}
+        ds = lgb.Dataset(X, label=y, feature_name=list(ONLINE_REUSE_FEATURES), free_raw_data=True)
+        return lgb.train(params, ds, self.num_trees), time.perf_counter() - t0
+
+    def _adopt(self, fit: Any, *args: Any) -> bool:
+        """Swap in the model ``fit(*args)`` gives; on error keep the current one (or LRU) and count it."""
         t0 = time.perf_counter()
         try:
-            y = np.fromiter((lab for _, lab in self.window), float, len(self.window))
-            if len(y) == 0 or y.min() == y.max():
-                raise ValueError(f"the label window holds one class only ({len(y)} labels)")
-            X = np.asarray([x for x, _ in self.window], dtype=np.float32)
-            # leaves of at least 20 labels, fewer while the window is small (a warm-up of a few hundred)
-            params = {**TRAIN_PARAMS, "num_threads": self.num_threads, "min_data_in_leaf": max(2, min(20, len(y) // 10))}
-            ds = lgb.Dataset(X, label=y, feature_name=list(ONLINE_REUSE_FEATURES), free_raw_data=True)
-            self.model = lgb.train(params, ds, self.num_trees)
-        except Exception as e:  # never into the engine: keep the current model (or LRU), count it
+            model, seconds = fit(*args)
+        except Exception as e:  # never into the engine
             self.stats.train_failures += 1
+            self.stats.retrain_s.append(time.perf_counter() - t0)
             self.last_error = repr(e)
             return False
-        finally:
-            self.stats.retrain_s.append(time.perf_counter() - t0)
+        self.model = model
         self.stats.retrains += 1
+        self.stats.retrain_s.append(seconds)
         return True

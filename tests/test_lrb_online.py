@@ -218,3 +218,26 @@ def test_a_tail_is_used_only_by_a_chain_that_reaches_it():
     _use(lr, "c", 4.0)
     lr.observe_candidates([_prefix("c", 1, 10, 4.5)], [0], 5.0)  # 1000..1009: through 1008
     assert [lab for lab in lr.labelled if lab[0] == 1.0] == [(1.0, 5.0, 1.0, 4.0)]
+
+
+def test_background_fit_is_swapped_in_at_a_later_call():
+    """With ``background=True`` the call that starts a fit returns without a model; a later call adopts it."""
+    lr = OnlineReuseLearner(horizon_s=2.0, samples_per_call=4, min_labels=16, retrain_every=16, seed=1,
+                            background=True)
+    started = None
+    for i in range(60):
+        t = float(i)
+        _use(lr, f"h{i}", t)
+        _use(lr, f"c{i}", t)
+        lr.observe_candidates([_prefix(f"h{i}", 1, 4, t + 0.5), _prefix(f"c{i}", 100 + i, 4, t + 0.5)], [0, 0], t + 0.6)
+        if started is None and lr._training is not None:
+            started = i
+            assert lr.model is None and lr.stats.retrains == 0  # fitting off this thread
+            lr._training.result()  # let it finish: the next call swaps it in
+        elif started is not None and i == started + 1:
+            assert lr.model is not None and lr.stats.retrains == 1
+    lr.wait()
+    assert started is not None and lr.model is not None and lr.stats.retrains >= 2 and lr.stats.train_failures == 0
+    p_hot, p_cold = lr.model.predict([lr.features(_prefix("q", 1, 4, 60.0), 0, 61.0),
+                                      lr.features(_prefix("q2", 999, 4, 60.0), 0, 61.0)])
+    assert p_hot > 0.5 > p_cold

@@ -25,11 +25,12 @@ order.
 **Simplified.** A classifier of "used within H" (LRB regresses log time to
 next request); one sample per engine step; a tail is keyed by one recorded
 block (every ``chain_stride``-th, see the learner), so a use of a chain that
-branches off inside the first stride of the tail counts; the model is
-retrained synchronously inside the eviction call (small window, few trees,
-one thread: its time is measured in :attr:`learner.stats`), where a server
-would retrain off the engine thread. Deterministic given the seed
-(propensity 1.0).
+branches off inside the first stride of the tail counts. The model is
+retrained inside the eviction call by default (small window, few trees, one
+thread: its time is measured in :attr:`learner.stats`; deterministic given
+the seed, propensity 1.0); ``background=True`` fits on a worker thread and
+swaps the booster in when it is ready, as a server would (then which calls
+see which model depends on timing).
 """
 
 from __future__ import annotations
@@ -61,13 +62,14 @@ class OnlineLrbEvictionPolicy(SampledNextUseEvictionPolicy):
         num_trees: int = 32,
         num_threads: int = 1,
         chain_stride: int = 8,
+        background: bool = False,
         cover_blocks: Optional[int] = None,
         max_candidates: Optional[int] = None,
     ) -> None:
         learner = OnlineReuseLearner(
             horizon_s=horizon_s, window=window, retrain_every=retrain_every, min_labels=min_labels,
             samples_per_call=samples_per_call, num_trees=num_trees, num_threads=num_threads,
-            chain_stride=chain_stride, seed=seed,
+            chain_stride=chain_stride, background=background, seed=seed,
         )
         super().__init__(sample_size=sample_size, seed=seed, reuse_predictor=learner, max_candidates=max_candidates)
         self.learner = learner
