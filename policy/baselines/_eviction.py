@@ -15,7 +15,9 @@ Plain Python, no vLLM.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, Optional
 
 from policy.interface import CachedPrefix, Event
@@ -84,18 +86,24 @@ def furthest_first(prefixes: Sequence[CachedPrefix], next_uses: Sequence[float])
 
 
 def tail_starts(prefixes: Sequence[CachedPrefix]) -> list[int]:
-    """Per prefix, the index of its first block after the deepest one another candidate shares (its own tail)."""
-    count: dict[int, int] = {}
-    for p in prefixes:
-        for b in p.block_ids:
-            count[b] = count.get(b, 0) + 1
+    """Per prefix, the index of its first block after the deepest one another candidate shares (its own tail).
+
+    A block another candidate holds comes with the blocks before it (a prefix
+    hit takes the whole chain up to it), so the shared blocks lead each chain
+    and a binary search finds where they end.
+    """
+    count = Counter(chain.from_iterable(p.block_ids for p in prefixes))
     out = []
     for p in prefixes:
         ids = p.block_ids
-        i = len(ids)
-        while i and count[ids[i - 1]] == 1:
-            i -= 1
-        out.append(i)
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if count[ids[mid]] > 1:
+                lo = mid + 1
+            else:
+                hi = mid
+        out.append(lo)
     return out
 
 
