@@ -60,6 +60,7 @@ def make_policy(name: str, workload: pa.Table, lrb_options: dict | None = None):
     if name == "oracle":
         p = HindsightOraclePolicy(admission="fcfs", eviction="block", workload=workload)
         p.decision_budget_s = None  # the simulator's budget, as for the others (its own 0.1 s would fall back to LRU)
+        p.uses_retention = False  # eviction only: its pins need tool pauses, which Mooncake has none of
         return p
     if name == "lrb-online":
         return OnlineLrbEvictionPolicy(**(lrb_options or {}))
