@@ -1,21 +1,26 @@
-"""Learned eviction on the Mooncake trace: ``lrb-online`` beside LRU (vLLM default) and Belady (the oracle).
+"""Learned eviction on the Mooncake trace: ``lrb-online`` beside LRU (vLLM default) and block-level Belady.
 
 Replays ``../shared/traces/mooncake/synthetic_trace.jsonl`` on one replica with a
-KV cache of ``--kv-share`` (default 5%) of the trace's unique blocks (the
-workload's 512-token blocks, as ``data.stats`` counts them, in vLLM's 16-token
-blocks, plus vLLM's null block), raised to the largest request's need when it
-is smaller. Prints each policy's prefix hit rate, the fraction of the LRU ->
-Belady hit-rate gap that ``lrb-online`` closes (target >= 0.5), wall times,
-and ``lrb-online``'s retraining count and times and per-call scoring time.
-The oracle runs eviction only (``admission="fcfs"``: vLLM's order), so the
+KV cache of ``--kv-share`` (default 5%) of the trace's unique blocks: the
+distinct ``hash_ids`` (512-token blocks, as ``data.stats`` counts them; 43,924
+for the whole trace), times 512/16 in vLLM's 16-token blocks, plus vLLM's null
+block (whole trace: 0.05 x 43,924 x 32 = 70,278 + 1 = 70,279 blocks). When the
+largest request needs more, the KV is raised to that (smallest feasible) size
+and the table says so. Prints each policy's prefix hit rate, the fraction of
+the LRU -> Belady hit-rate gap that ``lrb-online`` closes (target >= 0.5),
+wall and CPU times, and ``lrb-online``'s retraining count and times and
+scoring time per eviction call. Belady is the hindsight oracle's eviction in
+block mode (``eviction="block"``, ``admission="fcfs"``: vLLM's order), so the
 three differ only in what they evict. ``--start S --requests N`` replays a
-window of N requests from the S-th (arrival times shifted to start at 0): the
-whole trace takes long on a shared machine, and the trace's reuse grows along
-it (within its first 600 requests an unlimited cache would hit 11% of prompt
-tokens, within its last 600, 67%).
+window of N requests from the S-th (arrival times shifted to start at 0).
+
+With ``--out DIR`` (keep it outside the repository, e.g. ``/work/i-out``),
+each policy's row is saved as ``DIR/mooncake-<start>-<requests>-<share>-<policy>.json``
+and a row already there is reused instead of replayed (``--rerun`` replays
+anyway), so the policies can be replayed one at a time and tabled together.
 
     python -m benchmarks.bench_lrb_mooncake [--start S] [--requests N] [--kv-share 0.05] [--policies a,b] \
-        [--lrb-options JSON] [--json]
+        [--lrb-options JSON] [--out DIR [--rerun]] [--json]
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "moon
 POLICIES = ("vllm-default", "oracle", "lrb-online")
 
 
-def kv_blocks_for(workload: pa.Table, share: float) -> tuple[int, int, int]:
-    """(KV blocks used, ``share`` of the unique blocks in vLLM blocks + null, the largest request's need)."""
+def kv_blocks_for(workload: pa.Table, share: float) -> dict:
+    """The KV size: ``share`` of the unique workload blocks in vLLM blocks + null, or the largest request's need."""
     from data.stats import workload_stats
     from simulator.sizing import NULL_BLOCKS, min_blocks_for
     from simulator.tokens import VLLM_BLOCK_SIZE
@@ -42,7 +47,8 @@ def kv_blocks_for(workload: pa.Table, share: float) -> tuple[int, int, int]:
     bs = int(workload.column("block_size")[0].as_py())
     target = int(share * unique * bs / VLLM_BLOCK_SIZE) + NULL_BLOCKS
     need = min_blocks_for(workload)
-    return max(target, need), target, need
+    return {"kv_blocks": max(target, need), "kv_target_blocks": target, "unique_blocks": unique,
+            "trace_block_tokens": bs, "largest_request_blocks": need, "raised_to_fit": need > target}
 
 
 def make_policy(name: str, workload: pa.Table, lrb_options: dict | None = None):
@@ -52,8 +58,9 @@ def make_policy(name: str, workload: pa.Table, lrb_options: dict | None = None):
     from policy.vllm_default import VllmDefaultPolicy
 
     if name == "oracle":
-        p = HindsightOraclePolicy(admission="fcfs", workload=workload)
+        p = HindsightOraclePolicy(admission="fcfs", eviction="block", workload=workload)
         p.decision_budget_s = None  # the simulator's budget, as for the others (its own 0.1 s would fall back to LRU)
+        p.uses_retention = False  # eviction only: its pins need tool pauses, which Mooncake has none of
         return p
     if name == "lrb-online":
         return OnlineLrbEvictionPolicy(**(lrb_options or {}))
@@ -72,50 +79,77 @@ def window(workload: pa.Table, start: int, requests: int | None) -> pa.Table:
     return w
 
 
-def run(requests: int | None, share: float, policies: tuple[str, ...] = POLICIES,
-        lrb_options: dict | None = None, start: int = 0) -> dict:
-    from data.importers import import_mooncake
+def row_path(out_dir: Path, start: int, requests: int | None, share: float, policy: str) -> Path:
+    return out_dir / f"mooncake-{start}-{requests or 'all'}-{share:g}-{policy}.json"
+
+
+def replay(workload: pa.Table, name: str, kv: int, lrb_options: dict | None) -> dict:
+    """One policy's replay: hit rate, times and (lrb-online) the learner's counters."""
     from simulator.simulation import run_simulation
 
+    policy = make_policy(name, workload, lrb_options)
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = run_simulation(workload, policy, kv_blocks=kv, progress=False)
+    s = res.summary
+    row = {"policy": name, "prefix_hit_rate": s["prefix_hit_rate"], "wall_s": time.perf_counter() - t0,
+           "cpu_s": time.process_time() - c0, "makespan_s": s["makespan_s"],
+           "recomputed_tokens": s["recomputed_tokens"]}
+    if name == "lrb-online":
+        row["learner"] = policy.summary()
+        row["lrb_options"] = lrb_options or {}
+    return row
+
+
+def run(requests: int | None, share: float, policies: tuple[str, ...] = POLICIES, lrb_options: dict | None = None,
+        start: int = 0, out_dir: Path | None = None, rerun: bool = False) -> dict:
+    from data.importers import import_mooncake
+
     workload = window(import_mooncake(TRACE).table, start, requests)
-    kv, target, need = kv_blocks_for(workload, share)
-    out: dict = {"start": start, "requests": workload.num_rows, "kv_share": share, "kv_blocks": kv, "kv_target_blocks": target,
-                 "largest_request_blocks": need, "rows": []}
-    for name in policies:
-        policy = make_policy(name, workload, lrb_options)
-        t0 = time.perf_counter()
-        res = run_simulation(workload, policy, kv_blocks=kv, progress=False)
-        s = res.summary
-        row = {"policy": name, "prefix_hit_rate": s["prefix_hit_rate"], "wall_s": time.perf_counter() - t0,
-               "makespan_s": s["makespan_s"], "recomputed_tokens": s["recomputed_tokens"]}
-        if name == "lrb-online":
-            row["learner"] = policy.summary()
+    kv = kv_blocks_for(workload, share)
+    out: dict = {"start": start, "requests": workload.num_rows, "kv_share": share, **kv, "rows": []}
+    for name in POLICIES:
+        path = row_path(out_dir, start, requests, share, name) if out_dir is not None else None
+        if name in policies and (rerun or path is None or not path.exists()):
+            row = replay(workload, name, kv["kv_blocks"], lrb_options)
+            print(f"{name}: hit rate {row['prefix_hit_rate']:.4f} in {row['wall_s']:.0f} s "
+                  f"({row['cpu_s']:.0f} s CPU)", file=sys.stderr, flush=True)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(row, indent=2))
+        elif path is not None and path.exists():
+            row = json.loads(path.read_text())
+        else:
+            continue
         out["rows"].append(row)
-        print(f"{name}: hit rate {row['prefix_hit_rate']:.4f} in {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
     hit = {r["policy"]: r["prefix_hit_rate"] for r in out["rows"]}
-    gap = hit["oracle"] - hit["vllm-default"] if {"oracle", "vllm-default"} <= set(hit) else 0.0
-    out["gap_closed"] = (hit["lrb-online"] - hit["vllm-default"]) / gap if gap > 0 and "lrb-online" in hit else None
+    gap = hit["oracle"] - hit["vllm-default"] if {"oracle", "vllm-default"} <= set(hit) else None
+    out["gap"] = gap
+    out["gap_closed"] = (hit["lrb-online"] - hit["vllm-default"]) / gap if gap and gap > 0 and "lrb-online" in hit else None
     return out
 
 
 def render(out: dict) -> str:
-    lines = [f"Mooncake trace, {out['requests']} requests from #{out['start']}, KV {out['kv_blocks']} blocks "
-             f"({out['kv_share']:.0%} of unique blocks = {out['kv_target_blocks']}; largest request "
-             f"{out['largest_request_blocks']})",
-             f"{'policy':<14}{'hit rate':>10}{'wall s':>9}{'makespan s':>12}{'recomputed':>13}"]
+    fit = " (raised: the largest request did not fit)" if out["raised_to_fit"] else ""
+    lines = [f"Mooncake trace, {out['requests']} requests from #{out['start']}: KV {out['kv_blocks']:,} vLLM blocks"
+             f"{fit} = {out['kv_share']:.0%} of {out['unique_blocks']:,} unique {out['trace_block_tokens']}-token "
+             f"blocks ({out['kv_target_blocks']:,} incl. the null block); largest request "
+             f"{out['largest_request_blocks']:,} blocks",
+             f"{'policy':<14}{'hit rate':>10}{'wall s':>9}{'CPU s':>8}{'makespan s':>12}{'recomputed':>14}"]
     for r in out["rows"]:
-        lines.append(f"{r['policy']:<14}{r['prefix_hit_rate']:>10.4f}{r['wall_s']:>9.1f}{r['makespan_s']:>12.1f}"
-                     f"{r['recomputed_tokens']:>13,}")
-    if out["gap_closed"] is not None:
-        lines.append(f"gap LRU -> Belady closed by lrb-online: {out['gap_closed']:.2f} (target >= 0.5)")
+        name = {"vllm-default": "LRU (vLLM)", "oracle": "Belady"}.get(r["policy"], r["policy"])
+        lines.append(f"{name:<14}{r['prefix_hit_rate']:>10.4f}{r['wall_s']:>9.0f}{r.get('cpu_s', float('nan')):>8.0f}"
+                     f"{r['makespan_s']:>12.1f}{r['recomputed_tokens']:>14,}")
+    if out["gap"] is not None:
+        closed = f"{out['gap_closed']:.2f}" if out["gap_closed"] is not None else "n/a"
+        lines.append(f"gap LRU -> Belady: {out['gap']:+.4f}; closed by lrb-online: {closed} (target >= 0.5)")
     lr = next((r["learner"] for r in out["rows"] if r["policy"] == "lrb-online"), None)
     if lr is None:
         return "\n".join(lines)
     lines.append(f"lrb-online: {lr['retrains']} retrains ({lr['train_failures']} failed), retrain mean "
-                 f"{lr['retrain_mean_s'] * 1e3:.1f} ms, max {lr['retrain_max_s'] * 1e3:.1f} ms; scoring "
-                 f"{lr['score_mean_s'] * 1e3:.2f} ms per call ({lr['score_calls']} calls); bookkeeping "
-                 f"{lr['observe_mean_s'] * 1e3:.2f} ms per call; {lr['labels']} labels ({lr['positives']} positive); "
-                 f"{lr['lru_calls']} LRU calls during warm-up")
+                 f"{lr['retrain_mean_s'] * 1e3:.1f} ms, max {lr['retrain_max_s'] * 1e3:.1f} ms, total "
+                 f"{lr['retrain_total_s']:.1f} s; scoring {lr['score_mean_s'] * 1e3:.2f} ms per eviction call "
+                 f"({lr['score_calls']} calls); bookkeeping {lr['observe_mean_s'] * 1e3:.2f} ms per call; "
+                 f"{lr['labels']} labels ({lr['positives']} positive); {lr['lru_calls']} LRU calls during warm-up")
     return "\n".join(lines)
 
 
@@ -126,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-share", type=float, default=0.05, help="KV size as a share of the unique blocks")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma list, a subset of the three")
     ap.add_argument("--lrb-options", default="{}", help="JSON keyword options for lrb-online")
+    ap.add_argument("--out", type=Path, default=None, help="save (and reuse) each policy's row here (outside the repo)")
+    ap.add_argument("--rerun", action="store_true", help="replay the policies asked even when --out has their row")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)
     if not TRACE.exists():
@@ -134,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     names = tuple(n for n in args.policies.split(",") if n)
     if not set(names) <= set(POLICIES):
         ap.error(f"--policies: choose among {', '.join(POLICIES)}")
-    out = run(args.requests, args.kv_share, names, json.loads(args.lrb_options), args.start)
+    out = run(args.requests, args.kv_share, names, json.loads(args.lrb_options), args.start, args.out, args.rerun)
     print(json.dumps(out, indent=2) if args.json else render(out))
     return 0
 

@@ -13,9 +13,10 @@ is handed out again (``get_new_blocks`` -> ``_maybe_evict_cached_block``).
   a running request: see ``serving_hook.scheduler``), or when the prefix cache
   is reset. Pinned blocks count as used, so the adapter caps them at
   ``max_pinned_blocks`` distinct blocks.
-* **Demote** = take the prefix's free cached blocks off the free list and put
-  them back at its head, deepest block first, so they are the next to be
-  evicted. They can still be hit until they are reused.
+* **Demote** = take the prefix's exclusive tail (its free cached blocks that
+  no other cached chain goes through, :func:`exclusive_tail`) off the free
+  list and put it back at its head, deepest block first, so those blocks are
+  the next to be evicted. They can still be hit until they are reused.
 
 The adapter also counts evictions: the pool's class is swapped for a subclass
 whose ``_maybe_evict_cached_block`` counts the blocks that lose their hash when
@@ -54,18 +55,26 @@ Belady).
   can no longer hit); a prefix is offered only while at least one of its
   still-cached blocks is free (``ref_cnt == 0``). The index is bounded
   (oldest entries go first).
-* *Applying the order.* :func:`evict_first` takes each listed prefix's free,
-  still-cached blocks off the free list (``FreeKVCacheBlockQueue.remove``,
-  ``kv_cache_utils.py`` L391) and puts them back at its head
-  (``prepend_n``, L438), first-listed prefix first and each prefix's deepest
-  block first, *behind* the run of hash-less free blocks at the head (vLLM
-  puts freed hash-less blocks there, ``free_blocks`` L845, and hands them out
-  before evicting anything). Unlisted cached blocks keep their LRU order
-  (``free_blocks`` appends at the tail, L847). The free-block count does not
-  change, so vLLM's own check (``get_new_blocks`` L718) still holds.
+* *Applying the order.* :func:`evict_first` takes each listed prefix's
+  *exclusive tail* off the free list (``FreeKVCacheBlockQueue.remove``,
+  ``kv_cache_utils.py`` L391) and puts it back at its head (``prepend_n``,
+  L438), first-listed prefix first and each tail's deepest block first,
+  *behind* the run of hash-less free blocks at the head (vLLM puts freed
+  hash-less blocks there, ``free_blocks`` L845, and hands them out before
+  evicting anything). The exclusive tail (:func:`exclusive_tail`) is the run
+  of free cached blocks at the end of the chain that no other cached chain
+  goes through: the pool keeps the prefix tree of the cached blocks
+  (``cache_full_blocks`` links each newly hashed block to the block before it
+  in its request; a link goes when either block loses its hash), and the
+  walk up from the deepest block stops at a branch point, at a block another
+  chain extends, or at a block in use. So a prefix ranked first never takes a
+  hot prefix's shared head with it; those blocks keep their LRU place.
+  Unlisted cached blocks keep their LRU order (``free_blocks`` appends at the
+  tail, L847). The free-block count does not change, so vLLM's own check
+  (``get_new_blocks`` L718) still holds.
 * *Cost.* Off (the default, or a policy without ``uses_eviction``): no class
   swap in passthrough mode; otherwise one attribute test per
-  ``get_new_blocks``. On: a walk of ``n`` blocks per allocation until the
+  ``get_new_blocks`` and two dict updates per newly cached block (the tree). On: a walk of ``n`` blocks per allocation until the
   first evicting one in a step; then, once per step, one scan of the index
   (O(entries), plus the blocks of the prefixes offered), the policy call
   (under the step budget, ``_kvp_call``) and O(blocks moved) list surgery.
@@ -87,16 +96,65 @@ class CountingBlockPool(BlockPool):
     It also carries the eviction lever's entry point: with
     ``kvpilot_eviction_hook`` set, ``get_new_blocks(n)`` calls ``hook(n)``
     first when one of the ``n`` blocks it is about to pop still holds a hash.
+    And it keeps the prefix tree of the cached blocks (``kvpilot_children``:
+    block id -> ids of the cached blocks that follow it in some request), so
+    :func:`evict_first` can tell a prefix's own tail from blocks other cached
+    chains go through. Neither changes what vLLM does.
     """
 
     kvpilot_evictions: int = 0
     kvpilot_eviction_hook: Optional[Callable[[int], None]] = None
+    kvpilot_children: dict[int, set[int]]
+    kvpilot_parent: dict[int, int]
 
     def _maybe_evict_cached_block(self, block) -> bool:  # noqa: D401 - vLLM override
         evicted = super()._maybe_evict_cached_block(block)
         if evicted:
             self.kvpilot_evictions += 1
         return evicted
+
+    def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                          kv_cache_group_id, block_mask=None) -> None:  # vLLM override (block_pool.py L230)
+        super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                  kv_cache_group_id, block_mask)
+        parent, children = self.kvpilot_parent, self.kvpilot_children
+        for i in range(max(num_cached_blocks, 1), num_full_blocks):
+            b, p = blocks[i], blocks[i - 1]
+            if b.is_null or p.is_null or b.block_hash is None or parent.get(b.block_id) == p.block_id:
+                continue
+            self._kvp_unlink_parent(b.block_id)
+            parent[b.block_id] = p.block_id
+            kids = children.get(p.block_id)
+            if kids is None:
+                children[p.block_id] = {b.block_id}
+            else:
+                kids.add(b.block_id)
+
+    def _remove_cached_block_hashes(self, block):  # vLLM override (block_pool.py L630): every path that drops a hash
+        bid = block.block_id
+        if bid in self.kvpilot_parent:
+            self._kvp_unlink_parent(bid)
+        kids = self.kvpilot_children.pop(bid, None)
+        if kids:
+            for c in kids:
+                self.kvpilot_parent.pop(c, None)
+        return super()._remove_cached_block_hashes(block)
+
+    def _kvp_unlink_parent(self, bid: int) -> None:
+        p = self.kvpilot_parent.pop(bid, None)
+        if p is not None:
+            kids = self.kvpilot_children.get(p)
+            if kids is not None:
+                kids.discard(bid)
+                if not kids:
+                    del self.kvpilot_children[p]
+
+    def reset_prefix_cache(self) -> bool:  # vLLM override: no hash is left, nor any link
+        ok = super().reset_prefix_cache()
+        if ok:
+            self.kvpilot_children.clear()
+            self.kvpilot_parent.clear()
+        return ok
 
     def get_new_blocks(self, num_blocks: int):  # vLLM override (block_pool.py L706)
         hook = self.kvpilot_eviction_hook
@@ -126,6 +184,8 @@ def install_eviction_counter(pool: BlockPool) -> None:
         else:
             pool.__class__ = CountingBlockPool
         pool.kvpilot_evictions = 0
+        pool.kvpilot_children = {}
+        pool.kvpilot_parent = {}
 
 
 @dataclass
@@ -260,15 +320,12 @@ class BlockPoolAdapter:
 
     # ----------------------------------------------------------------- demote
     def demote(self, blocks: Sequence[Any], hashes: Sequence[Any]) -> int:
-        """Move the prefix's free cached blocks to the head of the free list."""
+        """Move the prefix's :func:`exclusive_tail` to the head of the free list, deepest block first."""
         queue = self.pool.free_block_queue
-        moved = []
-        for b, h in zip(blocks, hashes):
-            if b.ref_cnt == 0 and self.still_cached(b, h) and b.prev_free_block is not None:
-                queue.remove(b)
-                moved.append(b)
+        moved = exclusive_tail(self.pool, blocks, hashes)
+        for b in moved:
+            queue.remove(b)
         if moved:
-            moved.reverse()  # deepest block first: evict the tail of the chain first
             queue.prepend_n(moved)
         self.num_demoted_blocks += len(moved)
         return len(moved)
@@ -361,32 +418,48 @@ class CachedPrefixIndex:
         return out
 
 
-def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[Any]]]) -> int:
-    """Put the free cached blocks of ``chains`` (``(blocks, hashes)`` per prefix) first in line for eviction.
+def exclusive_tail(pool: BlockPool, blocks: Sequence[Any], hashes: Sequence[Any]) -> list:
+    """The chain's free cached blocks that no other cached chain goes through, deepest first.
 
-    Prefixes in the given order, each one's deepest block first; they go right
-    behind the hash-less free blocks at the head of the free list (those are
-    handed out first and evict nothing). Blocks in use, or no longer holding
-    their hash, are left alone; a block shared by several listed prefixes
-    moves with the first. Returns the number of blocks moved.
+    Walks up from the deepest still-cached block and stops at the first block
+    in use or with a cached child other than the chain's own next block (a
+    branch point, or a block another chain extends): demoting it would cost
+    the chains that share it. Without the pool's prefix tree (a plain
+    ``BlockPool``) the chain counts as unshared.
+    """
+    n = cached_length(blocks, hashes)
+    children = getattr(pool, "kvpilot_children", None) or {}
+    tail: list = []
+    below = None  # id of the chain's block under the current one, when it is in the tail
+    for i in range(n - 1, -1, -1):
+        b = blocks[i]
+        kids = children.get(b.block_id)
+        if b.ref_cnt or b.prev_free_block is None or (kids and (below is None or len(kids) > 1 or below not in kids)):
+            break
+        tail.append(b)
+        below = b.block_id
+    return tail
+
+
+def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[Any]]]) -> int:
+    """Put the exclusive tails of ``chains`` (``(blocks, hashes)`` per prefix) first in line for eviction.
+
+    Prefixes in the given order, each one's :func:`exclusive_tail` deepest
+    block first; they go right behind the hash-less free blocks at the head of
+    the free list (those are handed out first and evict nothing). Blocks in
+    use, no longer holding their hash, or shared with another cached chain
+    keep their place: a policy's ranking acts on what only that prefix holds.
+    Returns the number of blocks moved.
     """
     q = pool.free_block_queue
     moved: list = []
     seen: set = set()
     for blocks, hashes in chains:
-        chain = []
-        for b, h in zip(blocks, hashes):
-            if h is None or b.block_hash != h:
-                break  # the rest of the chain cannot hit any more
-            if b.ref_cnt == 0 and b.prev_free_block is not None and b.block_id not in seen:
-                chain.append(b)
-        if not chain:
-            continue
-        chain.reverse()  # deepest block first
-        for b in chain:
-            seen.add(b.block_id)
-            q.remove(b)
-        moved.extend(chain)
+        for b in exclusive_tail(pool, blocks, hashes):
+            if b.block_id not in seen:
+                seen.add(b.block_id)
+                q.remove(b)
+                moved.append(b)
     if not moved:
         return 0
     tail = q.fake_free_list_tail

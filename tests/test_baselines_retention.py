@@ -449,6 +449,80 @@ def test_oracle_belady_evicts_furthest_next_use(vllm_engine):
     assert s.kvpilot_stats.eviction_calls == 1 and not s.kvpilot_stats.fallbacks
 
 
+# Block-level Belady. S (2 blocks) is shared by A = S+a and B = S+b+b' (B never
+# used again); C (3 blocks) is used again after A. Cached in the order A, C, B:
+# 8 blocks, 4 empty; a 112-token filler F needs 3 cached blocks, then A' = A+x
+# and C' = C+y come. Block hashes per 16-token block.
+_BLOCK_RUNS = [("A", "sa", ["s", "a"]), ("C", "sc", ["c"]), ("B", "sb", ["s", "b"]), ("F", "sf", ["f"]),
+               ("A2", "sa2", ["s", "a", "x"]), ("C2", "sc2", ["c", "y"])]
+_BLOCK_TOKENS = {"s": 32, "a": 16, "b": 32, "c": 48, "f": 112, "x": 16, "y": 16}
+_BLOCK_HASHES = {"s": [1, 2], "a": [3], "b": [4, 5], "c": [6, 7, 8], "f": list(range(20, 27)), "x": [9], "y": [10]}
+
+
+def _block_belady_run(engine, policy):
+    """Hits (tokens) of A' and C', and the cached tokens of A, B and C right after F."""
+    clock = FakeClock()
+    s = engine.make_scheduler(_hook(policy) if policy is not None else None, num_blocks=13, max_num_seqs=4)
+    if policy is not None:
+        s.kvpilot_clock = clock
+    runner = engine.FakeRunner()
+    parts = {k: engine.prompt_tokens(f"bb-{k}", n) for k, n in _BLOCK_TOKENS.items()}
+    prompts, hits, after_f = {}, {}, {}
+    for name, session, keys in _BLOCK_RUNS:
+        prompts[name] = [t for k in keys for t in parts[k]]
+        s.add_request(engine.make_request(name, prompts[name], 1 if name == "F" else 2, extra_args=_xa(session)))
+        out = runner.step(s)
+        hits[name] = out.scheduled_new_reqs[0].num_computed_tokens
+        _run_until_done(s, runner)
+        clock.t += 1.0
+        if name == "F":
+            after_f = {n: _cached(engine, s, prompts[n] + [1]) for n in "ABC"}
+    return s, hits, after_f
+
+
+def _block_workload():
+    rows = []
+    for i, (_, session, keys) in enumerate(_BLOCK_RUNS):
+        rows.append({"session_id": session, "prompt_tokens": sum(_BLOCK_TOKENS[k] for k in keys),
+                     "block_hashes": [h for k in keys for h in _BLOCK_HASHES[k]], "arrival_s": 1000.0 + i})
+    return workload(rows)
+
+
+def test_block_next_use_reads_the_hash_chains():
+    from policy.baselines.oracle import BlockNextUse
+
+    nu = BlockNextUse(_block_workload())
+    m = lambda s: meta(s)  # noqa: E731
+    # A's blocks s0 s1 a: next hit by B (rank 2, shares S only) then A' (rank 4); a by A' only
+    assert [nu.next_use(m("sa"), d) for d in range(4)] == [2.0, 2.0, 4.0, INF]  # block 3: A's output
+    for rid, session in (("A", "sa"), ("C", "sc"), ("B", "sb")):
+        nu.observe(Event(EventKind.SCHEDULED, 0.0, rid, m(session)))
+    assert [nu.next_use(m("sa"), d) for d in range(3)] == [4.0, 4.0, 4.0]
+    assert [nu.next_use(m("sb"), d) for d in range(4)] == [4.0, 4.0, INF, INF]  # B's own blocks: never
+    # C' (64 tokens) hits at most 3 blocks: all of C
+    assert [nu.next_use(m("sc"), d) for d in range(3)] == [5.0] * 3
+
+
+@pytest.mark.vllm
+def test_block_belady_evicts_the_furthest_next_use_blocks(vllm_engine):
+    """Belady drops B's own blocks (never used) then C's deepest (used after A'); S, shared with A, stays.
+
+    LRU drops a, c2, c1 (the oldest); leading-block Belady (prefix mode) ranks B
+    by S's next use (A') and drops C first. Block Belady hits the most.
+    """
+    _, lru, lru_after = _block_belady_run(vllm_engine, None)
+    policy = HindsightOraclePolicy(admission="fcfs", eviction="block", workload=_block_workload())
+    s, bel, bel_after = _block_belady_run(vllm_engine, policy)
+    assert bel_after == {"A": 48, "B": 32, "C": 32}  # b, b' and c2 went
+    assert bel["A2"] == 48 and bel["C2"] == 32
+    assert lru_after == {"A": 32, "B": 64, "C": 16}  # a, c2, c1 went
+    assert bel["A2"] + bel["C2"] > lru["A2"] + lru["C2"]
+    assert not s.kvpilot_stats.fallbacks
+    prefix_mode = HindsightOraclePolicy(admission="fcfs", workload=_block_workload())
+    _, pre, _ = _block_belady_run(vllm_engine, prefix_mode)
+    assert pre["A2"] + pre["C2"] < bel["A2"] + bel["C2"]
+
+
 @pytest.mark.vllm
 def test_kvflow_evicts_furthest_predicted_next_use(vllm_engine):
     # tool turns: A's next turn comes 1 s after it finishes, C's 50 s after; B has none

@@ -93,6 +93,31 @@ def test_named_prefix_is_evicted_first(vllm_engine):
     assert not st.fallbacks
 
 
+def test_a_listed_prefix_loses_only_its_own_tail(vllm_engine):
+    """A = S+a and B = S+b share S (2 blocks), C apart; a 112-token filler needs 2 cached blocks.
+
+    Listing B first moves only b (S is shared with A): the second evicted block
+    is LRU's oldest, a. Moving all of B's blocks would have evicted b and S's
+    second block, cutting A to 16 tokens.
+    """
+    engine = vllm_engine
+    policy = EvictPolicy(order=["B"])
+    s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
+    runner = engine.FakeRunner()
+    shared = engine.prompt_tokens("ev-shared", 32)
+    prompts = {n: shared + engine.prompt_tokens(f"ev-tail-{n}", 16) for n in "AB"}
+    prompts["C"] = engine.prompt_tokens("ev-C", 48)
+    for n, p in prompts.items():
+        s.add_request(engine.make_request(n, p, 2))
+        _run_until_done(s, runner)
+    children = s.kv_cache_manager.block_pool.kvpilot_children
+    assert sorted(len(kids) for kids in children.values()) == [1, 1, 1, 2]  # s0 -> s1 -> {a, b}; c0 -> c1 -> c2
+    s.add_request(engine.make_request("F", engine.prompt_tokens("ev-filler112", 112), 1))
+    _run_until_done(s, runner)
+    assert {n: _cached(engine, s, p + [1]) for n, p in prompts.items()} == {"A": 32, "B": 32, "C": 48}
+    assert s.kvpilot_stats.evict_first_blocks == 1  # b only: s0 and s1 stay where LRU had them
+
+
 def test_not_asked_without_eviction(vllm_engine):
     """Allocations served by empty blocks never reach the policy."""
     engine = vllm_engine

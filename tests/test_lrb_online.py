@@ -16,6 +16,7 @@ import pytest
 from policy.baselines.lrb_online import OnlineLrbEvictionPolicy
 from policy.interface import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
 from policy.registry import create_policy
+from policy.baselines._eviction import tail_starts
 from predictors.online_reuse import ONLINE_REUSE_FEATURES, OnlineReuseLearner
 
 from tests.hooks import hook_scheduler as _hook, stock_scheduler as _stock
@@ -157,12 +158,12 @@ def test_a_label_waits_for_the_use_to_be_learned():
     """A use scheduled within the horizon is unknown until its chain is offered; the label waits for it."""
     lr = OnlineReuseLearner(horizon_s=5.0, samples_per_call=1, min_labels=1, retrain_every=100)
     _use(lr, "a", 0.0)
-    lr.observe_candidates([_prefix("a", 1, 3, 0.5)], 1.0)  # snapshot of a at t=1
+    lr.observe_candidates([_prefix("a", 1, 3, 0.5)], [0], 1.0)  # snapshot of a at t=1
     lr.observe(Event(EventKind.SCHEDULED, 3.0, "b", RequestMeta()))  # b shares a's lead; still running at 10
-    lr.observe_candidates([_prefix("z", 9, 1, 9.0)], 10.0)
+    lr.observe_candidates([_prefix("z", 9, 1, 9.0)], [0], 10.0)
     assert lr.stats.labels == 0  # past the horizon, but b (scheduled by then) is not known yet: no negative
     lr.observe(Event(EventKind.FINISHED, 12.0, "b", RequestMeta()))
-    lr.observe_candidates([_prefix("b", 1, 3, 12.0)], 13.0)
+    lr.observe_candidates([_prefix("b", 1, 3, 12.0)], [0], 13.0)
     t, formed, y, use = lr.labelled[0]
     assert (t, formed, y, use) == (1.0, 13.0, 1.0, 3.0)
 
@@ -174,7 +175,7 @@ def test_retraining_follows_the_cadence():
         t = float(i)
         _use(lr, f"h{i}", t)  # the hot key recurs every second
         _use(lr, f"c{i}", t)
-        lr.observe_candidates([_prefix(f"h{i}", 1, 4, t + 0.5), _prefix(f"c{i}", 100 + i, 4, t + 0.5)], t + 0.6)
+        lr.observe_candidates([_prefix(f"h{i}", 1, 4, t + 0.5), _prefix(f"c{i}", 100 + i, 4, t + 0.5)], [0, 0], t + 0.6)
         history.append((lr.stats.labels, lr.stats.retrains + lr.stats.train_failures))
     retrains = 0
     for labels, n in history:
@@ -184,7 +185,7 @@ def test_retraining_follows_the_cadence():
         else:
             assert labels - at_last < 16  # never skipped once due
     assert retrains >= 3 and lr.stats.train_failures == 0
-    X = [lr.features(_prefix("q", 1, 4, 60.0), 61.0), lr.features(_prefix("q2", 999, 4, 60.0), 61.0)]
+    X = [lr.features(_prefix("q", 1, 4, 60.0), 0, 61.0), lr.features(_prefix("q2", 999, 4, 60.0), 0, 61.0)]
     assert len(X[0]) == len(ONLINE_REUSE_FEATURES)
     p_hot, p_cold = lr.model.predict(X)
     assert p_hot > 0.5 > p_cold
@@ -197,15 +198,46 @@ def test_registered_with_options():
         create_policy("lrb-online", retrain_every=0)
 
 
-def test_label_depth_needs_a_deep_share():
-    """With ``label_depth`` 0.5, a later request sharing only the leading block does not make a positive."""
-    lr = OnlineReuseLearner(horizon_s=5.0, samples_per_call=1, label_depth=0.5)
+def test_a_tail_is_used_only_by_a_chain_that_reaches_it():
+    """a's first 8 blocks are shared with another candidate: its tail starts at block 8, keyed by that block.
+
+    A later request sharing a's first 4 blocks only does not make the snapshot positive; one through block 8 does.
+    """
+    lr = OnlineReuseLearner(horizon_s=5.0, samples_per_call=2, chain_stride=4)
     _use(lr, "a", 0.0)
-    lr.observe_candidates([_prefix("a", 1, 4, 0.5)], 1.0)  # a's chain: 1000..1003
+    _use(lr, "o", 0.0)
+    other = CachedPrefix("o", "o", OwnerState.FINISHED, RequestMeta(), tuple(range(8)), tuple(range(1000, 1008)), 0.5)
+    a = _prefix("a", 1, 12, 0.5)  # 1000..1011
+    tails = tail_starts([a, other])
+    assert tails == [8, 8]
+    lr.observe_candidates([a, other], tails, 1.0)
+    assert lr.node(a.block_hashes, 8) == 1008 and lr.node(a.block_hashes, 5) == 1008
     _use(lr, "b", 2.0)
-    shallow = CachedPrefix("b", "b", OwnerState.FINISHED, RequestMeta(), (0, 1, 2), (1000, 7, 8), 2.5)
-    lr.observe_candidates([shallow], 3.0)
+    lr.observe_candidates([_prefix("b", 1, 4, 2.5)], [0], 3.0)  # 1000..1003: not through 1008
     assert lr.stats.labels == 0
     _use(lr, "c", 4.0)
-    lr.observe_candidates([_prefix("c", 1, 3, 4.5)], 5.0)  # shares 3 of a's 4 blocks
-    assert list(lr.labelled)[0] == (1.0, 5.0, 1.0, 4.0)
+    lr.observe_candidates([_prefix("c", 1, 10, 4.5)], [0], 5.0)  # 1000..1009: through 1008
+    assert [lab for lab in lr.labelled if lab[0] == 1.0] == [(1.0, 5.0, 1.0, 4.0)]
+
+
+def test_background_fit_is_swapped_in_at_a_later_call():
+    """With ``background=True`` the call that starts a fit returns without a model; a later call adopts it."""
+    lr = OnlineReuseLearner(horizon_s=2.0, samples_per_call=4, min_labels=16, retrain_every=16, seed=1,
+                            background=True)
+    started = None
+    for i in range(60):
+        t = float(i)
+        _use(lr, f"h{i}", t)
+        _use(lr, f"c{i}", t)
+        lr.observe_candidates([_prefix(f"h{i}", 1, 4, t + 0.5), _prefix(f"c{i}", 100 + i, 4, t + 0.5)], [0, 0], t + 0.6)
+        if started is None and lr._training is not None:
+            started = i
+            assert lr.model is None and lr.stats.retrains == 0  # fitting off this thread
+            lr._training.result()  # let it finish: the next call swaps it in
+        elif started is not None and i == started + 1:
+            assert lr.model is not None and lr.stats.retrains == 1
+    lr.wait()
+    assert started is not None and lr.model is not None and lr.stats.retrains >= 2 and lr.stats.train_failures == 0
+    p_hot, p_cold = lr.model.predict([lr.features(_prefix("q", 1, 4, 60.0), 0, 61.0),
+                                      lr.features(_prefix("q2", 999, 4, 60.0), 0, 61.0)])
+    assert p_hot > 0.5 > p_cold

@@ -8,24 +8,29 @@ and evicts the one predicted furthest. It needs no prior training data.
 
 **Mechanism as implemented.** :class:`predictors.online_reuse.OnlineReuseLearner`
 learns, from the eviction lever's candidates and the hook's events only,
-P(a prefix's leading block is used again within ``horizon_s``); see there for
-the objects, labels (never from the future), features and retraining. Until
-its first model (``min_labels`` labels of both classes), and whenever a
-retraining has never succeeded, ``evict()`` answers ``None``: vLLM's LRU. With
-a model, it draws ``sample_size`` candidates (as the ``lrb`` baseline does),
-scores them in one batched LightGBM call, and lists the least likely to be
-reused first until their blocks cover ``cover_blocks`` (default: what one
-engine step can allocate, ``max_num_batched_tokens / block_size``, since the
-order holds for the whole step; at least the allocation that triggered the
-call); the rest keep LRU order.
+P(a prefix's *tail* is used again within ``horizon_s``); the tail is what the
+lever moves: the blocks past those the prefix shares with other candidates
+(:func:`policy.baselines._eviction.tail_starts`). See the learner for the
+objects, labels (never from the future), features and retraining. Until its
+first model (``min_labels`` labels of both classes), and whenever a
+retraining has never succeeded, ``evict()`` answers ``None``: vLLM's LRU.
+With a model, it draws ``sample_size`` candidates among those with a tail (as
+the ``lrb`` baseline does), scores them in one batched LightGBM call, and
+lists the least likely to be reused first until their tails cover
+``cover_blocks`` (default: what one engine step can allocate,
+``max_num_batched_tokens / block_size``, since the order holds for the whole
+step; at least the allocation that triggered the call); the rest keep LRU
+order.
 
 **Simplified.** A classifier of "used within H" (LRB regresses log time to
-next request); one sample per engine step; prefixes keyed by their leading
-block (a request that shares only the first block counts as a use); the
-model is retrained synchronously inside the eviction call (small window, few
-trees, one thread: its time is measured in :attr:`learner.stats`), where a
-server would retrain off the engine thread. Deterministic given the seed
-(propensity 1.0).
+next request); one sample per engine step; a tail is keyed by one recorded
+block (every ``chain_stride``-th, see the learner), so a use of a chain that
+branches off inside the first stride of the tail counts. The model is
+retrained inside the eviction call by default (small window, few trees, one
+thread: its time is measured in :attr:`learner.stats`; deterministic given
+the seed, propensity 1.0); ``background=True`` fits on a worker thread and
+swaps the booster in when it is ready, as a server would (then which calls
+see which model depends on timing).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._eviction import check_count
+from policy.baselines._eviction import check_count, tail_starts
 from policy.baselines.lrb import SampledNextUseEvictionPolicy
 from policy.interface import CachedPrefix, EngineState, EvictionDecision
 from predictors.online_reuse import OnlineReuseLearner
@@ -57,14 +62,14 @@ class OnlineLrbEvictionPolicy(SampledNextUseEvictionPolicy):
         num_trees: int = 32,
         num_threads: int = 1,
         chain_stride: int = 8,
-        label_depth: float = 0.0,
+        background: bool = False,
         cover_blocks: Optional[int] = None,
         max_candidates: Optional[int] = None,
     ) -> None:
         learner = OnlineReuseLearner(
             horizon_s=horizon_s, window=window, retrain_every=retrain_every, min_labels=min_labels,
             samples_per_call=samples_per_call, num_trees=num_trees, num_threads=num_threads,
-            chain_stride=chain_stride, label_depth=label_depth, seed=seed,
+            chain_stride=chain_stride, background=background, seed=seed,
         )
         super().__init__(sample_size=sample_size, seed=seed, reuse_predictor=learner, max_candidates=max_candidates)
         self.learner = learner
@@ -75,7 +80,8 @@ class OnlineLrbEvictionPolicy(SampledNextUseEvictionPolicy):
     def evict(
         self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int, state: EngineState
     ) -> Optional[EvictionDecision]:
-        self.learner.observe_candidates(prefixes, state.time_s)
+        tails = tail_starts(prefixes)
+        self.learner.observe_candidates(prefixes, tails, state.time_s)
         if not prefixes:
             return None
         if self.learner.model is None:
@@ -83,7 +89,22 @@ class OnlineLrbEvictionPolicy(SampledNextUseEvictionPolicy):
             return None
         cover = self.cover_blocks or state.max_num_batched_tokens // max(state.block_size, 1)
         need = max(1, int(num_blocks_needed), cover)
-        return EvictionDecision(order=self.order(prefixes, need, state.time_s))
+        own = {p.prefix_id: p.num_blocks - t for p, t in zip(prefixes, tails) if t < p.num_blocks}
+        sample = self.sample([p for p in prefixes if p.prefix_id in own])
+        self.last_sample = [p.prefix_id for p in sample]
+        if not sample:
+            return None
+        start = {p.prefix_id: t for p, t in zip(prefixes, tails)}
+        prob = self.learner.reuse_probability(sample, [start[p.prefix_id] for p in sample], state.time_s)
+        ranked = sorted(range(len(sample)), key=lambda i: (prob[i], sample[i].last_used_s, sample[i].prefix_id))
+        order: list[str] = []
+        covered = 0
+        for i in ranked:
+            order.append(sample[i].prefix_id)
+            covered += own[sample[i].prefix_id]
+            if covered >= need:
+                break
+        return EvictionDecision(order=order)
 
     def summary(self) -> dict[str, Any]:
         """The learner's counters and timings, and how often the policy answered LRU."""

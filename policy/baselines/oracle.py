@@ -22,11 +22,18 @@ registry passes it; without one the factory fails):
   compares against; which rule gives the best makespan on a given workload is
   an empirical question for the simulator runs: compare ``srpt`` and ``lpt``
   there and report the better one as the reference.
-* *Eviction*: Belady. Every cached prefix is a candidate; its next use comes
-  from :class:`policy.predictors.OracleReusePredictor` (the first future
-  request sharing its leading block, timed from the workload's tool
-  latencies and the observed finish times; see there for what is estimated),
-  and the order is furthest first, never-used-again first, ties by LRU.
+* *Eviction*: Belady. Every cached prefix is a candidate, and the order is
+  furthest next use first, never-used-again first, ties by LRU. The lever
+  moves only a prefix's *exclusive tail* (the blocks no other cached chain
+  goes through, :func:`serving_hook.block_pool.exclusive_tail`). With
+  ``eviction="prefix"`` (default) a prefix's next use comes from
+  :class:`policy.predictors.OracleReusePredictor` (the first future request
+  sharing its leading block, timed from the workload's tool latencies and the
+  observed finish times; see there for what is estimated). With
+  ``eviction="block"`` it is the next use of the first block of its tail, by
+  :class:`BlockNextUse` (the first request still to be scheduled that would
+  hit that 16-token block, in arrival order): Belady on the blocks the lever
+  can move, for trace replays such as Mooncake.
 * *Retention*: a prefix whose owner paused on a tool is pinned when its next
   use (the session's next turn: owner finish + the tool's true latency) falls
   within ``max_ttl_s``; the TTL is the time to that use plus
@@ -40,7 +47,10 @@ registry passes it; without one the factory fails):
 estimated without generation and queueing time (they depend on the
 schedule): far uses look nearer than they are. Belady is optimal for
 equal-size entries only; prefixes here differ in size and share blocks.
-Preemption is left to vLLM. Deterministic (propensity 1.0).
+Preemption is left to vLLM. Deterministic (propensity 1.0). Block mode is
+Belady at the lever's granularity: each listed tail moves as a whole (deepest
+block first), so within one engine step the blocks of two tails are not
+interleaved by next use as a per-block Belady would.
 """
 
 from __future__ import annotations
@@ -50,13 +60,15 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from policy.baselines._common import resolve_length_predictor
-from policy.baselines._eviction import furthest_first, resolve_reuse_predictor
+from policy.baselines._eviction import furthest_first, resolve_reuse_predictor, tail_starts
+from policy.predictors import row_key
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
     CandidateRequest,
     EngineState,
     Event,
+    EventKind,
     EvictionDecision,
     OwnerState,
     Policy,
@@ -66,6 +78,79 @@ from policy.interface import (
 )
 
 ADMISSION_RULES = ("srpt", "lpt", "fcfs")
+EVICTION_MODES = ("prefix", "block")
+VLLM_BLOCK = 16  # tokens per vLLM block (simulator.tokens.VLLM_BLOCK_SIZE)
+
+
+class BlockNextUse:
+    """Hindsight next use of each cached 16-token block, from the workload's hash chains (a reference).
+
+    Request ``i`` (rows in arrival order) would hit the leading
+    ``(prompt_tokens - 1) // 16`` vLLM blocks of its prompt. Block ``d`` of
+    a request's prompt is the ``d % R``-th 16-token block of its workload block
+    ``hashes[d // R]`` (``R = block_size / 16``; equal hashes mean equal
+    prefixes), so a later request with that hash at that index and more than
+    ``d`` hittable blocks uses it. A block past its owner's prompt (its output)
+    is used only by a later turn of the same session covering it. The next use
+    is the arrival rank of the first such request not yet scheduled
+    (``SCHEDULED`` events), ``inf`` when none is left.
+    """
+
+    def __init__(self, workload: Any) -> None:
+        cols = workload.select(["session_id", "turn", "prompt_tokens", "block_size", "block_hashes"]).to_pydict()
+        n = len(cols["session_id"])
+        arrival = workload.column("arrival_s").to_pylist() if "arrival_s" in workload.column_names else [None] * n
+        order = sorted(range(n), key=lambda i: (arrival[i] is None, arrival[i] or 0.0, i))
+        self.rank: dict[tuple[str, int], int] = {}
+        self.rows: list[tuple[int, int, int, list]] = []  # (hittable blocks, full blocks, R, hashes) by rank
+        self._by_hash: dict[tuple[int, int], list[int]] = {}  # (workload hash, index) -> ranks using it
+        self._by_session: dict[str, list[int]] = {}
+        for r, i in enumerate(order):
+            key = (cols["session_id"][i], cols["turn"][i] or 0)
+            prompt = int(cols["prompt_tokens"][i])
+            hit = max(0, (prompt - 1) // VLLM_BLOCK)
+            per = max(1, int(cols["block_size"][i]) // VLLM_BLOCK)
+            hashes = list(cols["block_hashes"][i] or ())
+            self.rank[key] = r
+            self.rows.append((hit, prompt // VLLM_BLOCK, per, hashes))
+            for k, h in enumerate(hashes[: -(-hit // per)]):
+                self._by_hash.setdefault((h, k), []).append(r)
+            self._by_session.setdefault(key[0], []).append(r)
+        self._done: set[int] = set()
+        self._start: dict[Any, int] = {}  # list id -> first index not known to be done
+
+    def observe(self, event: Event) -> None:
+        if event.kind is EventKind.SCHEDULED:
+            r = self.rank.get(row_key(event.meta)) if event.meta.session_id is not None else None
+            if r is not None:
+                self._done.add(r)
+
+    def _first(self, lid: Any, ranks: Sequence[int], owner: int, depth: int) -> float:
+        done, rows = self._done, self.rows
+        j, n = self._start.get(lid, 0), len(ranks)
+        while j < n and ranks[j] in done:
+            j += 1
+        self._start[lid] = j
+        for m in range(j, n):
+            r = ranks[m]
+            if r != owner and r not in done and rows[r][0] > depth:
+                return float(r)
+        return math.inf
+
+    def next_use(self, meta: Any, depth: int) -> float:
+        """Arrival rank of the next request to hit block ``depth`` of ``meta``'s request; ``inf`` for none."""
+        owner = self.rank.get(row_key(meta)) if meta.session_id is not None else None
+        if owner is None:
+            return math.inf
+        _, full, per, hashes = self.rows[owner]
+        k = depth // per
+        if depth < full and k < len(hashes):
+            lid = (hashes[k], k)
+            ranks = self._by_hash.get(lid, ())
+        else:  # past the prompt: only the session's (later) turns extend it
+            lid = meta.session_id
+            ranks = self._by_session.get(lid, ())
+        return self._first(lid, ranks, owner, depth) if ranks else math.inf
 
 
 class HindsightOraclePolicy(Policy):
@@ -90,8 +175,13 @@ class HindsightOraclePolicy(Policy):
         demote_unused: bool = False,
         length_predictor: Any = "oracle",
         reuse_predictor: Any = "oracle",
+        eviction: str = "prefix",
         workload: Any = None,
     ) -> None:
+        if eviction not in EVICTION_MODES:
+            raise ValueError(f"option eviction must be one of {', '.join(EVICTION_MODES)}, got {eviction!r}")
+        if eviction == "block" and workload is None:
+            raise ValueError("eviction='block' needs the simulated workload (its hash chains)")
         if admission not in ADMISSION_RULES:
             raise ValueError(f"option admission must be one of {', '.join(ADMISSION_RULES)}, got {admission!r}")
         for name, v in (("max_ttl_s", max_ttl_s), ("ttl_margin_s", ttl_margin_s)):
@@ -104,6 +194,8 @@ class HindsightOraclePolicy(Policy):
         self.demote_unused = bool(demote_unused)
         self.lengths = resolve_length_predictor(length_predictor, workload, policy=type(self).__name__)
         self.reuse = resolve_reuse_predictor(reuse_predictor, workload, policy=type(self).__name__)
+        self.eviction = eviction
+        self.blocks = BlockNextUse(workload) if eviction == "block" else None
 
     # ------------------------------------------------------------ admission
     def remaining(self, waiting: Sequence[CandidateRequest]) -> list[float]:
@@ -152,10 +244,16 @@ class HindsightOraclePolicy(Policy):
     def evict(self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int, state: EngineState):
         if not prefixes:
             return None
-        return EvictionDecision(order=furthest_first(prefixes, self.reuse.next_use_s(prefixes, state.time_s)))
+        if self.blocks is None:
+            return EvictionDecision(order=furthest_first(prefixes, self.reuse.next_use_s(prefixes, state.time_s)))
+        nxt = self.blocks.next_use
+        keys = [nxt(p.meta, t) if t < p.num_blocks else -math.inf for p, t in zip(prefixes, tail_starts(prefixes))]
+        return EvictionDecision(order=furthest_first(prefixes, keys))
 
     def on_event(self, event: Event) -> None:
         self.reuse.observe(event)
+        if self.blocks is not None:
+            self.blocks.observe(event)
         obs = getattr(self.lengths, "observe", None)
         if obs is not None:
             obs(event)
