@@ -322,7 +322,7 @@ class BlockPoolAdapter:
     def demote(self, blocks: Sequence[Any], hashes: Sequence[Any]) -> int:
         """Move the prefix's :func:`exclusive_tail` to the head of the free list, deepest block first."""
         queue = self.pool.free_block_queue
-        moved = exclusive_tail(self.pool, blocks, hashes)
+        moved = exclusive_tail(self.pool, blocks, cached_length(blocks, hashes))
         for b in moved:
             queue.remove(b)
         if moved:
@@ -418,16 +418,16 @@ class CachedPrefixIndex:
         return out
 
 
-def exclusive_tail(pool: BlockPool, blocks: Sequence[Any], hashes: Sequence[Any]) -> list:
+def exclusive_tail(pool: BlockPool, blocks: Sequence[Any], n: int) -> list:
     """The chain's free cached blocks that no other cached chain goes through, deepest first.
 
-    Walks up from the deepest still-cached block and stops at the first block
+    ``n`` is the chain's :func:`cached_length` (its first ``n`` blocks still
+    hold their hashes). Walks up from block ``n - 1`` and stops at the first block
     in use or with a cached child other than the chain's own next block (a
     branch point, or a block another chain extends): demoting it would cost
     the chains that share it. Without the pool's prefix tree (a plain
     ``BlockPool``) the chain counts as unshared.
     """
-    n = cached_length(blocks, hashes)
     children = getattr(pool, "kvpilot_children", None) or {}
     tail: list = []
     below = None  # id of the chain's block under the current one, when it is in the tail
@@ -441,8 +441,8 @@ def exclusive_tail(pool: BlockPool, blocks: Sequence[Any], hashes: Sequence[Any]
     return tail
 
 
-def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[Any]]]) -> int:
-    """Put the exclusive tails of ``chains`` (``(blocks, hashes)`` per prefix) first in line for eviction.
+def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], int]]) -> int:
+    """Put the exclusive tails of ``chains`` (``(blocks, cached_length)`` per prefix) first in line for eviction.
 
     Prefixes in the given order, each one's :func:`exclusive_tail` deepest
     block first; they go right behind the hash-less free blocks at the head of
@@ -454,8 +454,8 @@ def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[
     q = pool.free_block_queue
     moved: list = []
     seen: set = set()
-    for blocks, hashes in chains:
-        for b in exclusive_tail(pool, blocks, hashes):
+    for blocks, n in chains:
+        for b in exclusive_tail(pool, blocks, n):
             if b.block_id not in seen:
                 seen.add(b.block_id)
                 q.remove(b)

@@ -1067,16 +1067,16 @@ class KVPilotMixin:
         if not isinstance(dec, EvictionDecision):
             self._kvp_fail("evict", "exception", TypeError(f"evict() returned {type(dec).__name__}"))
             return
-        by_id = {pid: f for pid, f, _ in found}
+        by_id = {pid: (f, n) for pid, f, n in found}  # n: cached length, unchanged since candidates()
         chains = []
         seen: set = set()
         first = None
         for pid in dec.order or ():
-            f = by_id.get(pid)
-            if f is None or pid in seen:
+            fn = by_id.get(pid)
+            if fn is None or pid in seen:
                 continue
             seen.add(pid)
-            chains.append((f.blocks, f.hashes))
+            chains.append((fn[0].blocks, fn[1]))
             if first is None:
                 first = pid
         moved = evict_first(self._kvp_pool, chains) if chains else 0
