@@ -1,8 +1,11 @@
-"""Deterministic 64-bit mixing shared by the workload generator and the simulator's token expansion."""
+"""Deterministic 64-bit mixing shared by the workload generator and the simulator's token expansion; vLLM's KV block size."""
 
 from __future__ import annotations
 
 import numpy as np
+
+#: Tokens per KV block in the vLLM engines kvpilot drives (the simulator's, and the hit arithmetic of replays).
+VLLM_BLOCK_SIZE = 16
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:

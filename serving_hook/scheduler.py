@@ -725,7 +725,7 @@ class KVPilotMixin:
     def _kvp_log_decisions(self) -> bool:
         """Whether decisions are logged (with every candidate's features): the writer keeps that table."""
         w = self.kvpilot_telemetry
-        return w is not None and "decisions" in getattr(w, "tables", ("decisions",))
+        return w is not None and "decisions" in w.tables
 
     def _kvp_log_decision(
         self,

@@ -57,11 +57,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data.hashing import splitmix64
+from data.hashing import VLLM_BLOCK_SIZE, splitmix64
 
 VOCAB_SIZE = 32000
 FIRST_ID = 3  # ids 0 (pad), 1 (bos) and 2 (eos) are never emitted
-VLLM_BLOCK_SIZE = 16
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SALT = np.uint64(0x5851F42D4C957F2D)

@@ -180,6 +180,7 @@ def test_unknown_ids_and_none_keep_lru(vllm_engine):
 
 class _Writer:
     dropped = 0
+    tables = frozenset({"decisions"})
 
     def __init__(self):
         self.rows = []

@@ -141,6 +141,7 @@ def expected_cost(case: Case) -> float:
     more steps than two sharing the load, and some policies have costly hooks. Only its order matters."""
     return _POLICY_COST.get(case.policy, 1.0) * (1.0 + 0.1 / case.kv_fraction) * (1.2 if case.replicas == 1 else 1.0)
 
+
 _WORKER: dict[str, Any] = {}
 
 

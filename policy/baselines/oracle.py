@@ -59,6 +59,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from data.hashing import VLLM_BLOCK_SIZE
 from policy.baselines._common import resolve_length_predictor
 from policy.baselines._eviction import furthest_first, resolve_reuse_predictor, tail_starts
 from policy.predictors import row_key
@@ -79,7 +80,6 @@ from policy.interface import (
 
 ADMISSION_RULES = ("srpt", "lpt", "fcfs")
 EVICTION_MODES = ("prefix", "block")
-VLLM_BLOCK = 16  # tokens per vLLM block (simulator.tokens.VLLM_BLOCK_SIZE)
 
 
 class BlockNextUse:
@@ -108,11 +108,11 @@ class BlockNextUse:
         for r, i in enumerate(order):
             key = (cols["session_id"][i], cols["turn"][i] or 0)
             prompt = int(cols["prompt_tokens"][i])
-            hit = max(0, (prompt - 1) // VLLM_BLOCK)
-            per = max(1, int(cols["block_size"][i]) // VLLM_BLOCK)
+            hit = max(0, (prompt - 1) // VLLM_BLOCK_SIZE)
+            per = max(1, int(cols["block_size"][i]) // VLLM_BLOCK_SIZE)
             hashes = list(cols["block_hashes"][i] or ())
             self.rank[key] = r
-            self.rows.append((hit, prompt // VLLM_BLOCK, per, hashes))
+            self.rows.append((hit, prompt // VLLM_BLOCK_SIZE, per, hashes))
             for k, h in enumerate(hashes[: -(-hit // per)]):
                 self._by_hash.setdefault((h, k), []).append(r)
             self._by_session.setdefault(key[0], []).append(r)
