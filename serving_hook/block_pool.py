@@ -52,16 +52,21 @@ Belady).
   requests (noted when the scheduler's ``_free_blocks`` frees them), in the
   order they were freed (LRU). An entry is dropped when its first block no
   longer holds the hash it had (evicted and reused: the rest of the chain
-  can no longer hit); a prefix is offered only while at least one of its
-  still-cached blocks is free (``ref_cnt == 0``). The index is bounded
-  (oldest entries go first).
-* *Applying the order.* :func:`evict_first` takes each listed prefix's
-  *exclusive tail* off the free list (``FreeKVCacheBlockQueue.remove``,
-  ``kv_cache_utils.py`` L391) and puts it back at its head (``prepend_n``,
+  can no longer hit); a prefix is offered only while its deepest still-cached
+  block is free (``ref_cnt == 0``; otherwise a running request holds the whole
+  chain and there is no tail to move). The index is bounded (oldest entries
+  go first). It keeps each entry's cached length from the pool's log of
+  blocks that lost their hash, so a scan does not walk the chains.
+* *Applying the order.* :class:`EvictionPlan` takes the listed prefixes'
+  *exclusive tails* off the free list (``FreeKVCacheBlockQueue.remove``,
+  ``kv_cache_utils.py`` L391) and puts them back at its head (``prepend_n``,
   L438), first-listed prefix first and each tail's deepest block first,
   *behind* the run of hash-less free blocks at the head (vLLM puts freed
   hash-less blocks there, ``free_blocks`` L845, and hands them out before
-  evicting anything). The exclusive tail (:func:`exclusive_tail`) is the run
+  evicting anything). It places the first tails when the policy answers and
+  the next ones when a later allocation of the same step reaches past them
+  (:meth:`EvictionPlan.cover`), so a step moves about the blocks it takes,
+  not every cached block. The exclusive tail (:func:`exclusive_tail`) is the run
   of free cached blocks at the end of the chain that no other cached chain
   goes through: the pool keeps the prefix tree of the cached blocks
   (``cache_full_blocks`` links each newly hashed block to the block before it
@@ -74,10 +79,12 @@ Belady).
   (``get_new_blocks`` L718) still holds.
 * *Cost.* Off (the default, or a policy without ``uses_eviction``): no class
   swap in passthrough mode; otherwise one attribute test per
-  ``get_new_blocks`` and two dict updates per newly cached block (the tree). On: a walk of ``n`` blocks per allocation until the
-  first evicting one in a step; then, once per step, one scan of the index
-  (O(entries), plus the blocks of the prefixes offered), the policy call
-  (under the step budget, ``_kvp_call``) and O(blocks moved) list surgery.
+  ``get_new_blocks`` and two dict updates per newly cached block (the tree).
+  On: a walk of ``n`` blocks per allocation (until the first evicting one in
+  a step, then while the step's plan has tails left); once per step, one scan
+  of the index (O(entries + blocks that lost their hash since the last
+  scan)), the policy call (under the step budget, ``_kvp_call``), and list
+  surgery on about as many blocks as the step takes.
 """
 
 from __future__ import annotations
@@ -104,6 +111,8 @@ class CountingBlockPool(BlockPool):
 
     kvpilot_evictions: int = 0
     kvpilot_eviction_hook: Optional[Callable[[int], None]] = None
+    kvpilot_plan: Optional["EvictionPlan"] = None  # this step's eviction order, applied as blocks are taken
+    kvpilot_dropped: Optional[list[int]] = None  # ids of blocks that lost their hash (kept for CachedPrefixIndex)
     kvpilot_children: dict[int, set[int]]
     kvpilot_parent: dict[int, int]
 
@@ -132,6 +141,9 @@ class CountingBlockPool(BlockPool):
 
     def _remove_cached_block_hashes(self, block):  # vLLM override (block_pool.py L630): every path that drops a hash
         bid = block.block_id
+        dropped = self.kvpilot_dropped
+        if dropped is not None and block.block_hash is not None:
+            dropped.append(bid)
         if bid in self.kvpilot_parent:
             self._kvp_unlink_parent(bid)
         kids = self.kvpilot_children.pop(bid, None)
@@ -154,24 +166,29 @@ class CountingBlockPool(BlockPool):
         if ok:
             self.kvpilot_children.clear()
             self.kvpilot_parent.clear()
+            self.kvpilot_plan = None
         return ok
 
     def get_new_blocks(self, num_blocks: int):  # vLLM override (block_pool.py L706)
-        hook = self.kvpilot_eviction_hook
-        if hook is not None and num_blocks > 0 and self.enable_caching:
-            q = self.free_block_queue
-            tail = q.fake_free_list_tail
-            b = q.fake_free_list_head.next_free_block
-            for _ in range(num_blocks):
-                if b is None or b is tail:
-                    break
-                if b.block_hash is not None:  # this allocation evicts a cached block
-                    try:
-                        hook(num_blocks)
-                    except Exception:  # the hook handles its own errors; never break vLLM
-                        pass
-                    break
-                b = b.next_free_block
+        if num_blocks > 0 and self.enable_caching:
+            hook = self.kvpilot_eviction_hook
+            if hook is not None:
+                q = self.free_block_queue
+                tail = q.fake_free_list_tail
+                b = q.fake_free_list_head.next_free_block
+                for _ in range(num_blocks):
+                    if b is None or b is tail:
+                        break
+                    if b.block_hash is not None:  # this allocation evicts a cached block
+                        try:
+                            hook(num_blocks)
+                        except Exception:  # the hook handles its own errors; never break vLLM
+                            pass
+                        break
+                    b = b.next_free_block
+            plan = self.kvpilot_plan
+            if plan is not None:
+                plan.cover(num_blocks)
         return super().get_new_blocks(num_blocks)
 
 
@@ -350,11 +367,25 @@ class CachedPrefixIndex:
     recent). Dead entries (first block evicted) are dropped when
     :meth:`candidates` scans past them, and when the index outgrows
     ``max_entries`` (then, if needed, the oldest entries go too).
+
+    Each entry's cached length is kept up to date without walking its blocks:
+    a :class:`CountingBlockPool` logs the ids of the blocks that lose their hash
+    (``kvpilot_dropped``), and the index knows which entries hold each block at
+    which position. A drop cuts the entries that hold the block; a cut entry
+    then checks, from its cut onwards, whether its blocks hold their hashes again
+    (vLLM can cache the same content into the same block). So :meth:`candidates`
+    costs O(entries + blocks dropped since the last call), not O(cached blocks).
     """
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, pool: Optional[BlockPool] = None) -> None:
         self.max_entries = max(16, int(max_entries))
         self.entries: dict[str, Any] = {}
+        self._known: dict[str, int] = {}  # prefix id -> leading blocks known to hold their hashes
+        self._ids: dict[str, tuple[int, ...]] = {}  # prefix id -> its blocks' ids
+        self._holders: dict[int, dict[str, int]] = {}  # block id -> {prefix id: position}
+        self._dropped: Optional[list[int]] = None
+        if isinstance(pool, CountingBlockPool):
+            pool.kvpilot_dropped = self._dropped = []
         self.num_dropped_dead = 0
         self.num_dropped_full = 0
 
@@ -362,58 +393,109 @@ class CachedPrefixIndex:
         return len(self.entries)
 
     def add(self, prefix_id: str, entry: Any) -> None:
-        entries = self.entries
-        entries.pop(prefix_id, None)
-        entries[prefix_id] = entry
-        if len(entries) > self.max_entries:
+        if prefix_id in self.entries:
+            self._forget(prefix_id)
+        self._refresh()  # drops logged before this entry's blocks were hashed must not cut it
+        ids = tuple(b.block_id for b in entry.blocks)
+        self.entries[prefix_id] = entry
+        self._ids[prefix_id] = ids
+        self._known[prefix_id] = cached_length(entry.blocks, entry.hashes) if self._dropped is not None else 0
+        holders = self._holders
+        for pos, bid in enumerate(ids):
+            h = holders.get(bid)
+            if h is None:
+                holders[bid] = {prefix_id: pos}
+            else:
+                h[prefix_id] = pos
+        if len(self.entries) > self.max_entries:
             self._shrink()
 
     def clear(self) -> None:
         self.entries.clear()
+        self._known.clear()
+        self._ids.clear()
+        self._holders.clear()
+        if self._dropped is not None:
+            self._dropped.clear()
 
-    @staticmethod
-    def _dead(entry: Any) -> bool:
+    def block_ids(self, prefix_id: str) -> tuple[int, ...]:
+        """The ids of all the blocks the prefix had when freed (cut them at its cached length)."""
+        return self._ids[prefix_id]
+
+    def _forget(self, prefix_id: str) -> None:
+        del self.entries[prefix_id]
+        del self._known[prefix_id]
+        holders = self._holders
+        for bid in self._ids.pop(prefix_id):
+            h = holders.get(bid)
+            if h is not None:
+                h.pop(prefix_id, None)
+                if not h:
+                    del holders[bid]
+
+    def _refresh(self) -> None:
+        """Cut the entries holding blocks that lost their hash since the last call."""
+        dropped = self._dropped
+        if not dropped:
+            return
+        holders, known = self._holders, self._known
+        for bid in dropped:
+            h = holders.get(bid)
+            if h:
+                for pid, pos in h.items():
+                    if pos < known[pid]:
+                        known[pid] = pos
+        dropped.clear()
+
+    def _length(self, prefix_id: str, entry: Any) -> int:
+        """The entry's current cached length (exact: see the class docstring)."""
+        if self._dropped is None:  # no drop log (a plain BlockPool): walk the chain
+            return cached_length(entry.blocks, entry.hashes)
+        n = self._known[prefix_id]
         blocks, hashes = entry.blocks, entry.hashes
-        if not blocks:
-            return True
-        b = blocks[0]
-        return b.is_null or hashes[0] is None or b.block_hash != hashes[0]
+        end = len(blocks)
+        if n < end and blocks[n].block_hash == hashes[n]:  # cached again since the cut
+            while n < end and blocks[n].block_hash == hashes[n]:
+                n += 1
+            self._known[prefix_id] = n
+        return n
 
     def _shrink(self) -> None:
-        entries = self.entries
-        dead = [pid for pid, e in entries.items() if self._dead(e)]
+        self._refresh()
+        dead = [pid for pid, e in self.entries.items() if self._length(pid, e) == 0]
         for pid in dead:
-            del entries[pid]
+            self._forget(pid)
         self.num_dropped_dead += len(dead)
         target = (self.max_entries * 3) // 4
-        if len(entries) > target:
-            old = list(entries)[: len(entries) - target]
+        if len(self.entries) > target:
+            old = list(self.entries)[: len(self.entries) - target]
             for pid in old:
-                del entries[pid]
+                self._forget(pid)
             self.num_dropped_full += len(old)
 
     def candidates(self, limit: Optional[int] = None) -> list[tuple[str, Any, int]]:
-        """``(prefix_id, entry, n_cached)`` of the prefixes with a free, still-cached block, oldest first.
+        """``(prefix_id, entry, n_cached)`` of the prefixes whose deepest cached block is free, oldest first.
 
-        ``n_cached`` is the number of leading blocks still cached. At most
+        ``n_cached`` is the number of leading blocks still cached. A prefix
+        whose deepest cached block is in use (a running request holds the
+        whole chain) has no tail the lever could move, and is left out. At most
         ``limit`` are returned (all when ``None``); the scan stops there.
         """
+        self._refresh()
         out: list[tuple[str, Any, int]] = []
         dead: list[str] = []
+        length = self._length
         for pid, e in self.entries.items():
-            n = cached_length(e.blocks, e.hashes)
+            n = length(pid, e)
             if n == 0:
                 dead.append(pid)
                 continue
-            blocks = e.blocks
-            for i in range(n):
-                if blocks[i].ref_cnt == 0:
-                    out.append((pid, e, n))
+            if e.blocks[n - 1].ref_cnt == 0:
+                out.append((pid, e, n))
+                if limit is not None and len(out) >= limit:
                     break
-            if limit is not None and len(out) >= limit:
-                break
         for pid in dead:
-            del self.entries[pid]
+            self._forget(pid)
         self.num_dropped_dead += len(dead)
         return out
 
@@ -441,35 +523,101 @@ def exclusive_tail(pool: BlockPool, blocks: Sequence[Any], n: int) -> list:
     return tail
 
 
-def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], int]]) -> int:
-    """Put the exclusive tails of ``chains`` (``(blocks, cached_length)`` per prefix) first in line for eviction.
+#: Blocks an eviction plan moves at first (or the allocation's need, if larger); each later extension doubles it.
+PLAN_FIRST_BLOCKS = 256
 
-    Prefixes in the given order, each one's :func:`exclusive_tail` deepest
-    block first; they go right behind the hash-less free blocks at the head of
-    the free list (those are handed out first and evict nothing). Blocks in
-    use, no longer holding their hash, or shared with another cached chain
-    keep their place: a policy's ranking acts on what only that prefix holds.
-    Returns the number of blocks moved.
+
+class EvictionPlan:
+    """A policy's eviction order for one engine step, applied to the free list as vLLM takes blocks.
+
+    The prefixes' exclusive tails (:func:`exclusive_tail`) go, in the given
+    order and each deepest block first, right behind the hash-less free blocks
+    at the head of the free list (those are handed out first and evict
+    nothing). Moving every listed tail would cost O(cached blocks) per step, but
+    a step takes only a few hundred blocks; so the plan moves the first tails
+    (at least :data:`PLAN_FIRST_BLOCKS` blocks, or the allocation's need), and
+    before each later allocation :meth:`cover` checks its first ``n`` free
+    blocks: if one is a cached block the plan has not placed while listed tails
+    are left, the next tails are placed right behind the ones still waiting. So
+    every evicting allocation of the step takes blocks in the policy's order, as
+    if all tails had been moved at once, except that a later tail is measured
+    when it is placed (a block in use by then stays). Unlisted cached blocks
+    keep their LRU order. The free-block count never changes.
     """
-    q = pool.free_block_queue
-    moved: list = []
-    seen: set = set()
-    for blocks, n in chains:
-        for b in exclusive_tail(pool, blocks, n):
-            if b.block_id not in seen:
-                seen.add(b.block_id)
-                q.remove(b)
-                moved.append(b)
-    if not moved:
-        return 0
-    tail = q.fake_free_list_tail
-    lead = 0
-    b = q.fake_free_list_head.next_free_block
-    while b is not None and b is not tail and b.block_hash is None:
-        lead += 1
-        b = b.next_free_block
-    head = q.popleft_n(lead) if lead else []
-    q.prepend_n(moved)
-    if head:
-        q.prepend_n(head)
-    return len(moved)
+
+    def __init__(self, pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[Any], int]],
+                 on_move: Optional[Callable[[int], None]] = None) -> None:
+        self.pool = pool
+        self._chains = iter(chains)  # (blocks, hashes, cached length when the order was given)
+        self._fresh = True  # the cached lengths given still hold (nothing ran since)
+        self._placed: set[int] = set()
+        self._next = PLAN_FIRST_BLOCKS
+        self._on_move = on_move
+        self.moved = 0
+
+    def cover(self, n: int) -> None:
+        """Make sure the first ``n`` free blocks evict in the plan's order (place more tails if needed)."""
+        q = self.pool.free_block_queue
+        tail = q.fake_free_list_tail
+        placed = self._placed
+        b = q.fake_free_list_head.next_free_block
+        for _ in range(n):
+            if b is None or b is tail:
+                return
+            if b.block_hash is not None and b.block_id not in placed:
+                self._extend(n)
+                return
+            b = b.next_free_block
+
+    def _extend(self, n: int) -> int:
+        """Place the next tails behind the hash-less and already placed blocks at the head; how many moved."""
+        pool = self.pool
+        q = pool.free_block_queue
+        tail = q.fake_free_list_tail
+        placed = self._placed
+        ahead = 0  # hash-less or placed blocks at the head
+        b = q.fake_free_list_head.next_free_block
+        while b is not None and b is not tail and (b.block_hash is None or b.block_id in placed):
+            ahead += 1
+            b = b.next_free_block
+        want = max(n - ahead, self._next)
+        self._next *= 2
+        moved: list = []
+        while len(moved) < want:
+            chain = next(self._chains, None)
+            if chain is None:
+                pool.kvpilot_plan = None  # every listed tail is placed: LRU for the rest
+                break
+            blocks, hashes, length = chain
+            if not self._fresh:
+                length = cached_length(blocks, hashes)
+            for blk in exclusive_tail(pool, blocks, length):
+                if blk.block_id not in placed:
+                    placed.add(blk.block_id)
+                    q.remove(blk)
+                    moved.append(blk)
+        self._fresh = False
+        if moved:
+            head = q.popleft_n(ahead) if ahead else []
+            q.prepend_n(moved)
+            if head:
+                q.prepend_n(head)
+            self.moved += len(moved)
+            if self._on_move is not None:
+                self._on_move(len(moved))
+        return len(moved)
+
+
+def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[Any], int]], need: int = 0,
+                on_move: Optional[Callable[[int], None]] = None) -> int:
+    """Start an :class:`EvictionPlan` for ``chains`` (``(blocks, hashes, cached_length)``, evict first first).
+
+    Places the first tails now (enough for ``need`` blocks, and at least
+    :data:`PLAN_FIRST_BLOCKS`); the pool's ``get_new_blocks`` places more when
+    an allocation of the same step needs them (a plain ``BlockPool`` gets only
+    this first placement). Returns the number of blocks moved now.
+    """
+    plan = EvictionPlan(pool, chains, on_move)
+    if isinstance(pool, CountingBlockPool):
+        pool.kvpilot_plan = plan
+    return plan._extend(need)

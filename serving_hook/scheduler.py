@@ -231,6 +231,10 @@ class KVPilotMixin:
         #: Most tokens a running request decodes in one step; the simulator's decode
         #: stride sets it (telemetry counts a chunk of up to this many as decode tokens).
         self.kvpilot_decode_stride = 1
+        #: Called as ``listener(kind, block_hashes)`` for each of this engine's KV events
+        #: (``stored`` / ``removed`` / ``cleared``, hashes as signed int64) while telemetry is on;
+        #: the simulator feeds its KV-aware router with it, as llm-d reads vLLM's event stream.
+        self.kvpilot_kv_event_listener: Optional[Callable[[str, list], None]] = None
         self._kvp_policy_limits()
         self._kvp_replica = cfg.replica
         self._kvp_logged: set[str] = set()
@@ -288,7 +292,7 @@ class KVPilotMixin:
         if self._kvp_eviction:
             # Eviction lever (see serving_hook.block_pool): candidates are the freed
             # prefixes still cached; the pool calls back before an evicting allocation.
-            self._kvp_index = CachedPrefixIndex(max(4 * self._kvp_num_blocks, 1024))
+            self._kvp_index = CachedPrefixIndex(max(4 * self._kvp_num_blocks, 1024), pool)
             self._kvp_evict_hook = self._kvp_before_evict
             pool.kvpilot_eviction_hook = self._kvp_evict_hook
         if self._kvp_preemption or self._kvp_retention:
@@ -336,7 +340,9 @@ class KVPilotMixin:
             self._kvp_between_steps()
         ev0 = self._kvp_pool.kvpilot_evictions
         if self._kvp_eviction:
-            self._kvp_pool.kvpilot_eviction_hook = self._kvp_evict_hook  # re-armed: one ask per step
+            pool = self._kvp_pool
+            pool.kvpilot_eviction_hook = self._kvp_evict_hook  # re-armed: one ask per step
+            pool.kvpilot_plan = None  # the last step's order is spent
         now = self.kvpilot_clock()
         if self._kvp_last_step_time is not None:
             self._kvp_last_duration = max(0.0, now - self._kvp_last_step_time)
@@ -1024,6 +1030,9 @@ class KVPilotMixin:
             self._kvp_internal_error("evict", e)
         self._kvp_inner_s += _perf() - t0
 
+    def _kvp_count_moved(self, n: int) -> None:
+        self.kvpilot_stats.evict_first_blocks += n
+
     def _kvp_evict(self, num_blocks: int) -> None:
         if self._kvp_step_fallback:
             return  # this step already fell back to vLLM's behaviour (LRU)
@@ -1033,6 +1042,7 @@ class KVPilotMixin:
         now = self.kvpilot_clock()
         sessions = self._kvp_sessions
         groups = self._kvp_groups
+        ids_of = self._kvp_index.block_ids
         prefixes: list[CachedPrefix] = []
         for pid, f, n in found:
             meta = f.meta
@@ -1050,7 +1060,7 @@ class KVPilotMixin:
                     owner_request_id=f.request_id,
                     owner_state=state,
                     meta=meta,
-                    block_ids=tuple(b.block_id for b in f.blocks[:n]),
+                    block_ids=ids_of(pid)[:n],
                     block_hashes=h64[:n],
                     last_used_s=f.time_s,
                     group_pending=pending,
@@ -1076,13 +1086,11 @@ class KVPilotMixin:
             if fn is None or pid in seen:
                 continue
             seen.add(pid)
-            chains.append((fn[0].blocks, fn[1]))
+            chains.append((fn[0].blocks, fn[0].hashes, fn[1]))
             if first is None:
                 first = pid
-        moved = evict_first(self._kvp_pool, chains) if chains else 0
-        if moved:
+        if chains and evict_first(self._kvp_pool, chains, num_blocks, self._kvp_count_moved):
             st.eviction_orders += 1
-            st.evict_first_blocks += moved
         if self._kvp_log_decisions:
             idx = next((i for i, cp in enumerate(prefixes) if cp.prefix_id == first), -1)
             self._kvp_log_decision(
@@ -1238,11 +1246,14 @@ class KVPilotMixin:
         events = self._kvp_orig_take_events()
         w = self.kvpilot_telemetry
         if events and w is not None:
+            listener = self.kvpilot_kv_event_listener
             try:
                 for row in kv_event_rows(
                     events, time_s=self.kvpilot_clock(), replica=self._kvp_replica, engine_step=self._kvp_step_no
                 ):
                     w.put("kv_events", row)
+                    if listener is not None:
+                        listener(row["event"], row["block_hashes"])
             except Exception as e:
                 self._kvp_internal_error("kv_events", e)
         return events

@@ -102,12 +102,17 @@ Drivers
 
 With ``sticky_sessions`` (default) a session's later turns and its scoring
 requests go to the replica of its first turn (told to the router through
-``on_routed``); otherwise every request is routed.
+``on_routed``); otherwise every request is routed. A router sees a request's
+vLLM block hashes (its prompt's full blocks, as signed int64) and each
+replica's KV events (``Router.on_kv_event``, from the hook's event listener at
+every step's end), so the ``kv-aware`` router's index is built from the
+replicas' own events, as llm-d builds it from vLLM's event stream.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import heapq
 import math
@@ -124,6 +129,7 @@ import numpy as np
 import pyarrow as pa
 
 from policy.interface import Policy
+from serving_hook.events import hashes_to_int64
 from simulator.cost_model import CostModel
 from simulator.metrics import StepRecord, TrajectoryRecord, render_summary, summarize
 from simulator.routers import ReplicaLoad, Router, RouteRequest, make_router
@@ -407,7 +413,6 @@ class Simulation:
         self.prompt_len = self.tokens.prompt.tolist()
         self.output_len = self.tokens.output.tolist()
         self.block_size = self.tokens.block_size
-        self._hashes: list | None = None  # block hash chains, for routers (loaded on first use)
         self.row_of = {r: i for i, r in enumerate(self.rid)}
         trajs: dict[str, _Traj] = {}
         for i in range(w.num_rows):
@@ -459,6 +464,8 @@ class Simulation:
             rep = _Replica(i, sched)
             sched.kvpilot_clock = _clock_of(rep)
             sched.kvpilot_decode_stride = self.stride
+            if self.n_replicas > 1:
+                sched.kvpilot_kv_event_listener = functools.partial(self.router.on_kv_event, i)
             reps.append(rep)
         return reps
 
@@ -473,15 +480,17 @@ class Simulation:
             self._push(t, _KICK, rep)
 
     # ------------------------------------------------------------------ requests
-    def _route(self, row: int) -> _Replica:
+    def _route(self, row: int, request: Any) -> _Replica:
+        """The replica for workload row ``row``; ``request`` is its vLLM request (its block hashes go to the router:
+        the hash space of the replicas' KV events, see :class:`simulator.routers.KVAwareRouter`)."""
         reps = self._reps
         if len(reps) == 1:
             return reps[0]
         traj = self.traj_of_row[row]
         stream = traj.session if traj is not None else self.session[row]
-        if self._hashes is None:
-            self._hashes = self.workload.column("block_hashes").to_pylist()
-        req = RouteRequest(self.rid[row], self._hashes[row], self.prompt_len[row], self.block_size, self.session[row])
+        prompt_len = self.prompt_len[row]
+        hashes = hashes_to_int64(request.block_hashes[: prompt_len // VLLM_BLOCK_SIZE])
+        req = RouteRequest(self.rid[row], hashes, prompt_len, VLLM_BLOCK_SIZE, self.session[row])
         if self.sticky:
             pinned = self._stream_replica.get(stream)
             if pinned is not None:
@@ -523,7 +532,7 @@ class Simulation:
         self._scripts[rid] = out
         req = make_request(rid, self.tokens.prompt_ids(row).tolist(), self.max_tokens[row], arrival_time=t,
                            extra_args=extra, stop_token_ids=(EOS_TOKEN_ID,))
-        rep = self._route(row)
+        rep = self._route(row, req)
         self._replica_of[rid] = rep
         if traj is not None:
             traj.live.add(rid)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from policy.interface import EvictionDecision, Policy
+from serving_hook import block_pool
 
 from tests.hooks import hook_scheduler as _hook, stock_scheduler as _stock
 
@@ -207,3 +208,63 @@ def test_decision_is_logged_as_retain_evict(vllm_engine):
     r = rows[0]
     assert (r["kind"], r["action"], r["candidate_ids"], r["chosen"]) == ("retain", "evict", ["A", "B"], 1)
     assert len(r["features"]) == 2 and r["features"][0][0] == 3.0  # num_blocks
+
+
+@pytest.mark.parametrize("first_blocks", [1, 256])
+def test_order_placed_lazily_evicts_as_if_placed_at_once(vllm_engine, monkeypatch, first_blocks):
+    """A, B, C cached (9 blocks, 3 empty); F1 takes the 3 empty blocks and 1 cached, F2 4 cached, in one step.
+
+    Order C, B: C goes, then B's two deepest blocks; A survives. With a first
+    placement of 1 block only C's tail is placed for F1, and F2's allocation
+    places B's tail behind what is left of C's: the same evictions as placing
+    both tails at once.
+    """
+    monkeypatch.setattr(block_pool, "PLAN_FIRST_BLOCKS", first_blocks)
+    engine = vllm_engine
+    policy = EvictPolicy(order=["C", "B"])
+    s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
+    runner = engine.FakeRunner()
+    p = _prefixes(engine, s, runner, ["A", "B", "C"])
+    s.add_request(engine.make_request("F1", engine.prompt_tokens("ev-f1", 64), 1))
+    s.add_request(engine.make_request("F2", engine.prompt_tokens("ev-f2b", 64), 1))
+    out = runner.step(s)
+    assert sorted(d.req_id for d in out.scheduled_new_reqs) == ["F1", "F2"]
+    _run_until_done(s, runner)
+    assert len(policy.calls) == 1
+    assert {n: _cached(engine, s, p[n] + [1]) for n in "ABC"} == {"A": 48, "B": 16, "C": 0}
+    assert s.kvpilot_stats.evict_first_blocks == 6
+
+
+def test_index_tracks_cached_lengths_without_walking(vllm_engine, monkeypatch):
+    """Under churn (siblings sharing a prompt, evictions every step, a cache hit on a cut prefix), every
+    candidate's cached length equals a walk of its blocks, and every left-out prefix is dead or has its
+    deepest cached block in use."""
+    checked = []
+    original = block_pool.CachedPrefixIndex.candidates
+
+    def checking(index, limit=None):
+        found = original(index, limit)
+        offered = {pid for pid, _, _ in found}
+        for pid, e, n in found:
+            assert n == block_pool.cached_length(e.blocks, e.hashes), pid
+        for pid, e in index.entries.items():
+            if pid not in offered:
+                n = block_pool.cached_length(e.blocks, e.hashes)
+                assert n > 0 and e.blocks[n - 1].ref_cnt > 0, pid
+        checked.append(len(found))
+        return found
+
+    monkeypatch.setattr(block_pool.CachedPrefixIndex, "candidates", checking)
+    engine = vllm_engine
+    policy = EvictPolicy(order=[f"r{i}" for i in range(40)][::-1])  # newest first: not LRU
+    s = engine.make_scheduler(_hook(policy), num_blocks=24, max_num_seqs=4)
+    runner = engine.FakeRunner()
+    shared = engine.prompt_tokens("ix-shared", 48)
+    for i in range(40):
+        prompt = shared + engine.prompt_tokens(f"ix-{i % 7}", 16 + 16 * (i % 3))  # repeats: hits on cut chains
+        s.add_request(engine.make_request(f"r{i}", prompt, 20))
+        if i % 3 == 2:
+            _run_until_done(s, runner)
+    _run_until_done(s, runner)
+    assert len(checked) >= 5 and max(checked) >= 3
+    assert s.kvpilot_stats.evict_first_blocks > 0 and not s.kvpilot_stats.fallbacks

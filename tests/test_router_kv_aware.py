@@ -217,3 +217,43 @@ def test_helper_matches_vllm_block_stored_events(vllm_engine) -> None:
     # A cache salt changes every hash (it is chained in through block 0).
     salted = vllm_block_hashes(prompt, BS, cache_salt="s")
     assert not set(salted) & set(prompt_hashes)
+
+
+def _replay(rows: list[tuple[str, int, list[int]]]):
+    """A trace-replay workload: (request id, arrival s, block hashes of a 64-token prompt in 32-token blocks)."""
+    import pyarrow as pa
+
+    from data.schemas import WORKLOAD
+
+    cols: dict[str, list] = {f.name: [] for f in WORKLOAD.schema}
+    for rid, arrival, hashes in rows:
+        row = {
+            "request_id": rid, "session_id": rid, "kind": "rollout", "step": 0, "prompt_id": rid, "group_id": rid, "group_size": 1,
+            "sample_index": 0, "turn": 0, "domain": "math", "paradigm": "math_verifier", "prompt_tokens": 64,
+            "output_tokens": 4, "max_tokens": 4, "finish_reason": "stop", "block_size": 32, "block_hashes": hashes,
+            "tool": None, "tool_latency_s": None, "tool_tokens": None, "verify_latency_s": None,
+            "scores_session_id": None, "arrival_s": float(arrival),
+        }
+        for k in cols:
+            cols[k].append(row[k])
+    return pa.table(cols, schema=WORKLOAD.schema)
+
+
+@pytest.mark.vllm
+def test_simulated_replicas_feed_their_kv_events_to_the_router(vllm_engine) -> None:
+    """X and A arrive together (X -> replica 0, A -> replica 1 by load); B repeats A's prompt after both
+    finished, with equal loads: only the replicas' KV events can tell the router that replica 1 holds it."""
+    from simulator.simulation import Simulation
+
+    wl = _replay([("X", 0, [1, 2]), ("A", 0, [3, 4]), ("B", 100, [3, 4])])
+    router = KVAwareRouter()
+    result = Simulation(wl, "vllm-default", replicas=2, router=router, kv_blocks=64, progress=False).run()
+    placed = dict(zip(result.requests.column("request_id").to_pylist(), result.requests.column("replica").to_pylist()))
+    assert placed == {"X": 0, "A": 1, "B": 1}
+    assert router.resident_blocks(0) >= 4 and router.resident_blocks(1) >= 4  # prompts' blocks (and outputs')
+    # the router's index is in vLLM's hash space: B's prompt (4 blocks of 16, as the hook logs them) is resident
+    # on replica 1 only
+    b = result.requests.column("request_id").to_pylist().index("B")
+    b_hashes = result.requests.column("block_hashes")[b].as_py()
+    assert len(b_hashes) == 4
+    assert router.matched_blocks(1, b_hashes) == 4 and router.matched_blocks(0, b_hashes) == 0
