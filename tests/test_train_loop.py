@@ -27,6 +27,19 @@ def test_train_group_keeps_its_subcommands(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "no such log" in res.output and "nope" in res.output
 
 
+def test_demo_champion_uses_the_preemption_head() -> None:
+    """The demo trains with ``preempt=True`` (its champion beat vLLM default's makespan only with the head); the
+    library default stays vLLM's tail victim."""
+    import dataclasses
+
+    from policy.offline import OfflineConfig
+    from training.demo import DemoConfig
+
+    assert OfflineConfig().preempt is False
+    cfg = dataclasses.replace(OfflineConfig(), **DemoConfig().policy_options)
+    assert cfg.preempt is True
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> Path:
     return logged_run(tmp_path_factory.mktemp("logs"))
