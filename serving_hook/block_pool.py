@@ -524,7 +524,7 @@ def exclusive_tail(pool: BlockPool, blocks: Sequence[Any], n: int) -> list:
 
 
 #: Blocks an eviction plan moves at first (or the allocation's need, if larger); each later extension doubles it.
-PLAN_FIRST_BLOCKS = 256
+PLAN_FIRST_BLOCKS = 64
 
 
 class EvictionPlan:

@@ -275,6 +275,7 @@ class KVPilotMixin:
         self._kvp_pool = None
         self._kvp_pins: Optional[BlockPoolAdapter] = None
         self._kvp_index: Optional[CachedPrefixIndex] = None
+        self._kvp_offered: dict[str, tuple] = {}  # evict()'s last candidates: prefix id -> (_Freed, CachedPrefix)
         if isinstance(policy, RegistryPolicy):
             # The registry's model: swapped in between steps (_kvp_between_steps), polled off this thread.
             self._kvp_registry = policy
@@ -1043,19 +1044,23 @@ class KVPilotMixin:
         sessions = self._kvp_sessions
         groups = self._kvp_groups
         ids_of = self._kvp_index.block_ids
+        last = self._kvp_offered  # the previous step's CachedPrefix objects, reused while unchanged
+        offered: dict[str, tuple[_Freed, CachedPrefix]] = {}
         prefixes: list[CachedPrefix] = []
         for pid, f, n in found:
             meta = f.meta
             state = f.owner_state
             if state is OwnerState.PAUSED_TOOL and sessions.get(meta.session_id) != (meta.turn or 0):
                 state = OwnerState.RUNNING  # the session's next turn has arrived
-            h64 = f.hashes64
-            if h64 is None:
-                h64 = f.hashes64 = tuple(hash_to_int64(_bh(h)) for h in f.hashes)
             g = groups.get(meta.group_id) if meta.group_id is not None else None
             pending = max(0, (meta.group_size or 0) - g[0]) if g is not None and meta.group_size else 0
-            prefixes.append(
-                CachedPrefix(
+            prev = last.get(pid)
+            cp = prev[1] if prev is not None and prev[0] is f else None
+            if cp is None or len(cp.block_ids) != n or cp.owner_state is not state or cp.group_pending != pending:
+                h64 = f.hashes64
+                if h64 is None:
+                    h64 = f.hashes64 = tuple(hash_to_int64(_bh(h)) for h in f.hashes)
+                cp = CachedPrefix(
                     prefix_id=pid,
                     owner_request_id=f.request_id,
                     owner_state=state,
@@ -1065,7 +1070,9 @@ class KVPilotMixin:
                     last_used_s=f.time_s,
                     group_pending=pending,
                 )
-            )
+            offered[pid] = (f, cp)
+            prefixes.append(cp)
+        self._kvp_offered = offered
         st = self.kvpilot_stats
         st.eviction_calls += 1
         try:
