@@ -113,6 +113,7 @@ class CountingBlockPool(BlockPool):
     kvpilot_eviction_hook: Optional[Callable[[int], None]] = None
     kvpilot_plan: Optional["EvictionPlan"] = None  # this step's eviction order, applied as blocks are taken
     kvpilot_dropped: Optional[list[int]] = None  # ids of blocks that lost their hash (kept for CachedPrefixIndex)
+    kvpilot_tree: bool = True  # keep the prefix tree (only the levers that move blocks need it)
     kvpilot_children: dict[int, set[int]]
     kvpilot_parent: dict[int, int]
 
@@ -126,6 +127,8 @@ class CountingBlockPool(BlockPool):
                           kv_cache_group_id, block_mask=None) -> None:  # vLLM override (block_pool.py L230)
         super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
                                   kv_cache_group_id, block_mask)
+        if not self.kvpilot_tree:
+            return
         parent, children = self.kvpilot_parent, self.kvpilot_children
         for i in range(max(num_cached_blocks, 1), num_full_blocks):
             b, p = blocks[i], blocks[i - 1]

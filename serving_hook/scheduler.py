@@ -231,10 +231,8 @@ class KVPilotMixin:
         #: Most tokens a running request decodes in one step; the simulator's decode
         #: stride sets it (telemetry counts a chunk of up to this many as decode tokens).
         self.kvpilot_decode_stride = 1
-        #: Called as ``listener(kind, block_hashes)`` for each of this engine's KV events
-        #: (``stored`` / ``removed`` / ``cleared``, hashes as signed int64) while telemetry is on;
-        #: the simulator feeds its KV-aware router with it, as llm-d reads vLLM's event stream.
-        self.kvpilot_kv_event_listener: Optional[Callable[[str, list], None]] = None
+        self.kvpilot_kv_event_listener: Optional[Callable[[str, list], None]] = None  # see kvpilot_set_kv_event_listener
+        self._kvp_orig_take_events: Optional[Callable] = None
         self._kvp_policy_limits()
         self._kvp_replica = cfg.replica
         self._kvp_logged: set[str] = set()
@@ -299,12 +297,27 @@ class KVPilotMixin:
         if self._kvp_preemption or self._kvp_retention:
             self._kvp_orig_allocate = self.kv_cache_manager.allocate_slots
             self.kv_cache_manager.allocate_slots = self._kvp_allocate_slots
-        if writer is not None:
-            # Make the pool emit vLLM's KV events so they can be logged; they
-            # still go to vLLM's own publisher (a null one unless configured).
-            pool.enable_kv_cache_events = True
+        pool.kvpilot_tree = self._kvp_eviction or self._kvp_retention  # exclusive tails: the levers that move blocks
+        self._kvp_log_kv_events = writer is not None and "kv_events" in getattr(writer, "tables", ("kv_events",))
+        if self._kvp_log_kv_events:
+            self._kvp_watch_kv_events()
+
+    def _kvp_watch_kv_events(self) -> None:
+        """Make the pool emit vLLM's KV events and take them at each step's end (idempotent).
+
+        They still go to vLLM's own publisher (a null one unless configured)."""
+        if self._kvp_orig_take_events is None:
+            self._kvp_pool.enable_kv_cache_events = True
             self._kvp_orig_take_events = self.kv_cache_manager.take_events
             self.kv_cache_manager.take_events = self._kvp_take_events
+
+    def kvpilot_set_kv_event_listener(self, listener: Optional[Callable[[str, list], None]]) -> None:
+        """Call ``listener(kind, block_hashes)`` for each of this engine's KV events (``stored`` / ``removed`` /
+        ``cleared``, hashes as signed int64) at each step's end; the simulator feeds its KV-aware router with
+        it, as llm-d reads vLLM's event stream. Needs the hook's non-passthrough mode."""
+        self.kvpilot_kv_event_listener = listener
+        if listener is not None and not self._kvp_passthrough:
+            self._kvp_watch_kv_events()
 
     # ======================================================== vLLM overrides
     def add_request(self, request: Any) -> None:
@@ -1251,14 +1264,15 @@ class KVPilotMixin:
 
     def _kvp_take_events(self):
         events = self._kvp_orig_take_events()
-        w = self.kvpilot_telemetry
-        if events and w is not None:
-            listener = self.kvpilot_kv_event_listener
+        w = self.kvpilot_telemetry if self._kvp_log_kv_events else None
+        listener = self.kvpilot_kv_event_listener
+        if events and (w is not None or listener is not None):
             try:
                 for row in kv_event_rows(
                     events, time_s=self.kvpilot_clock(), replica=self._kvp_replica, engine_step=self._kvp_step_no
                 ):
-                    w.put("kv_events", row)
+                    if w is not None:
+                        w.put("kv_events", row)
                     if listener is not None:
                         listener(row["event"], row["block_hashes"])
             except Exception as e:

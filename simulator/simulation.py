@@ -293,6 +293,7 @@ class Simulation:
         validate: bool = True,
         decode_stride: int = 1,
         decision_log: bool = True,
+        kv_event_log: bool = True,
     ) -> None:
         t0 = time.perf_counter()
         # ---- configuration checks, all before anything runs
@@ -381,6 +382,8 @@ class Simulation:
         #: Log the ``decisions`` table (every candidate's features at every decision): training needs it,
         #: an evaluation that only compares summaries does not.
         self.decision_log = decision_log
+        #: Log the ``kv_events`` table (every block stored or removed); the routers get the events either way.
+        self.kv_event_log = kv_event_log
         self.out_dir = Path(out_dir) if out_dir is not None else None
         # Longest context a request reaches, for vLLM's max_model_len.
         full = workload.column("prompt_tokens").to_numpy().astype(np.int64) + output
@@ -465,7 +468,7 @@ class Simulation:
             sched.kvpilot_clock = _clock_of(rep)
             sched.kvpilot_decode_stride = self.stride
             if self.n_replicas > 1:
-                sched.kvpilot_kv_event_listener = functools.partial(self.router.on_kv_event, i)
+                sched.kvpilot_set_kv_event_listener(functools.partial(self.router.on_kv_event, i))
             reps.append(rep)
         return reps
 
@@ -912,7 +915,8 @@ class Simulation:
         if tel_dir.exists() and any(tel_dir.iterdir()):
             raise SimulationError(f"{tel_dir} already holds telemetry; choose an empty output directory")
         meta = {"decisions": {"kvpilot.feature_names": json.dumps({k: list(v) for k, v in FEATURE_NAMES.items()})}}
-        tables = None if self.decision_log else [t for t in TELEMETRY_TABLES if t != "decisions"]
+        left_out = {t for t, on in (("decisions", self.decision_log), ("kv_events", self.kv_event_log)) if not on}
+        tables = [t for t in TELEMETRY_TABLES if t not in left_out] if left_out else None
         writer = TelemetryWriter(tel_dir, capacity=2_000_000, rows_per_file=200_000, flush_interval_s=30.0,
                                  metadata=meta, tables=tables)
         try:

@@ -161,16 +161,19 @@ def test_evaluate_parallel_jobs(vllm_engine: Any, workload_path: Path, tmp_path:
 
 
 @pytest.mark.vllm
-def test_decision_log_is_optional_and_changes_no_result(vllm_engine: Any, workload_path: Path,
-                                                         tmp_path: Path) -> None:
-    """Evaluation runs leave the decisions table out by default; with it, every result is the same."""
+def test_full_telemetry_is_optional_and_changes_no_result(vllm_engine: Any, workload_path: Path,
+                                                           tmp_path: Path) -> None:
+    """Evaluation runs leave the decisions and kv_events tables out by default; with them, every result is the
+    same (two replicas behind the kv-aware router, which gets the KV events either way)."""
     runs = {}
     for log in (False, True):
-        res = evaluate(workload_path, ["sjf-predicted"], tmp_path / str(log), kv_fractions=[0.3], progress=False,
-                       decision_log=log)
+        res = evaluate(workload_path, ["sjf-predicted"], tmp_path / str(log), kv_fractions=[0.3], replicas=[2],
+                       router="kv-aware", progress=False, full_telemetry=log)
         runs[log] = res.rows
-        decisions = tmp_path / str(log) / "runs" / "sjf-predicted-kv0.3-r1" / "telemetry" / "decisions"
-        assert any(decisions.glob("part-*.parquet")) is log
+        telemetry = tmp_path / str(log) / "runs" / "sjf-predicted-kv0.3-r2" / "telemetry"
+        for table in ("decisions", "kv_events"):
+            assert any((telemetry / table).glob("part-*.parquet")) is log, table
+        assert any((telemetry / "requests").glob("part-*.parquet"))
     timing = ("wall_s", "scheduler_s", "hook_s", "setup_s", "simulator_overhead")
     strip = [[{k: v for k, v in r.items() if k not in timing} for r in rows] for rows in runs.values()]
     assert strip[0] == strip[1]

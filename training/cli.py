@@ -261,8 +261,9 @@ def evaluate_cmd(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
     model: Annotated[Optional[Path], typer.Option(
         "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`).")] = None,
-    decision_log: Annotated[bool, typer.Option(
-        "--decision-log", help="Also write each run's decisions telemetry (for training or OPE; slower).")] = False,
+    full_telemetry: Annotated[bool, typer.Option(
+        "--full-telemetry", help="Also write each run's decisions and kv_events telemetry (for training, OPE or "
+        "cache analysis; slower). Without it a run writes the requests and steps tables the summary reads.")] = False,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import EvaluationError, build_cases, evaluate, resolve_policies
@@ -289,7 +290,7 @@ def evaluate_cmd(
     try:
         result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
                           jobs=jobs, progress=progress, decode_stride=decode_stride, resume=resume,
-                          decision_log=decision_log, policy_options={"learned": {"model": str(model)}} if model is not None else None)
+                          full_telemetry=full_telemetry, policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None
     failed = [r for r in result.rows if r.get("error")]

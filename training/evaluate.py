@@ -9,7 +9,8 @@ not a failed evaluation. ``vllm-default`` is always run, for the ratios.
 Cases run at the simulator's decode stride :data:`DEFAULT_DECODE_STRIDE`
 (``decode_stride``; 1 is the exact path, see :mod:`simulator.simulation`).
 Each finished case leaves ``runs/<case>/summary.json``,
-``trajectories.json`` and its telemetry (without ``decisions`` unless ``decision_log``); with ``resume`` a case that an earlier evaluation into
+``trajectories.json`` and its telemetry (``requests`` and ``steps``; ``decisions`` and ``kv_events`` too with
+``full_telemetry``); with ``resume`` a case that an earlier evaluation into
 the same folder finished at the same stride is read back, not rerun (the
 workload, router and preset must be the same: they are not checked).
 
@@ -228,13 +229,14 @@ def evaluate(
     sim_options: dict[str, Any] | None = None,
     on_case: Callable[[Case, dict[str, Any]], None] | None = None,
     policy_options: dict[str, dict[str, Any]] | None = None,
-    decision_log: bool = False,
+    full_telemetry: bool = False,
 ) -> EvaluationResult:
     """Run the grid (see the module docstring); bad requests raise :class:`EvaluationError` before running.
 
     ``policy_options``: per-policy keyword options, by policy name (``learned`` needs ``model``).
-    ``decision_log``: also write each run's ``decisions`` telemetry (every candidate's features at every
-    decision: what training and OPE read; off by default, since the comparison needs only the summaries).
+    ``full_telemetry``: also write each run's ``decisions`` (every candidate's features at every decision: what
+    training and OPE read) and ``kv_events`` telemetry (every block stored or removed); off by default, since
+    the comparison needs only the summaries, which read ``requests`` and ``steps``.
     """
     names = resolve_policies(policies)
     cases = build_cases(names, kv_fractions, replicas)
@@ -242,7 +244,8 @@ def evaluate(
         raise EvaluationError(f"jobs must be >= 1, got {jobs}")
     if not isinstance(decode_stride, int) or decode_stride < 1:
         raise EvaluationError(f"decode_stride must be an integer >= 1, got {decode_stride!r}")
-    sim_options = {"decode_stride": decode_stride, "decision_log": decision_log, **(sim_options or {})}
+    sim_options = {"decode_stride": decode_stride, "decision_log": full_telemetry, "kv_event_log": full_telemetry,
+                   **(sim_options or {})}
     from data.io import read_workload
 
     try:
