@@ -112,6 +112,7 @@ class CountingBlockPool(BlockPool):
     kvpilot_evictions: int = 0
     kvpilot_eviction_hook: Optional[Callable[[int], None]] = None
     kvpilot_plan: Optional["EvictionPlan"] = None  # this step's eviction order, applied as blocks are taken
+    kvpilot_plan_error: Optional[Callable[[BaseException], None]] = None  # told when placing the plan fails
     kvpilot_dropped: Optional[list[int]] = None  # ids of blocks that lost their hash (kept for CachedPrefixIndex)
     kvpilot_tree: bool = True  # keep the prefix tree (only the levers that move blocks need it)
     kvpilot_children: dict[int, set[int]]
@@ -191,7 +192,14 @@ class CountingBlockPool(BlockPool):
                     b = b.next_free_block
             plan = self.kvpilot_plan
             if plan is not None:
-                plan.cover(num_blocks)
+                try:
+                    plan.cover(num_blocks)
+                except Exception as e:  # never break vLLM: LRU for the rest of the step
+                    plan.done = True
+                    if self.kvpilot_plan_error is not None:
+                        self.kvpilot_plan_error(e)
+                if plan.done:
+                    self.kvpilot_plan = None
         return super().get_new_blocks(num_blocks)
 
 
@@ -545,7 +553,8 @@ class EvictionPlan:
     every evicting allocation of the step takes blocks in the policy's order, as
     if all tails had been moved at once, except that a later tail is measured
     when it is placed (a block in use by then stays). Unlisted cached blocks
-    keep their LRU order. The free-block count never changes.
+    keep their LRU order. The free-block count never changes: a placement
+    measures its tails first and then only unlinks and relinks free blocks.
     """
 
     def __init__(self, pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[Any], int]],
@@ -556,6 +565,7 @@ class EvictionPlan:
         self._placed: set[int] = set()
         self._next = PLAN_FIRST_BLOCKS
         self._on_move = on_move
+        self.done = False  # every listed tail is placed: LRU for the rest of the step
         self.moved = 0
 
     def cover(self, n: int) -> None:
@@ -568,12 +578,14 @@ class EvictionPlan:
             if b is None or b is tail:
                 return
             if b.block_hash is not None and b.block_id not in placed:
-                self._extend(n)
+                self.place(n)
                 return
             b = b.next_free_block
 
-    def _extend(self, n: int) -> int:
-        """Place the next tails behind the hash-less and already placed blocks at the head; how many moved."""
+    def place(self, n: int) -> int:
+        """Place the next tails behind the hash-less and already placed blocks at the head; how many moved.
+
+        Enough for an allocation of ``n`` blocks, and at least the plan's next chunk (which doubles)."""
         pool = self.pool
         q = pool.free_block_queue
         tail = q.fake_free_list_tail
@@ -589,7 +601,7 @@ class EvictionPlan:
         while len(moved) < want:
             chain = next(self._chains, None)
             if chain is None:
-                pool.kvpilot_plan = None  # every listed tail is placed: LRU for the rest
+                self.done = True
                 break
             blocks, hashes, length = chain
             if not self._fresh:
@@ -597,10 +609,11 @@ class EvictionPlan:
             for blk in exclusive_tail(pool, blocks, length):
                 if blk.block_id not in placed:
                     placed.add(blk.block_id)
-                    q.remove(blk)
                     moved.append(blk)
         self._fresh = False
         if moved:
+            for blk in moved:
+                q.remove(blk)
             head = q.popleft_n(ahead) if ahead else []
             q.prepend_n(moved)
             if head:
@@ -612,15 +625,20 @@ class EvictionPlan:
 
 
 def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[Any], int]], need: int = 0,
-                on_move: Optional[Callable[[int], None]] = None) -> int:
+                on_move: Optional[Callable[[int], None]] = None,
+                on_error: Optional[Callable[[BaseException], None]] = None) -> int:
     """Start an :class:`EvictionPlan` for ``chains`` (``(blocks, hashes, cached_length)``, evict first first).
 
     Places the first tails now (enough for ``need`` blocks, and at least
     :data:`PLAN_FIRST_BLOCKS`); the pool's ``get_new_blocks`` places more when
     an allocation of the same step needs them (a plain ``BlockPool`` gets only
-    this first placement). Returns the number of blocks moved now.
+    this first placement). A later placement that fails drops the plan (LRU
+    for the rest of the step) and is passed to ``on_error``. Returns the number
+    of blocks moved now.
     """
     plan = EvictionPlan(pool, chains, on_move)
-    if isinstance(pool, CountingBlockPool):
+    moved = plan.place(need)
+    if isinstance(pool, CountingBlockPool) and not plan.done:
         pool.kvpilot_plan = plan
-    return plan._extend(need)
+        pool.kvpilot_plan_error = on_error
+    return moved

@@ -1047,6 +1047,9 @@ class KVPilotMixin:
     def _kvp_count_moved(self, n: int) -> None:
         self.kvpilot_stats.evict_first_blocks += n
 
+    def _kvp_plan_failed(self, e: BaseException) -> None:
+        self._kvp_internal_error("evict", e)
+
     def _kvp_evict(self, num_blocks: int) -> None:
         if self._kvp_step_fallback:
             return  # this step already fell back to vLLM's behaviour (LRU)
@@ -1109,7 +1112,7 @@ class KVPilotMixin:
             chains.append((fn[0].blocks, fn[0].hashes, fn[1]))
             if first is None:
                 first = pid
-        if chains and evict_first(self._kvp_pool, chains, num_blocks, self._kvp_count_moved):
+        if chains and evict_first(self._kvp_pool, chains, num_blocks, self._kvp_count_moved, self._kvp_plan_failed):
             st.eviction_orders += 1
         if self._kvp_log_decisions:
             idx = next((i for i, cp in enumerate(prefixes) if cp.prefix_id == first), -1)

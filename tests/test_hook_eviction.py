@@ -268,3 +268,31 @@ def test_index_tracks_cached_lengths_without_walking(vllm_engine, monkeypatch):
     _run_until_done(s, runner)
     assert len(checked) >= 5 and max(checked) >= 3
     assert s.kvpilot_stats.evict_first_blocks > 0 and not s.kvpilot_stats.fallbacks
+
+
+def test_a_failed_later_placement_falls_back_to_lru_for_the_step(vllm_engine, monkeypatch):
+    """The same step as above, with the second placement (B's tail, for F2) raising: the engine goes on, F2
+    evicts in LRU order (what is left of C, then A's deepest blocks), and the failure is counted once."""
+    monkeypatch.setattr(block_pool, "PLAN_FIRST_BLOCKS", 1)
+    calls = []
+    real = block_pool.exclusive_tail
+
+    def flaky(pool, blocks, n):
+        calls.append(n)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(pool, blocks, n)
+
+    monkeypatch.setattr(block_pool, "exclusive_tail", flaky)
+    engine = vllm_engine
+    policy = EvictPolicy(order=["C", "B"])
+    s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
+    runner = engine.FakeRunner()
+    p = _prefixes(engine, s, runner, ["A", "B", "C"])
+    s.add_request(engine.make_request("F1", engine.prompt_tokens("ev-f1", 64), 1))
+    s.add_request(engine.make_request("F2", engine.prompt_tokens("ev-f2b", 64), 1))
+    _run_until_done(s, runner)
+    assert len(calls) == 2
+    assert {n: _cached(engine, s, p[n] + [1]) for n in "ABC"} == {"A": 16, "B": 48, "C": 0}
+    assert s.kvpilot_stats.fallbacks == {"hook:evict": 1}
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 12  # every block back in the free list
