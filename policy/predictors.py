@@ -248,7 +248,34 @@ class OracleReusePredictor:
         return best
 
     def next_use_s(self, prefixes: Sequence[CachedPrefix], now_s: float) -> list[float]:
-        return [self.next_use_key(row_key(p.meta), now_s) for p in prefixes]
+        """:meth:`next_use_key` of each prefix; the sharers of a leading block are scanned once per call."""
+        soonest: dict[object, tuple[float, Optional[tuple[str, int]], float]] = {}
+        out: list[float] = []
+        for p in prefixes:
+            key = row_key(p.meta)
+            r = self.rows.get(key) if key is not None else None
+            lead = r.get("lead") if r is not None else None
+            if lead is None:
+                out.append(math.inf)
+                continue
+            m = soonest.get(lead)
+            if m is None:
+                m = soonest[lead] = self._two_soonest(lead, now_s)
+            out.append(m[2] if m[1] == key else m[0])
+        return out
+
+    def _two_soonest(self, lead: object, now_s: float) -> tuple[float, Optional[tuple[str, int]], float]:
+        """(soonest ready time, its row, the next soonest time) among the pending sharers of ``lead``."""
+        t1, k1, t2 = math.inf, None, math.inf
+        for k2 in self._pending.get(lead, ()):
+            t = self._ready(k2, now_s)
+            if t < t1:
+                t1, k1, t2 = t, k2, t1
+            elif t < t2:
+                t2 = t
+            if t2 <= now_s:
+                break
+        return t1, k1, t2
 
     def observe(self, event: Event) -> None:
         key = row_key(event.meta)

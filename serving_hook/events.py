@@ -11,7 +11,7 @@ int64 whether it comes from a ``bytes`` event, an ``int`` event, or
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 _MASK = (1 << 64) - 1
 _SIGN = 1 << 63
@@ -31,6 +31,19 @@ def hash_to_int64(h: Any) -> int:
 def hashes_to_int64(hs: Iterable[Any]) -> list[int]:
     """:func:`hash_to_int64` of each hash (vLLM's int form, the common one, converted inline)."""
     return [((h & _MASK) ^ _SIGN) - _SIGN if type(h) is int else hash_to_int64(h) for h in hs]
+
+
+def kv_event_hashes(events: Iterable[Any]) -> Iterator[tuple[str, list[int]]]:
+    """``(kind, int64 block hashes)`` of vLLM ``KVCacheEvent`` objects, the kinds of :func:`kv_event_rows`."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    for ev in events:
+        if isinstance(ev, BlockRemoved):
+            yield "removed", hashes_to_int64(ev.block_hashes)
+        elif isinstance(ev, BlockStored):
+            yield "stored", hashes_to_int64(ev.block_hashes)
+        elif isinstance(ev, AllBlocksCleared):
+            yield "cleared", []
 
 
 def kv_event_rows(events: Iterable[Any], *, time_s: float, replica: int, engine_step: int) -> list[dict]:

@@ -112,7 +112,7 @@ from policy.interface import (
 )
 from serving_hook.block_pool import BlockPoolAdapter, CachedPrefixIndex, evict_first, install_eviction_counter
 from serving_hook.config import HookConfig, HookConfigError, build_policy, load_config
-from serving_hook.events import hash_to_int64, hashes_to_int64, kv_event_rows
+from serving_hook.events import hash_to_int64, hashes_to_int64, kv_event_hashes, kv_event_rows
 from serving_hook.metadata import request_meta
 from serving_hook.model_source import RegistryPolicy
 
@@ -1271,11 +1271,14 @@ class KVPilotMixin:
         listener = self.kvpilot_kv_event_listener
         if events and (w is not None or listener is not None):
             try:
+                if w is None:  # the listener only: kinds and hashes, no rows
+                    for kind, hashes in kv_event_hashes(events):
+                        listener(kind, hashes)
+                    return events
                 for row in kv_event_rows(
                     events, time_s=self.kvpilot_clock(), replica=self._kvp_replica, engine_step=self._kvp_step_no
                 ):
-                    if w is not None:
-                        w.put("kv_events", row)
+                    w.put("kv_events", row)
                     if listener is not None:
                         listener(row["event"], row["block_hashes"])
             except Exception as e:

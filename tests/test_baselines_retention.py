@@ -36,7 +36,7 @@ from policy.interface import (
     RequestStatus,
     RetentionAction,
 )
-from policy.predictors import OracleReusePredictor
+from policy.predictors import OracleReusePredictor, row_key
 from policy.registry import create_policy
 from tests.hooks import hook_scheduler as _hook
 
@@ -184,6 +184,32 @@ def test_oracle_reuse_predictor_next_uses():
     assert o.next_use_s([ps[2]], 1033.0) == [1033.0]
     # no metadata, or a row the workload does not have: never
     assert o.next_use_s([prefix("x", session="zz")], 0.0) == [INF]
+
+
+def test_oracle_reuse_batch_equals_one_by_one():
+    """next_use_s scans a leading block's sharers once per call; each answer equals next_use_key's, the owner
+    itself left out (also when the owner is pending again, after a preemption)."""
+    import random
+
+    rng = random.Random(7)
+    rows = []
+    for g in range(6):  # groups of siblings sharing a lead, some with a second turn after a tool
+        for i in range(4):
+            s = f"g{g}s{i}"
+            rows.append({"session_id": s, "turn": 0, "lead": g, "tool_latency_s": rng.choice([None, 1.5, 40.0]),
+                         "arrival_s": 1000.0 + rng.choice([0.0, 5.0, 60.0])})
+            if rows[-1]["tool_latency_s"] is not None:
+                rows.append({"session_id": s, "turn": 1, "lead": g})
+    o = OracleReusePredictor.from_workload(workload(rows))
+    keys = [(r["session_id"], r["turn"]) for r in rows]
+    ps = [prefix(f"{s}-{t}", session=s, turn=t) for s, t in keys] + [prefix("x", session="zz")]
+    now = 1000.0
+    kinds = [EventKind.ARRIVED, EventKind.SCHEDULED, EventKind.PREEMPTED, EventKind.FINISHED]
+    for _ in range(60):
+        s, t = rng.choice(keys)
+        now += rng.random() * 3
+        o.observe(ev(rng.choice(kinds), s, t, t=now))
+        assert o.next_use_s(ps, now) == [o.next_use_key(row_key(p.meta), now) for p in ps]
 
 
 def test_kvflow_orders_furthest_next_use_first_ties_lru():

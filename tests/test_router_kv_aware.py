@@ -240,14 +240,16 @@ def _replay(rows: list[tuple[str, int, list[int]]]):
 
 
 @pytest.mark.vllm
-def test_simulated_replicas_feed_their_kv_events_to_the_router(vllm_engine) -> None:
+@pytest.mark.parametrize("kv_event_log", [True, False])
+def test_simulated_replicas_feed_their_kv_events_to_the_router(vllm_engine, kv_event_log: bool) -> None:
     """X and A arrive together (X -> replica 0, A -> replica 1 by load); B repeats A's prompt after both
     finished, with equal loads: only the replicas' KV events can tell the router that replica 1 holds it."""
     from simulator.simulation import Simulation
 
     wl = _replay([("X", 0, [1, 2]), ("A", 0, [3, 4]), ("B", 100, [3, 4])])
     router = KVAwareRouter()
-    result = Simulation(wl, "vllm-default", replicas=2, router=router, kv_blocks=64, progress=False).run()
+    result = Simulation(wl, "vllm-default", replicas=2, router=router, kv_blocks=64, progress=False,
+                        kv_event_log=kv_event_log).run()
     placed = dict(zip(result.requests.column("request_id").to_pylist(), result.requests.column("replica").to_pylist()))
     assert placed == {"X": 0, "A": 1, "B": 1}
     assert router.resident_blocks(0) >= 4 and router.resident_blocks(1) >= 4  # prompts' blocks (and outputs')
