@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 import zlib
@@ -71,6 +72,14 @@ def tiny_model_dir(root: Optional[os.PathLike] = None) -> str:
         tmp.write_text(text)
         os.replace(tmp, cfg)
     return str(d)
+
+
+class _GpuBlockSizeIsDeliberate(logging.Filter):
+    """Drops vLLM's CPU-platform advice to use blocks of 32 tokens: the simulated engine is a GPU one, with GPU
+    vLLM's 16-token blocks, and the CPU runs no attention kernel. Printed once per engine, it flooded every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("CPU backend prefers block_size")
 
 
 def make_vllm_config(
@@ -127,6 +136,9 @@ def make_vllm_config(
         enable_prefix_caching=enable_prefix_caching,
     )
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if enable_kv_cache_events else None
+    cpu_log = logging.getLogger("vllm.platforms.cpu")
+    if not any(isinstance(f, _GpuBlockSizeIsDeliberate) for f in cpu_log.filters):
+        cpu_log.addFilter(_GpuBlockSizeIsDeliberate())
     cfg = VllmConfig(
         model_config=model_config,
         cache_config=cache_config,

@@ -463,3 +463,18 @@ def test_cached_env_reads_change_no_result(vllm_engine: Any, policy: str, monkey
                 "group_completion_s"):
         assert cached[key] == uncached[key], key
     assert cached["preemptions"] > 0
+
+
+def test_cpu_block_size_advice_is_dropped_and_nothing_else() -> None:
+    """vLLM's CPU platform advises 32-token blocks once per engine; the simulated GPU engine keeps 16 on purpose."""
+    import logging
+
+    from simulator.engine import _GpuBlockSizeIsDeliberate
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("vllm.platforms.cpu", logging.WARNING, __file__, 1, msg, None, None)
+
+    f = _GpuBlockSizeIsDeliberate()
+    assert not f.filter(record("CPU backend prefers block_size is multiples of 32, otherwise the performance is not "
+                               "optimized."))
+    assert f.filter(record("Triton is not installed. triton-cpu is expected on x86 CPUs."))
