@@ -176,20 +176,11 @@ class CountingBlockPool(BlockPool):
     def get_new_blocks(self, num_blocks: int):  # vLLM override (block_pool.py L706)
         if num_blocks > 0 and self.enable_caching:
             hook = self.kvpilot_eviction_hook
-            if hook is not None:
-                q = self.free_block_queue
-                tail = q.fake_free_list_tail
-                b = q.fake_free_list_head.next_free_block
-                for _ in range(num_blocks):
-                    if b is None or b is tail:
-                        break
-                    if b.block_hash is not None:  # this allocation evicts a cached block
-                        try:
-                            hook(num_blocks)
-                        except Exception:  # the hook handles its own errors; never break vLLM
-                            pass
-                        break
-                    b = b.next_free_block
+            if hook is not None and takes_cached(self.free_block_queue, num_blocks):  # this allocation evicts
+                try:
+                    hook(num_blocks)
+                except Exception:  # the hook handles its own errors; never break vLLM
+                    pass
             plan = self.kvpilot_plan
             if plan is not None:
                 try:
@@ -201,6 +192,20 @@ class CountingBlockPool(BlockPool):
                 if plan.done:
                     self.kvpilot_plan = None
         return super().get_new_blocks(num_blocks)
+
+
+def takes_cached(queue: Any, n: int, placed: frozenset | set = frozenset()) -> bool:
+    """Whether the first ``n`` blocks of the free list (the ones ``get_new_blocks(n)`` pops) include a cached
+    block whose id is not in ``placed``: whether that allocation evicts (outside a plan's placed blocks)."""
+    tail = queue.fake_free_list_tail
+    b = queue.fake_free_list_head.next_free_block
+    for _ in range(n):
+        if b is None or b is tail:
+            return False
+        if b.block_hash is not None and b.block_id not in placed:
+            return True
+        b = b.next_free_block
+    return False
 
 
 def install_eviction_counter(pool: BlockPool) -> None:
@@ -570,17 +575,8 @@ class EvictionPlan:
 
     def cover(self, n: int) -> None:
         """Make sure the first ``n`` free blocks evict in the plan's order (place more tails if needed)."""
-        q = self.pool.free_block_queue
-        tail = q.fake_free_list_tail
-        placed = self._placed
-        b = q.fake_free_list_head.next_free_block
-        for _ in range(n):
-            if b is None or b is tail:
-                return
-            if b.block_hash is not None and b.block_id not in placed:
-                self.place(n)
-                return
-            b = b.next_free_block
+        if takes_cached(self.pool.free_block_queue, n, self._placed):
+            self.place(n)
 
     def place(self, n: int) -> int:
         """Place the next tails behind the hash-less and already placed blocks at the head; how many moved.

@@ -415,7 +415,6 @@ class Simulation:
         self.arrival = col("arrival_s")
         self.prompt_len = self.tokens.prompt.tolist()
         self.output_len = self.tokens.output.tolist()
-        self.block_size = self.tokens.block_size
         self.row_of = {r: i for i, r in enumerate(self.rid)}
         trajs: dict[str, _Traj] = {}
         for i in range(w.num_rows):

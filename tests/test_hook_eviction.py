@@ -132,19 +132,25 @@ def test_not_asked_without_eviction(vllm_engine):
     assert _cached(engine, s, p["A"] + [1]) == 48
 
 
+def _two_fillers_in_one_step(engine, policy, f2_name, f2_tokens):
+    """A, B, C cached (9 blocks, 3 empty), then F1 (64 tokens) and F2 admitted in one step; prompts of A, B, C."""
+    s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
+    runner = engine.FakeRunner()
+    p = _prefixes(engine, s, runner, ["A", "B", "C"])
+    s.add_request(engine.make_request("F1", engine.prompt_tokens("ev-f1", 64), 1))
+    s.add_request(engine.make_request("F2", engine.prompt_tokens(f2_name, f2_tokens), 1))
+    out = runner.step(s)
+    assert sorted(d.req_id for d in out.scheduled_new_reqs) == ["F1", "F2"]
+    _run_until_done(s, runner)
+    return s, p
+
+
 def test_one_ask_per_step_and_order_holds_for_the_step(vllm_engine):
     """A, B, C cached (9 blocks, 3 empty). Two fillers admitted in one step both
     evict: F1 takes the 3 empty blocks + 1 cached, F2 2 cached. One ask; C goes."""
     engine = vllm_engine
     policy = EvictPolicy(order=["C", "B"])
-    s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
-    p = _prefixes(engine, s, runner, ["A", "B", "C"])
-    s.add_request(engine.make_request("F1", engine.prompt_tokens("ev-f1", 64), 1))
-    s.add_request(engine.make_request("F2", engine.prompt_tokens("ev-f2", 32), 1))
-    out = runner.step(s)
-    assert sorted(d.req_id for d in out.scheduled_new_reqs) == ["F1", "F2"]
-    _run_until_done(s, runner)
+    s, p = _two_fillers_in_one_step(engine, policy, "ev-f2", 32)
     assert len(policy.calls) == 1
     assert [c[0] for c in policy.calls[0][0]] == ["A", "B", "C"]
     assert policy.calls[0][1] == 4
@@ -222,14 +228,7 @@ def test_order_placed_lazily_evicts_as_if_placed_at_once(vllm_engine, monkeypatc
     monkeypatch.setattr(block_pool, "PLAN_FIRST_BLOCKS", first_blocks)
     engine = vllm_engine
     policy = EvictPolicy(order=["C", "B"])
-    s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
-    p = _prefixes(engine, s, runner, ["A", "B", "C"])
-    s.add_request(engine.make_request("F1", engine.prompt_tokens("ev-f1", 64), 1))
-    s.add_request(engine.make_request("F2", engine.prompt_tokens("ev-f2b", 64), 1))
-    out = runner.step(s)
-    assert sorted(d.req_id for d in out.scheduled_new_reqs) == ["F1", "F2"]
-    _run_until_done(s, runner)
+    s, p = _two_fillers_in_one_step(engine, policy, "ev-f2b", 64)
     assert len(policy.calls) == 1
     assert {n: _cached(engine, s, p[n] + [1]) for n in "ABC"} == {"A": 48, "B": 16, "C": 0}
     assert s.kvpilot_stats.evict_first_blocks == 6
@@ -286,12 +285,7 @@ def test_a_failed_later_placement_falls_back_to_lru_for_the_step(vllm_engine, mo
     monkeypatch.setattr(block_pool, "exclusive_tail", flaky)
     engine = vllm_engine
     policy = EvictPolicy(order=["C", "B"])
-    s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
-    p = _prefixes(engine, s, runner, ["A", "B", "C"])
-    s.add_request(engine.make_request("F1", engine.prompt_tokens("ev-f1", 64), 1))
-    s.add_request(engine.make_request("F2", engine.prompt_tokens("ev-f2b", 64), 1))
-    _run_until_done(s, runner)
+    s, p = _two_fillers_in_one_step(engine, policy, "ev-f2b", 64)
     assert len(calls) == 2
     assert {n: _cached(engine, s, p[n] + [1]) for n in "ABC"} == {"A": 16, "B": 48, "C": 0}
     assert s.kvpilot_stats.fallbacks == {"hook:evict": 1}
