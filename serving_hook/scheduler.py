@@ -161,6 +161,15 @@ class _PinInfo:
     hashes: list
     last_used_s: float
     hits: int = 0
+    hashes64: Optional[tuple] = None  # int64 hashes, computed once (retain() lists every pin each time)
+
+
+def _hashes64(held: _Freed | _PinInfo) -> tuple:
+    """``held``'s block hashes as int64 (the interface's convention), converted once and kept."""
+    h64 = held.hashes64
+    if h64 is None:
+        h64 = held.hashes64 = tuple(hash_to_int64(_bh(h)) for h in held.hashes)
+    return h64
 
 
 @dataclass
@@ -945,7 +954,7 @@ class KVPilotMixin:
                 owner_state=f.owner_state,
                 meta=f.meta,
                 block_ids=tuple(b.block_id for b in f.blocks),
-                block_hashes=tuple(hash_to_int64(_bh(h)) for h in f.hashes),
+                block_hashes=_hashes64(f),
                 last_used_s=f.time_s,
                 group_pending=pending,
             )
@@ -964,7 +973,7 @@ class KVPilotMixin:
                     owner_state=pi.owner_state,
                     meta=pi.meta,
                     block_ids=tuple(b.block_id for b in pin.blocks),
-                    block_hashes=tuple(hash_to_int64(_bh(h)) for h in pi.hashes[: len(pin.blocks)]),
+                    block_hashes=_hashes64(pi)[: len(pin.blocks)],
                     last_used_s=pi.last_used_s,
                     hits=pi.hits,
                     protected_until_s=pin.expires_at,
@@ -996,7 +1005,7 @@ class KVPilotMixin:
                     f = entry[1]
                     n = pins.protect(pid, f.blocks, f.hashes, ret.ttl_s, now)
                     if n:
-                        pin_info[pid] = _PinInfo(f.meta, f.owner_state, f.hashes, f.time_s)
+                        pin_info[pid] = _PinInfo(f.meta, f.owner_state, f.hashes, f.time_s, hashes64=f.hashes64)
                         st.protected += 1
                 else:
                     pins.protect(pid, (), (), ret.ttl_s, now)  # renew
@@ -1073,9 +1082,7 @@ class KVPilotMixin:
             prev = last.get(pid)
             cp = prev[1] if prev is not None and prev[0] is f else None
             if cp is None or len(cp.block_ids) != n or cp.owner_state is not state or cp.group_pending != pending:
-                h64 = f.hashes64
-                if h64 is None:
-                    h64 = f.hashes64 = tuple(hash_to_int64(_bh(h)) for h in f.hashes)
+                h64 = _hashes64(f)
                 cp = CachedPrefix(
                     prefix_id=pid,
                     owner_request_id=f.request_id,

