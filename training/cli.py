@@ -20,6 +20,7 @@ from data.errors import DataValidationError
 from training import predictors_cli
 from training.policy_cli import register as register_train_policy
 from training.predictors_cli import predictors_app
+from training.evaluate import DEFAULT_DECODE_STRIDE
 from training.train import HELDOUT_KV_FRACTION, HELDOUT_SEED
 
 app = typer.Typer(
@@ -251,8 +252,9 @@ def evaluate_cmd(
     preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
     decode_stride: Annotated[
         Optional[int], typer.Option("--decode-stride", help="Tokens each request decodes per simulated step; "
-                                    "1 is exact. Default: training.evaluate.DEFAULT_DECODE_STRIDE, chosen with "
-                                    "benchmarks/bench_stride.py.")
+                                    f"1 is exact. Default: {DEFAULT_DECODE_STRIDE} (training.evaluate."
+                                    "DEFAULT_DECODE_STRIDE); benchmarks/bench_stride.py measures what a stride "
+                                    "changes.")
     ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Reuse the cases an earlier evaluation into -o finished at this stride "
@@ -273,7 +275,7 @@ def evaluate_cmd(
     if jobs < 1:
         raise _fail(f"--jobs must be >= 1, got {jobs}")
     if decode_stride is None:
-        from training.evaluate import DEFAULT_DECODE_STRIDE as decode_stride
+        decode_stride = DEFAULT_DECODE_STRIDE
     if decode_stride < 1:
         raise _fail(f"--decode-stride must be >= 1, got {decode_stride}")
     if not workload.exists():
