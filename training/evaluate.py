@@ -29,7 +29,9 @@ It writes, under ``out_dir``:
   are 0);
 * ``summary.csv`` and ``summary.md``: the same rows, scalar metrics only;
 * ``makespan.png``, ``hit_rate.png``, ``recompute.png``: the metric against
-  the KV fraction, one line per policy, one panel per replica count;
+  the KV fraction, one line per policy, one panel per replica count; the
+  makespan is the whole workload's (``simulated_s``), so tail batching's long
+  rounds count;
 * ``trajectory_ecdf.png``: the ECDF of trajectory completion times (first turn
   released to verification done) per policy at the smallest KV fraction, one
   panel per replica count.
@@ -425,7 +427,7 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
     xlabel = "KV cache per replica (fraction of the largest step's need)"
     files = []
     for fname, key, ylabel, title in (
-            ("makespan.png", "makespan_s", "makespan (s per RL step, simulated)", "Makespan vs KV size"),
+            ("makespan.png", "simulated_s", "workload makespan (s, simulated)", "Makespan vs KV size"),
             ("hit_rate.png", "prefix_hit_rate", "prefix hit rate (cached / prompt tokens)", "Prefix hit rate vs KV size"),
             ("recompute.png", "recomputed_tokens", "recomputed tokens (tokens)", "Recompute vs KV size")):
         fig, axes = plt.subplots(1, len(reps), figsize=(5.2 * len(reps) + 1.5, 4.2), squeeze=False)
