@@ -297,10 +297,11 @@ def evaluate_cmd(
         raise _fail(str(err)) from None
     failed = [r for r in result.rows if r.get("error")]
     for r in result.rows:
-        ratio = r.get("makespan_ratio_vs_default")
+        ratio, whole = r.get("makespan_ratio_vs_default"), r.get("simulated_ratio_vs_default")
         status = f"error: {r['error']}" if r.get("error") else (
-            f"makespan {r['makespan_s']:.2f} s  x{ratio:.3f} vs default  hit {r['prefix_hit_rate']:.3f}  "
-            f"recomputed {r['recomputed_tokens']}" if ratio is not None else f"makespan {r['makespan_s']:.2f} s")
+            f"makespan {r['makespan_s']:.2f} s/step  x{ratio:.3f} vs default (whole run x{whole:.3f})  "
+            f"hit {r['prefix_hit_rate']:.3f}  recomputed {r['recomputed_tokens']}"
+            if ratio is not None and whole is not None else f"makespan {r['makespan_s']:.2f} s/step")
         typer.echo(f"{r['policy']:<16} kv {r['kv_fraction']:<5g} r{r['replicas']}  {status}")
     console.print(f"{len(result.rows)} case(s), {len(failed)} failed, in {time.perf_counter() - t0:.1f} s; "
                   f"summary.md, summary.csv, summary.json and plots in {out_dir}", highlight=False)
