@@ -11,7 +11,7 @@ import pytest
 from data.io import write_workload
 from data.synth import generate
 from tests.test_sim_run import small_config
-from training.demo import DEMO_DECODE_STRIDE
+from training.train import HELDOUT_DECODE_STRIDE
 
 #: KV size of the tiny runs: vLLM default preempts on them, and the policies' choices move the makespan.
 KV = 0.15
@@ -30,7 +30,7 @@ def logged_run(root: Path) -> Path:
     wl = tiny_workload(root / "train.parquet", seed=0, steps=3, prompts=8)
     run = root / "logging"
     run_simulation(read_workload(wl), "logging", kv_fraction=KV, out_dir=run, progress=False, validate=False,
-                   decode_stride=DEMO_DECODE_STRIDE)
+                   decode_stride=HELDOUT_DECODE_STRIDE)
     shutil.copy(wl, run / "workload.parquet")
     return run
 

@@ -25,14 +25,10 @@ from typing import Any
 from rich.console import Console
 
 from data.synth import SynthConfig
-from training.train import HELDOUT_SEED, HeldoutParams
+from training.train import HELDOUT_DECODE_STRIDE, HELDOUT_SEED, HeldoutParams
 
 #: The demo's KV size: small enough that vLLM default preempts on the demo workloads.
 DEMO_KV_FRACTION = 0.3
-#: The decode stride of every simulation of the demo (and of the loop tests). Finer than ``evaluate``'s 32:
-#: the demo's workloads are small (a step of 32 iterations is a larger share of a run), and on
-#: tests/test_promote.py's tiny held-out workload stride 32 reverses the makespan order of its two learned policies.
-DEMO_DECODE_STRIDE = 16
 #: Baselines that are not deployable (they read the workload's future) and stay out of "best baseline".
 REFERENCES = ("oracle",)
 
@@ -52,8 +48,8 @@ class DemoConfig:
     kv_fraction: float = DEMO_KV_FRACTION
     baselines: tuple[str, ...] = field(default_factory=_baselines)
     jobs: int = 2  # worker processes for the baselines
-    #: run_simulation options of every simulation (one decode stride, so all runs compare)
-    sim_options: dict[str, Any] = field(default_factory=lambda: {"decode_stride": DEMO_DECODE_STRIDE})
+    #: run_simulation options of every simulation (the held-out evaluations' decode stride, so all runs compare)
+    sim_options: dict[str, Any] = field(default_factory=lambda: {"decode_stride": HELDOUT_DECODE_STRIDE})
     #: OfflineConfig overrides. The demo's champion chooses preemption victims with its learned head
     #: (``preempt=True``; the library default is vLLM's tail victim): on the demo's held-out workload the same
     #: trained model gives 0.944x vLLM default's makespan with the head and 1.009x without (recomputed tokens
