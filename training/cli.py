@@ -18,9 +18,9 @@ from rich.console import Console
 
 from data.errors import DataValidationError
 from training import predictors_cli
+from training.evaluate import DEFAULT_DECODE_STRIDE
 from training.policy_cli import register as register_train_policy
 from training.predictors_cli import predictors_app
-from training.evaluate import DEFAULT_DECODE_STRIDE
 from training.train import HELDOUT_KV_FRACTION, HELDOUT_SEED
 
 app = typer.Typer(
