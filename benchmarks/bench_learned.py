@@ -101,7 +101,7 @@ def make_policy_dir(root: Path) -> Path:
 def schedulers(engine, model: Path, running: int) -> dict:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from policy.registry import create_policy
+    from policy.catalog import create_policy
     from policy.vllm_default import VllmDefaultPolicy
     from serving_hook import KVPilotScheduler, with_policy
     from serving_hook.config import HookConfig
@@ -207,7 +207,7 @@ def breakdown(engine, model: Path, running: int, steps: int, clock) -> dict[str,
 
 
 def schedulers_learned(engine, model: Path, running: int):
-    from policy.registry import create_policy
+    from policy.catalog import create_policy
     from serving_hook import KVPilotScheduler, with_policy
     from serving_hook.config import HookConfig
 

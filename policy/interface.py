@@ -2,8 +2,11 @@
 
 Everything here is plain Python (dataclasses and enums), never a vLLM type, so a
 policy can be written, unit-tested, trained and evaluated without vLLM. The
-serving hook (:mod:`serving_hook`) is the only code that translates between
-vLLM's scheduler state and these objects.
+records a policy sees (requests, prefixes, engine state, events) live in
+:mod:`data.records`, shared with the predictors, and are re-exported here; the
+decisions it answers with are defined here. The serving hook
+(:mod:`serving_hook`) is the only code that translates between vLLM's
+scheduler state and these objects.
 
 Each engine step a policy may answer three questions:
 
@@ -44,7 +47,21 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
+
+from data.records import (
+    CANDIDATE_FEATURES,
+    FEATURE_NAMES,
+    PREFIX_FEATURES,
+    CachedPrefix,
+    CandidateRequest,
+    EngineState,
+    Event,
+    EventKind,
+    OwnerState,
+    RequestMeta,
+    RequestStatus,
+)
 
 __all__ = [
     "RequestStatus",
@@ -72,229 +89,10 @@ __all__ = [
 DEFAULT_DECISION_BUDGET_S = 0.005
 
 
-class RequestStatus(str, enum.Enum):
-    """Where a candidate request stands in the engine."""
-
-    WAITING = "waiting"  # never scheduled yet
-    PREEMPTED = "preempted"  # scheduled before, lost its KV, waiting again
-    RUNNING = "running"
-
-
-class OwnerState(str, enum.Enum):
-    """State of the request that owns a cached prefix."""
-
-    RUNNING = "running"
-    FINISHED = "finished"
-    PAUSED_TOOL = "paused_tool"  # the turn ended in a tool call; the next turn will come back
-
-
-class EventKind(str, enum.Enum):
-    ARRIVED = "arrived"
-    SCHEDULED = "scheduled"  # first scheduled, or scheduled again after a preemption
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
-    TOOL_CALL_STARTED = "tool_call_started"  # a turn with ``tool`` metadata finished
-    TOOL_CALL_ENDED = "tool_call_ended"  # the next turn of that session arrived
-
-
 class RetentionAction(str, enum.Enum):
     PROTECT = "protect"  # pin the blocks for ``ttl_s`` seconds
     DEMOTE = "demote"  # put the blocks first in line for eviction
     KEEP = "keep"  # leave them to vLLM's LRU
-
-
-@dataclass(frozen=True, slots=True)
-class RequestMeta:
-    """Per-request metadata passed by the RL framework (all optional).
-
-    Read by the hook from ``SamplingParams.extra_args`` (``kvpilot_domain``,
-    ``kvpilot_paradigm``, ``kvpilot_group_id``, ``kvpilot_group_size``,
-    ``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``, ``kvpilot_step``,
-    ``kvpilot_prompt_id``). ``prompt_id`` names the dataset prompt, stable
-    across RL steps when the prompt recurs.
-    """
-
-    domain: Optional[str] = None
-    paradigm: Optional[str] = None
-    group_id: Optional[str] = None
-    group_size: Optional[int] = None
-    session_id: Optional[str] = None
-    turn: Optional[int] = None
-    tool: Optional[str] = None
-    step: Optional[int] = None
-    prompt_id: Optional[str] = None
-
-
-#: Names of :meth:`CandidateRequest.features`, in order.
-CANDIDATE_FEATURES: tuple[str, ...] = (
-    "prompt_tokens",
-    "cached_tokens",
-    "computed_tokens",
-    "output_tokens",
-    "max_tokens",
-    "turn",
-    "group_size",
-    "group_finished",
-    "group_running",
-    "wait_s",
-    "preemptions",
-    "is_running",
-    "pred_len_p50",
-    "pred_len_p90",
-)
-
-
-@dataclass(slots=True)
-class CandidateRequest:
-    """One request a policy may admit, hold back or preempt.
-
-    Built by the hook from vLLM's request; never holds a vLLM object. The hook
-    reuses one object per request and refreshes it before each call, so its
-    values hold for the duration of a call: copy what a policy keeps.
-    ``prompt_token_ids`` is the engine's own list, shared, not copied: treat it
-    as read-only.
-    """
-
-    request_id: str
-    meta: RequestMeta
-    status: RequestStatus
-    prompt_token_ids: Sequence[int]
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prefix-cache hit on first scheduling; -1 before
-    num_computed_tokens: int
-    num_output_tokens: int  # tokens generated so far
-    max_tokens: int
-    arrival_s: float
-    wait_s: float  # now - arrival for waiting requests; 0 once running
-    num_preemptions: int = 0
-    priority: int = 0
-    group_finished: int = 0  # siblings (same group_id) finished so far
-    group_running: int = 0  # siblings currently running
-    sibling_output_tokens: tuple[int, ...] = ()  # output lengths of finished siblings
-    #: Predictor outputs when a predictor ran, e.g. ``{"len_p50": .., "len_p90": ..}``.
-    predictions: Optional[Mapping[str, float]] = None
-
-    @property
-    def turn(self) -> int:
-        return self.meta.turn or 0
-
-    def features(self) -> list[float]:
-        """Feature vector in :data:`CANDIDATE_FEATURES` order (for telemetry)."""
-        p = self.predictions or {}
-        nan = float("nan")
-        return [
-            float(self.num_prompt_tokens),
-            float(self.num_cached_tokens),
-            float(self.num_computed_tokens),
-            float(self.num_output_tokens),
-            float(self.max_tokens),
-            float(self.meta.turn) if self.meta.turn is not None else nan,
-            float(self.meta.group_size) if self.meta.group_size is not None else nan,
-            float(self.group_finished),
-            float(self.group_running),
-            float(self.wait_s),
-            float(self.num_preemptions),
-            1.0 if self.status is RequestStatus.RUNNING else 0.0,
-            float(p.get("len_p50", nan)),
-            float(p.get("len_p90", nan)),
-        ]
-
-
-#: Names of :meth:`CachedPrefix.features`, in order.
-PREFIX_FEATURES: tuple[str, ...] = (
-    "num_blocks",
-    "idle_s",
-    "hits",
-    "owner_finished",
-    "owner_paused_tool",
-    "turn",
-    "group_size",
-    "group_pending",
-    "protected",
-    "pred_reuse_p",
-)
-
-
-@dataclass(slots=True)
-class CachedPrefix:
-    """The hashed blocks a request leaves in the prefix cache.
-
-    ``prefix_id`` is the id of the owning request. ``block_hashes`` are the
-    blocks' hashes as signed 64-bit integers (the telemetry convention, see
-    :func:`serving_hook.events.hash_to_int64`), in prefix order.
-    """
-
-    prefix_id: str
-    owner_request_id: str
-    owner_state: OwnerState
-    meta: RequestMeta
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[int, ...]
-    last_used_s: float
-    hits: int = 0  # admissions that hit this prefix (its first block) while it was protected
-    protected_until_s: Optional[float] = None  # set while the hook pins the blocks
-    group_pending: int = 0  # siblings of the owner not finished yet
-    predictions: Optional[Mapping[str, float]] = None
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-    def features(self, now_s: float) -> list[float]:
-        """Feature vector in :data:`PREFIX_FEATURES` order (for telemetry)."""
-        p = self.predictions or {}
-        nan = float("nan")
-        return [
-            float(len(self.block_ids)),
-            float(now_s - self.last_used_s),
-            float(self.hits),
-            1.0 if self.owner_state is OwnerState.FINISHED else 0.0,
-            1.0 if self.owner_state is OwnerState.PAUSED_TOOL else 0.0,
-            float(self.meta.turn) if self.meta.turn is not None else nan,
-            float(self.meta.group_size) if self.meta.group_size is not None else nan,
-            float(self.group_pending),
-            1.0 if self.protected_until_s is not None else 0.0,
-            float(p.get("reuse_p", nan)),
-        ]
-
-
-FEATURE_NAMES: dict[str, tuple[str, ...]] = {
-    "admit": CANDIDATE_FEATURES,
-    "preempt": CANDIDATE_FEATURES,
-    "retain": PREFIX_FEATURES,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class EngineState:
-    """A summary of the engine at the start of a scheduler step."""
-
-    time_s: float
-    engine_step: int
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int  # blocks vLLM can allocate (includes evictable cached blocks)
-    num_total_blocks: int
-    num_pinned_blocks: int  # blocks the hook holds for protected prefixes
-    kv_usage: float  # 0..1, vLLM's own measure
-    block_size: int
-    max_num_running: int  # vLLM's max_num_seqs
-    max_num_batched_tokens: int
-    last_step_duration_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """Something that happened to a request; delivered to :meth:`Policy.on_event`."""
-
-    kind: EventKind
-    time_s: float
-    request_id: str
-    meta: RequestMeta
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    finish_reason: Optional[str] = None  # FINISHED only: stop / length / abort / tool_call
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +110,9 @@ class AdmissionDecision:
     order: Optional[Sequence[str]] = None
     hold: Collection[str] = frozenset()
     propensity: float = 1.0
+    #: What the policy predicted for the candidates it decided over (request id -> e.g. ``{"len_p50": ..}``),
+    #: logged with the decision's features; ``None``: nothing predicted.
+    predictions: Optional[Mapping[str, Mapping[str, float]]] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +126,9 @@ class PreemptionDecision:
 
     victim: Optional[str]
     propensity: float = 1.0
+    #: What the policy predicted for the candidates it decided over (request id -> e.g. ``{"len_p50": ..}``),
+    #: logged with the decision's features; ``None``: nothing predicted.
+    predictions: Optional[Mapping[str, Mapping[str, float]]] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +155,9 @@ class RetentionDecision:
 
     actions: Mapping[str, Retention] = field(default_factory=dict)
     release: Collection[str] = frozenset()
+    #: What the policy predicted for the candidates it decided over (prefix id -> e.g. ``{"reuse_p": ..}``),
+    #: logged with the decision's features; ``None``: nothing predicted.
+    predictions: Optional[Mapping[str, Mapping[str, float]]] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,6 +180,9 @@ class EvictionDecision:
 
     order: Sequence[str] = ()
     propensity: float = 1.0
+    #: What the policy predicted for the candidates it decided over (prefix id -> e.g. ``{"reuse_p": ..}``),
+    #: logged with the decision's features; ``None``: nothing predicted.
+    predictions: Optional[Mapping[str, Mapping[str, float]]] = None
 
 
 class Policy:
@@ -402,6 +212,12 @@ class Policy:
     #: Time budget (seconds) for all this policy's calls in one engine step;
     #: ``None`` takes the hook's configured default (KVPILOT_DECISION_BUDGET_MS).
     decision_budget_s: Optional[float] = None
+
+    #: A policy that also changes how RL steps are driven (which prompts run when), not only what one
+    #: engine does: an object with a ``kind`` the simulator knows (``"tail-batching"``:
+    #: :class:`policy.baselines.rollpacker.TailBatchingSpec`). ``None``: plain synchronous steps. Serving
+    #: ignores it; the RL framework drives steps there.
+    step_driver: Optional[Any] = None
 
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         """Order (and hold back) the waiting requests, given in vLLM's current order.

@@ -270,15 +270,11 @@ class _Sampler(Policy):
     def _raw(self, cands: Sequence[CandidateRequest], state: EngineState) -> np.ndarray:
         return candidate_raw(cands, _predict(self.lengths, cands), state, self.phase)
 
-    def _features(self, cands: Sequence[CandidateRequest], state: EngineState, log: bool,
-                  refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """The candidates' scorer input and table rows; with ``log``, their length predictions are written to
-        ``candidate.predictions`` so that the hook logs them with the decision."""
-        x, idx = self.table.features(cands, state, refresh)
-        if log and self.lengths is not None:
-            for c, p in zip(cands, self.table.predictions(idx)):
-                c.predictions = {"len_p50": p[0], "len_p90": p[1]}
-        return x, idx
+    def _predicted(self, cands: Sequence[CandidateRequest], idx: np.ndarray) -> Optional[dict[str, dict]]:
+        """The candidates' length predictions (table rows ``idx``), for the decision to return and the hook to log."""
+        if self.lengths is None:
+            return None
+        return {c.request_id: {"len_p50": p[0], "len_p90": p[1]} for c, p in zip(cands, self.table.predictions(idx))}
 
     def on_event(self, event: Event) -> None:
         self.phase.observe(event)
@@ -356,8 +352,12 @@ class LearnedPolicy(_Sampler):
     def scores(self, cands: Sequence[CandidateRequest], state: EngineState, head: int,
                refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The ``head`` score (ADMIT or PREEMPT) of each candidate (one forward pass for all), and their table rows."""
-        x, idx = self._features(cands, state, self.mode == "log", refresh)
+        x, idx = self.table.features(cands, state, refresh)
         return self.scorer(x)[:, head].astype(np.float64), idx
+
+    def _logged(self, cands: Sequence[CandidateRequest], idx: np.ndarray) -> Optional[dict[str, dict]]:
+        """Predictions to return with a decision: in ``log`` mode only (serving logs no features)."""
+        return self._predicted(cands, idx) if self.mode == "log" else None
 
     def _probs(self, s: np.ndarray) -> np.ndarray:
         n = len(s)
@@ -370,8 +370,10 @@ class LearnedPolicy(_Sampler):
         starved = self.table.starved(idx, state)
         if self.mode == "serve":
             return AdmissionDecision(order=self._order(starved, s, waiting, state))
+        predictions = self._logged(waiting, idx)
         if starved:
-            return AdmissionDecision(order=self._order(starved, s, waiting, state), propensity=1.0)
+            return AdmissionDecision(order=self._order(starved, s, waiting, state), propensity=1.0,
+                                     predictions=predictions)
         n = len(waiting)
         if self.rng.random() < self.epsilon:
             keys = self.np_rng.random(n)  # a uniform random order
@@ -379,17 +381,18 @@ class LearnedPolicy(_Sampler):
             keys = s / self.temperature + self.np_rng.gumbel(size=n)
         order = self._order([], keys, waiting, state)
         first = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
-        return AdmissionDecision(order=order, propensity=float(self._probs(s)[first]))
+        return AdmissionDecision(order=order, propensity=float(self._probs(s)[first]), predictions=predictions)
 
     def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:
         if not running:
             return None
-        s, _ = self.scores(running, state, PREEMPT, refresh=True)
+        s, idx = self.scores(running, state, PREEMPT, refresh=True)
         if self.mode == "serve":
             return PreemptionDecision(victim=running[int(np.argmax(s))].request_id)
         p = self._probs(s)
         i = int(self.np_rng.choice(len(running), p=p / p.sum()))
-        return PreemptionDecision(victim=running[i].request_id, propensity=float(p[i]))
+        return PreemptionDecision(victim=running[i].request_id, propensity=float(p[i]),
+                                  predictions=self._predicted(running, idx))
 
     # --------------------------------------------------------------------------- persistence
     def save(self, policy_dir: str | Path) -> Path:
@@ -553,7 +556,7 @@ class LoggingPolicy(_Sampler):
     def _remaining(self, cands: Sequence[CandidateRequest], state: EngineState,
                    refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Predicted remaining output of each candidate, and their table rows."""
-        x, idx = self._features(cands, state, True, refresh)
+        x, idx = self.table.features(cands, state, refresh)
         return np.expm1(x[:, FEATURES.index("log_pred_remaining")].astype(np.float64)), idx
 
     def _pick(self, weights: dict[str, float]) -> str:
@@ -597,22 +600,25 @@ class LoggingPolicy(_Sampler):
         else:
             keys = self.np_rng.random(n)
         order = self._order(starved, keys, waiting, state)
+        predictions = self._predicted(waiting, idx)
         if starved:
-            return AdmissionDecision(order=order, propensity=1.0)
+            return AdmissionDecision(order=order, propensity=1.0, predictions=predictions)
         first = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
-        return AdmissionDecision(order=order, propensity=self._propensity(self.admit_w, rem, 0, first))
+        return AdmissionDecision(order=order, propensity=self._propensity(self.admit_w, rem, 0, first),
+                                 predictions=predictions)
 
     def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:
         if not running:
             return None
-        rem, _ = self._remaining(running, state, refresh=True)
+        rem, idx = self._remaining(running, state, refresh=True)
         n = len(running)
         kind = self._pick(self.preempt_w)
         i = self._choice(kind, rem, n - 1)
         if i is None:
             i = self.rng.randrange(n)
         return PreemptionDecision(victim=running[i].request_id,
-                                  propensity=self._propensity(self.preempt_w, rem, n - 1, i))
+                                  propensity=self._propensity(self.preempt_w, rem, n - 1, i),
+                                  predictions=self._predicted(running, idx))
 
 
 def _weights(name: str, given: Optional[Mapping[str, float]], default: Mapping[str, float]) -> dict[str, float]:

@@ -42,7 +42,7 @@ Reuse: the cached-prefix unit and the label
 -------------------------------------------
 A **cached prefix** is the block chain a finished request leaves in the prefix
 cache: its prompt's blocks (telemetry ``block_hashes``), owned by that request
-(the hook's :class:`policy.interface.CachedPrefix` ``prefix_id``). Its
+(the hook's :class:`data.records.CachedPrefix` ``prefix_id``). Its
 **sharing key** is the owner's ``group_id`` when known, else its first block
 hash: every request with that key shares at least the prefix's first block (a
 GRPO sibling, a later turn of the trajectory, a reward-model request scoring it).

@@ -5,7 +5,7 @@
 :func:`predictors.features.length_features` rows at two decision times (arrival
 and admission). ``predict(X)`` scores a feature matrix (one call per booster for
 the whole batch); ``predict(requests)`` is :class:`policy.predictors.LengthPredictor`:
-it builds features from :class:`policy.interface.CandidateRequest` objects and the
+it builds features from :class:`data.records.CandidateRequest` objects and the
 state it keeps from :meth:`observe` events (finished siblings, earlier steps of the
 prompt, the session's first prompt and last tool), and caches each request's
 answer until that state changes.
@@ -23,7 +23,7 @@ import lightgbm as lgb
 import numpy as np
 import pandas as pd
 
-from policy.interface import CandidateRequest, Event, EventKind
+from data.records import CandidateRequest, Event, EventKind
 from predictors.features import LENGTH_CATEGORICAL, LENGTH_FEATURES, Vocab, feature_matrix, length_features, prompt_key
 from predictors.compiled import CompiledScoring
 from predictors.model_io import DEFAULT_TREES, load_boosters, read_manifest, training_threads, write_model

@@ -57,8 +57,7 @@ from typing import Any, Optional
 import lightgbm as lgb
 import numpy as np
 
-from policy.baselines._eviction import tail_starts
-from policy.interface import CachedPrefix, Event, EventKind
+from data.records import CachedPrefix, Event, EventKind, tail_starts
 from predictors.features import EDC_HALF_LIVES_S
 
 __all__ = ["ONLINE_REUSE_FEATURES", "OnlineReuseLearner", "OnlineReuseStats"]
@@ -193,7 +192,7 @@ class OnlineReuseLearner:
     def observe_candidates(self, prefixes: Sequence[CachedPrefix], tails: Sequence[int], now_s: float) -> None:
         """Learn the offered chains, form due labels, snapshot a few candidates, retrain when due.
 
-        ``tails[i]`` is where prefix ``i``'s tail starts (:func:`policy.baselines._eviction.tail_starts`).
+        ``tails[i]`` is where prefix ``i``'s tail starts (:func:`data.records.tail_starts`).
         """
         t0 = time.perf_counter()
         self.stats.calls += 1

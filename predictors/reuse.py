@@ -6,7 +6,7 @@ label. ``ReuseModel.fit(logs, horizon_s=H)`` trains a binary classifier (label
 to next use (censored at :data:`CENSOR_S`). ``predict(X)`` returns (probability,
 seconds to next use). As :class:`policy.predictors.ReusePredictor`,
 ``next_use_s(prefixes, now)`` builds the same features from
-:class:`policy.interface.CachedPrefix` objects and the state kept from
+:class:`data.records.CachedPrefix` objects and the state kept from
 :meth:`observe` events, and answers ``now + predicted time to next use`` (``inf``
 when the prediction reaches the censoring cap).
 """
@@ -23,7 +23,7 @@ import lightgbm as lgb
 import numpy as np
 import pandas as pd
 
-from policy.interface import CachedPrefix, Event, EventKind, OwnerState
+from data.records import CachedPrefix, Event, EventKind, OwnerState
 from predictors.features import (
     EDC_HALF_LIVES_S,
     FINISH_CODES,

@@ -10,6 +10,11 @@ The scheduler classes are imported lazily, so ``serving_hook.telemetry`` or
 
 from typing import Any
 
+from policy.catalog import lazy, register
+
+# The policy that serves the MLflow registry's model (KVPILOT_MODEL_URI), hot-swapped between steps.
+register("registry", lazy("serving_hook.model_source:RegistryPolicy"), replace=True)
+
 __all__ = ["KVPilotScheduler", "KVPilotAsyncScheduler", "KVPilotMixin", "with_policy"]
 
 

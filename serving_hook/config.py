@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from policy.interface import DEFAULT_DECISION_BUDGET_S, Policy
-from policy.registry import UnknownPolicyError, create_policy
+from policy.catalog import UnknownPolicyError, create_policy
 
 DEFAULT_MAX_PINNED_FRACTION = 0.25
 DEFAULT_MODEL_POLL_S = 60.0
@@ -141,6 +141,39 @@ def build_policy(cfg: HookConfig, factory: Optional[Callable[[], Policy]] = None
     if not isinstance(policy, Policy):
         raise HookConfigError(f"kvpilot: the policy factory returned {type(policy).__name__}, not a Policy")
     return policy
+
+
+#: What a caller may name a policy by: a catalog name, a zero-argument factory, or one instance.
+PolicySpec = str | Callable[..., Policy] | Policy
+
+
+def policy_factory(
+    policy: PolicySpec, options: Optional[Mapping[str, Any]] = None, *, replicas: int = 1, workload: Any = None
+) -> Callable[[], Policy]:
+    """A zero-argument factory of fresh policies (one per engine), checked now by building one.
+
+    For drivers of several engines (the simulator). Catalog factories that declare a ``workload`` parameter
+    (hindsight oracles) get ``workload``. :class:`HookConfigError` on an unknown name, bad options, or a factory
+    that builds something else than a :class:`Policy`.
+    """
+    if isinstance(policy, Policy):
+        if replicas > 1:
+            raise HookConfigError("pass a policy name or factory, not one instance, to run several replicas")
+        return lambda: policy
+    if isinstance(policy, str):
+        opts = dict(options or {})
+        try:
+            create_policy(policy, workload=workload, **opts)
+        except ValueError as e:  # UnknownPolicyError is a ValueError
+            raise HookConfigError(str(e)) from None
+        return lambda: create_policy(policy, workload=workload, **opts)
+    if callable(policy):
+        factory = (lambda: policy(**options)) if options else policy
+        probe = factory()
+        if not isinstance(probe, Policy):
+            raise HookConfigError(f"the policy factory returned {type(probe).__name__}, not a Policy")
+        return factory
+    raise HookConfigError(f"policy must be a catalog name, a factory or a Policy, got {type(policy).__name__}")
 
 
 def check(env: Optional[Mapping[str, str]] = None) -> tuple[HookConfig, Policy]:

@@ -137,7 +137,6 @@ class _ReqInfo:
     running: bool = False  # admitted and not preempted or finished since
     cached_tokens: int = -1
     computed_tokens: int = 0  # scheduled tokens summed over steps (counted with telemetry on)
-    predictions: Optional[dict] = None
     cand: Optional[CandidateRequest] = None  # reused across steps, refreshed per call
 
 
@@ -539,12 +538,6 @@ class KVPilotMixin:
             if w is not self.kvpilot_shared_writer:
                 w.close()
 
-    def kvpilot_set_predictions(self, request_id: str, predictions: Optional[dict]) -> None:
-        """Attach predictor outputs to a request (shown to the policy)."""
-        info = getattr(self, "_kvp_reqs", {}).get(request_id)
-        if info is not None:
-            info.predictions = predictions
-
     @property
     def kvpilot_pinned_blocks(self) -> int:
         return self._kvp_pins.num_pinned_blocks if self._kvp_pins is not None else 0
@@ -688,7 +681,6 @@ class KVPilotMixin:
                 g = groups.get(gid)
                 if g:
                     c.group_finished, c.group_running, c.sibling_output_tokens = g
-            c.predictions = info.predictions
             append(c)
         return out
 
@@ -719,7 +711,6 @@ class KVPilotMixin:
             group_finished=g[0] if g else 0,
             group_running=g[1] if g else 0,
             sibling_output_tokens=g[2] if g else (),
-            predictions=info.predictions,
         )
         return c
 
@@ -826,11 +817,12 @@ class KVPilotMixin:
         if self._kvp_log_decisions:
             first = ordered[0].request_id if ordered else None
             idx = next((i for i, c in enumerate(cands) if c.request_id == first), -1)
+            preds = dec.predictions or {}
             self._kvp_log_decision(
                 "admit",
                 now,
                 [c.request_id for c in cands],
-                [c.features() for c in cands],
+                [c.features(preds.get(c.request_id)) for c in cands],
                 idx,
                 dec.propensity,
                 action=f"hold:{len(held)}" if held else None,
@@ -923,11 +915,12 @@ class KVPilotMixin:
                     victim, idx = r, j
                     break
         if self._kvp_log_decisions:
+            preds = dec.predictions or {}
             self._kvp_log_decision(
                 "preempt",
                 now,
                 [c.request_id for c in cands],
-                [c.features() for c in cands],
+                [c.features(preds.get(c.request_id)) for c in cands],
                 idx if victim is not None else len(pool) - 1,
                 dec.propensity,
             )
@@ -995,6 +988,7 @@ class KVPilotMixin:
         st = self.kvpilot_stats
         log = self._kvp_log_decisions
         feats = {cp.prefix_id: cp for cp in prefixes} if log else None
+        preds = dec.predictions or {}
         for pid, ret in (dec.actions or {}).items():
             entry = by_id.get(pid)
             if entry is None:
@@ -1025,7 +1019,7 @@ class KVPilotMixin:
                     "retain",
                     now,
                     [pid],
-                    [cp.features(now)],
+                    [cp.features(now, preds.get(pid))],
                     0,
                     ret.propensity,
                     action=action.value,
@@ -1123,11 +1117,12 @@ class KVPilotMixin:
             st.eviction_orders += 1
         if self._kvp_log_decisions:
             idx = next((i for i, cp in enumerate(prefixes) if cp.prefix_id == first), -1)
+            preds = dec.predictions or {}
             self._kvp_log_decision(
                 "retain",
                 now,
                 [cp.prefix_id for cp in prefixes],
-                [cp.features(now) for cp in prefixes],
+                [cp.features(now, preds.get(cp.prefix_id)) for cp in prefixes],
                 idx,
                 dec.propensity,
                 action="evict",

@@ -1087,7 +1087,7 @@ def _policy_factory(
             raise SimulationError("pass a policy name or factory, not one instance, to simulate several replicas")
         return lambda: policy
     if isinstance(policy, str):
-        from policy.registry import create_policy
+        from policy.catalog import create_policy
 
         opts = dict(options or {})
         try:

@@ -35,7 +35,7 @@ from policy.interface import (
     RequestStatus,
 )
 from policy.predictors import DomainMeanLengthPredictor, OracleLengthPredictor
-from policy.registry import create_policy
+from policy.catalog import create_policy
 from tests.hooks import hook_scheduler as _hook
 
 NAMES = ("vllm-priority", "sjf-predicted", "sortedrl", "heddle", "rolloutpipe", "seer")

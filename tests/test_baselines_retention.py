@@ -37,7 +37,7 @@ from policy.interface import (
     RetentionAction,
 )
 from policy.predictors import OracleReusePredictor, row_key
-from policy.registry import create_policy
+from policy.catalog import create_policy
 from tests.hooks import hook_scheduler as _hook
 
 INF = math.inf

@@ -46,7 +46,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def test_resolve_policies() -> None:
-    from policy.registry import known_policies
+    from policy.catalog import known_policies
 
     assert resolve_policies("sortedrl, rollpacker") == [DEFAULT, "sortedrl", "rollpacker"]
     every = resolve_policies("all")

@@ -258,7 +258,7 @@ def test_bad_metadata_never_reaches_vllm(vllm_engine):
 
 # ------------------------------------------------------------- registry
 def test_registry_unknown_name_lists_known_ones():
-    from policy.registry import UnknownPolicyError, create_policy, known_policies
+    from policy.catalog import UnknownPolicyError, create_policy, known_policies
 
     assert "vllm-default" in known_policies()
     with pytest.raises(UnknownPolicyError, match="known policies: .*vllm-default"):

@@ -88,8 +88,9 @@ def test_serve_mode_ranks_by_score_and_preempts_the_top() -> None:
     dec = pol.admit(waiting, _state())
     assert list(dec.order)[:6] == [f"r{i}" for i in range(5, -1, -1)]  # longest predicted first
     log = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), mode="log")
-    log.admit(waiting, _state())
-    assert waiting[0].predictions == {"len_p50": 100.0, "len_p90": 150.0}  # logged with the decision
+    assert dec.predictions is None  # serving logs no features
+    logged = log.admit(waiting, _state())
+    assert logged.predictions["r0"] == {"len_p50": 100.0, "len_p90": 150.0}  # logged with the decision
     running = [_cand(i, status=RequestStatus.RUNNING) for i in range(6)]
     assert pol.preempt(running, _state()).victim == "r5"
     assert LearnedPolicy(_state_dict(remaining_weight=-1.0), FixedLengths(lengths)).preempt(
@@ -163,7 +164,7 @@ def test_save_load_round_trip(policy_dir: Path) -> None:
 
 
 def test_registry_builds_learned_and_logging(policy_dir: Path) -> None:
-    from policy.registry import create_policy
+    from policy.catalog import create_policy
 
     assert isinstance(create_policy("learned", model=str(policy_dir)), LearnedPolicy)
     assert create_policy("logging").name == "logging"

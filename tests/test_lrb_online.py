@@ -15,8 +15,8 @@ import pytest
 
 from policy.baselines.lrb_online import OnlineLrbEvictionPolicy
 from policy.interface import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
-from policy.registry import create_policy
-from policy.baselines._eviction import tail_starts
+from policy.catalog import create_policy
+from data.records import tail_starts
 from predictors.online_reuse import ONLINE_REUSE_FEATURES, OnlineReuseLearner
 
 from tests.hooks import hook_scheduler as _hook, stock_scheduler as _stock

@@ -10,7 +10,7 @@ import pytest
 
 from data.schemas import WORKLOAD
 from policy.baselines.rollpacker import TailBatchingPolicy, TailBatchingSpec
-from policy.registry import create_policy
+from policy.catalog import create_policy
 from simulator.simulation import Overprovision, Simulation, SimulationError
 
 # Per step: four prompts (groups) of four samples; output lengths per sample. With eta = 2, P = 2 prompts and

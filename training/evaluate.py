@@ -104,7 +104,7 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     """Policy names from a comma list or a sequence (``all``: see :data:`NOT_IN_ALL`); vllm-default first.
 
     Unknown names raise :class:`EvaluationError` naming the known ones."""
-    from policy.registry import known_policies
+    from policy.catalog import known_policies
 
     if isinstance(policies, str):
         policies = [p.strip() for p in policies.split(",")]

@@ -235,7 +235,7 @@ CANDIDATE = "kvpilot-candidate"
 
 def register_policy_dir(name: str, policy_dir: Path) -> None:
     """Make ``policy_dir`` simulatable under the policy name ``name`` in this process (a learned policy, serving)."""
-    from policy.registry import create_policy, register
+    from policy.catalog import create_policy, register
 
     register(name, lambda: create_policy("learned", model=str(policy_dir)), replace=True)
 

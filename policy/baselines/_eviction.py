@@ -5,7 +5,7 @@
 * :func:`furthest_first` orders prefixes by predicted next use, the furthest
   first (never used = ``inf`` first), ties broken by LRU (least recently
   freed first), then by id, so an order is deterministic.
-* :func:`tail_starts` finds where each candidate's own tail begins (past the
+* :func:`tail_starts` (from :mod:`data.records`) finds where each candidate's own tail begins (past the
   blocks it shares with other candidates): the part the lever moves.
 * :class:`ReuseEventsMixin` forwards events to a predictor's ``observe``.
 
@@ -15,16 +15,15 @@ Plain Python, no vLLM.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
-from itertools import chain
 from typing import Any, Optional
 
+from data.records import tail_starts
 from policy.interface import CachedPrefix, Event
 from policy.predictors import OracleReusePredictor, ReusePredictor
 
 __all__ = [
-    "REUSE_PREDICTOR_NAMES", "resolve_reuse_predictor", "furthest_first", "tail_starts", "check_count",
+    "REUSE_PREDICTOR_NAMES", "resolve_reuse_predictor", "furthest_first", "check_count",
     "ReuseEventsMixin",
 ]
 
@@ -83,28 +82,6 @@ def furthest_first(prefixes: Sequence[CachedPrefix], next_uses: Sequence[float])
         ((-_as_time(t), p.last_used_s, p.prefix_id) for p, t in zip(prefixes, next_uses)),
     )
     return [pid for _, _, pid in keyed]
-
-
-def tail_starts(prefixes: Sequence[CachedPrefix]) -> list[int]:
-    """Per prefix, the index of its first block after the deepest one another candidate shares (its own tail).
-
-    A block another candidate holds comes with the blocks before it (a prefix
-    hit takes the whole chain up to it), so the shared blocks lead each chain
-    and a binary search finds where they end.
-    """
-    count = Counter(chain.from_iterable(p.block_ids for p in prefixes))
-    out = []
-    for p in prefixes:
-        ids = p.block_ids
-        lo, hi = 0, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if count[ids[mid]] > 1:
-                lo = mid + 1
-            else:
-                hi = mid
-        out.append(lo)
-    return out
 
 
 def check_count(name: str, value: Any, *, allow_none: bool = False) -> Optional[int]:

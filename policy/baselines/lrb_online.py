@@ -10,7 +10,7 @@ and evicts the one predicted furthest. It needs no prior training data.
 learns, from the eviction lever's candidates and the hook's events only,
 P(a prefix's *tail* is used again within ``horizon_s``); the tail is what the
 lever moves: the blocks past those the prefix shares with other candidates
-(:func:`policy.baselines._eviction.tail_starts`). See the learner for the
+(:func:`data.records.tail_starts`). See the learner for the
 objects, labels (never from the future), features and retraining. Until its
 first model (``min_labels`` labels of both classes), and whenever a
 retraining has never succeeded, ``evict()`` answers ``None``: vLLM's LRU.
@@ -38,7 +38,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._eviction import check_count, tail_starts
+from data.records import tail_starts
+from policy.baselines._eviction import check_count
 from policy.baselines.lrb import SampledNextUseEvictionPolicy
 from policy.interface import CachedPrefix, EngineState, EvictionDecision
 from predictors.online_reuse import OnlineReuseLearner

@@ -1,4 +1,9 @@
-"""Policy registry: a policy name (``KVPILOT_POLICY``) to a factory.
+"""The policy catalog: a policy name (``KVPILOT_POLICY``, ``--policy``) to a factory.
+
+A new baseline is one module in :mod:`policy.baselines` plus its line in
+:data:`policy.baselines.BASELINES`; any other policy registers itself with
+:func:`register` (the serving hook registers ``registry``, the policy that serves
+the MLflow model registry's champion, from :mod:`serving_hook`).
 
 Factories take keyword options (``KVPILOT_POLICY_OPTIONS``, a JSON object) and
 return a :class:`policy.interface.Policy`. Unknown names fail with a message
@@ -11,11 +16,10 @@ build oracle predictors; deployable policies must not.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
-
-import importlib
 
 from policy.baselines import BASELINES
 from policy.interface import Policy
@@ -25,7 +29,7 @@ PolicyFactory = Callable[..., Policy]
 
 DEFAULT_POLICY = "vllm-default"
 
-_REGISTRY: dict[str, PolicyFactory] = {
+_CATALOG: dict[str, PolicyFactory] = {
     "vllm-default": VllmDefaultPolicy,
 }
 
@@ -34,8 +38,8 @@ class UnknownPolicyError(ValueError):
     pass
 
 
-def _lazy(target: str) -> PolicyFactory:
-    """A factory that imports ``module:attr`` when first called."""
+def lazy(target: str) -> PolicyFactory:
+    """A factory for ``module:attr`` that imports the module when first called (for :func:`register`)."""
     module, attr = target.split(":")
 
     def factory(**options: Any) -> Policy:
@@ -54,27 +58,25 @@ def _resolve(factory: PolicyFactory) -> PolicyFactory:
 
 
 for _name, _target in BASELINES.items():
-    _REGISTRY[_name] = _lazy(_target)
-_REGISTRY["lrb-online"] = _lazy("policy.baselines.lrb_online:OnlineLrbEvictionPolicy")
-# The hook serving the MLflow registry's model (KVPILOT_MODEL_URI), hot-swapped between steps.
-_REGISTRY["registry"] = _lazy("serving_hook.model_source:RegistryPolicy")
+    _CATALOG[_name] = lazy(_target)
+_CATALOG["lrb-online"] = lazy("policy.baselines.lrb_online:OnlineLrbEvictionPolicy")
 
 #: The learned policy (``model=POLICY_DIR``) and its exploring behaviour policy.
-_REGISTRY["learned"] = _lazy("policy.learned:create_learned")
-_REGISTRY["logging"] = _lazy("policy.learned:LoggingPolicy")
+_CATALOG["learned"] = lazy("policy.learned:create_learned")
+_CATALOG["logging"] = lazy("policy.learned:LoggingPolicy")
 
 
 def register(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
     """Register ``factory`` under ``name`` (``replace=True`` to override)."""
     if not isinstance(name, str) or not name:
         raise ValueError("policy name must be a non-empty string")
-    if name in _REGISTRY and not replace:
+    if name in _CATALOG and not replace:
         raise ValueError(f"policy {name!r} is already registered")
-    _REGISTRY[name] = factory
+    _CATALOG[name] = factory
 
 
 def known_policies() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(_CATALOG)
 
 
 def _takes_workload(factory: PolicyFactory) -> bool:
@@ -94,7 +96,7 @@ def create_policy(name: str = DEFAULT_POLICY, *, workload: Any = None, **options
     :class:`ValueError` when the factory rejects the options.
     """
     try:
-        factory = _REGISTRY[name]
+        factory = _CATALOG[name]
     except KeyError:
         raise UnknownPolicyError(
             f"unknown kvpilot policy {name!r}; known policies: {', '.join(known_policies())}"
