@@ -24,10 +24,14 @@ workloads without scoring the two fractions are equal.
 Keys: ``requests``, ``steps``, ``groups``, ``sessions`` (distinct counts),
 ``turns`` (mean turns per session), ``max_turns``, ``block_references``,
 ``unique_blocks``, ``unlimited_cache_hit_fraction``,
-``unlimited_cache_hit_fraction_with_outputs``, ``first_block_shared_fraction``
-(requests whose first block an earlier request registered) and ``domains``
-(per domain: ``requests``, ``sessions``, ``groups``, and p50/p90/p99 of
-``prompt_tokens`` and ``output_tokens``).
+``unlimited_cache_hit_fraction_with_outputs``,
+``unlimited_cache_hit_fraction_within_steps`` (the same with the cache emptied at
+every RL step, as weight sync does: what a simulation at unlimited KV can reach),
+``first_block_shared_fraction`` (requests whose first block an earlier request
+registered) and ``domains`` (per domain: ``requests``, ``sessions``, ``groups``,
+and p50/p90/p99 of ``prompt_tokens`` and ``output_tokens``; for a multi-turn
+domain also of its sessions' ``turns``, ``last_turn_context_tokens`` (prompt +
+output of each session's last turn) and ``tool_latency_s``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def workload_stats(table: pa.Table) -> dict[str, Any]:
         "unique_blocks": len(pc.unique(pc.list_flatten(table.column("block_hashes")))),
         "unlimited_cache_hit_fraction": hits / refs if refs else 0.0,
         "unlimited_cache_hit_fraction_with_outputs": _prefix_hits_with_outputs(table) / refs if refs else 0.0,
+        "unlimited_cache_hit_fraction_within_steps": _hits_within_steps(table) / refs if refs else 0.0,
         "first_block_shared_fraction": first_shared / n if n else 0.0,
         "domains": {str(d): _domain_stats(table.filter(pc.equal(table.column("domain"), d)))
                     for d in sorted(pc.unique(table.column("domain")).to_pylist())},
@@ -76,14 +81,23 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
 
 
 def _domain_stats(table: pa.Table) -> dict[str, Any]:
-    """Request and session counts and token percentiles of one domain."""
-    return {
+    """Request and session counts and token percentiles of one domain; a multi-turn domain's sessions too."""
+    out = {
         "requests": table.num_rows,
         "sessions": _distinct(table, "session_id"),
         "groups": _distinct(table, "group_id"),
         "prompt_tokens": _percentiles(table.column("prompt_tokens").to_numpy()),
         "output_tokens": _percentiles(table.column("output_tokens").to_numpy()),
     }
+    latency = table.column("tool_latency_s").drop_null().to_numpy()
+    if latency.size:
+        turns = pc.value_counts(table.column("session_id")).field("counts").to_numpy()
+        last = pc.equal(table.column("finish_reason"), "tool_call")
+        ends = table.filter(pc.invert(last))
+        context = ends.column("prompt_tokens").to_numpy().astype(np.int64) + ends.column("output_tokens").to_numpy()
+        out.update(turns=_percentiles(turns), last_turn_context_tokens=_percentiles(context),
+                   tool_latency_s=_percentiles(latency))
+    return out
 
 
 def _replay_order(table: pa.Table) -> np.ndarray:
@@ -115,6 +129,12 @@ def _prefix_hits(table: pa.Table) -> tuple[int, int, int]:
     nonempty = lengths > 0
     leading = np.minimum.reduceat(first_miss, starts[nonempty])
     return int(leading.sum()), total, int((leading > 0).sum())
+
+
+def _hits_within_steps(table: pa.Table) -> int:
+    """:func:`_prefix_hits_with_outputs` with the cache emptied at every RL step (weight sync)."""
+    step = table.column("step")
+    return sum(_prefix_hits_with_outputs(table.filter(pc.equal(step, s))) for s in pc.unique(step).to_pylist())
 
 
 def _prefix_hits_with_outputs(table: pa.Table) -> int:
@@ -172,7 +192,8 @@ def render_stats(stats: dict[str, Any]) -> str:
         f"sessions {stats['sessions']}  turns/session {stats['turns']:.2f} (max {stats['max_turns']})",
         f"block references {stats['block_references']}  unique blocks {stats['unique_blocks']}  "
         f"unlimited-cache hit fraction {stats['unlimited_cache_hit_fraction']:.3f} "
-        f"({stats['unlimited_cache_hit_fraction_with_outputs']:.3f} with outputs cached)  "
+        f"({stats['unlimited_cache_hit_fraction_with_outputs']:.3f} with outputs cached, "
+        f"{stats['unlimited_cache_hit_fraction_within_steps']:.3f} within RL steps)  "
         f"first block shared {stats['first_block_shared_fraction']:.3f}",
     ]
     header = ["domain", "requests", "sessions", "groups"] + [
@@ -183,7 +204,20 @@ def render_stats(stats: dict[str, Any]) -> str:
         + [f"{d[f'{kind}_tokens'][f'p{q}']:.0f}" for kind in ("prompt", "output") for q in PERCENTILES]
         for name, d in stats["domains"].items()
     ]
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    for r in [header, *body]:
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    lines += _columns(header, body)
+    agents = {name: d for name, d in stats["domains"].items() if "turns" in d}
+    if agents:
+        keys = (("turns", "turns", "{:.0f}"), ("context_last", "last_turn_context_tokens", "{:.0f}"),
+                ("tool_s", "tool_latency_s", "{:.2f}"), ("output", "output_tokens", "{:.0f}"))
+        header = ["multi-turn"] + [f"{label}_p{q}" for label, _, _ in keys for q in (50, 99)]
+        body = [[name] + [fmt.format(d[key][f"p{q}"]) for _, key, fmt in keys for q in (50, 99)]
+                for name, d in agents.items()]
+        lines += _columns(header, body)
     return "\n".join(lines)
+
+
+def _columns(header: list[str], body: list[list[str]]) -> list[str]:
+    """A right-aligned text table (first column left-aligned)."""
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in [header, *body]]

@@ -154,9 +154,14 @@ class DomainConfig:
     group_icc: float  # share of a turn's output-score variance common to its group
     prompt_corr: float = 0.0  # correlation of prompt length with difficulty
     turn_probs: tuple[float, ...] = (1.0,)  # P(a session has k+1 turns)
+    #: Turns per session as a distribution (rounded; its ``max`` must be finite), for long-horizon agents whose
+    #: counts run to ~100; replaces ``turn_probs``.
+    turns: SplitLogNormal | None = None
     turns_icc: float = 0.0  # share of the turn-count score common to the group
     tool: ToolConfig | None = None
     score_fraction: float = 0.0  # fraction of groups whose trajectories get a reward-model request
+    #: A session ends at its last turn whose context (prompt + output) fits: an agent's context window.
+    max_context_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.paradigm not in PARADIGMS:
@@ -170,8 +175,20 @@ class DomainConfig:
             raise ValueError(f"prompt_corr must be in [-1, 1], got {self.prompt_corr}")
         if not self.turn_probs or min(self.turn_probs) < 0 or abs(sum(self.turn_probs) - 1.0) > 1e-6:
             raise ValueError(f"turn_probs must be non-negative and sum to 1, got {self.turn_probs}")
-        if len(self.turn_probs) > 1 and self.tool is None:
-            raise ValueError("a multi-turn domain (len(turn_probs) > 1) needs a tool")
+        if self.turns is not None:
+            if self.turn_probs != (1.0,):
+                raise ValueError("give turns or turn_probs, not both")
+            if not 1 <= self.turns.max <= 10_000:
+                raise ValueError(f"turns.max must be finite, in [1, 10000], got {self.turns.max}")
+        if self.max_turns > 1 and self.tool is None:
+            raise ValueError("a multi-turn domain (turns, or len(turn_probs) > 1) needs a tool")
+        if self.max_context_tokens is not None and self.max_context_tokens < 1:
+            raise ValueError(f"max_context_tokens must be >= 1, got {self.max_context_tokens}")
+
+    @property
+    def max_turns(self) -> int:
+        """The most turns a session of this domain can have."""
+        return len(self.turn_probs) if self.turns is None else int(round(self.turns.max))
 
 
 @dataclass(frozen=True)
@@ -189,7 +206,12 @@ class ScoringConfig:
 
 
 def _default_domains() -> dict[str, DomainConfig]:
-    """The calibrated math / code / agentic mix (see the module docstring)."""
+    """The calibrated mix: math / code / agentic search (the ``short`` preset) plus a small share of ``swe``."""
+    return {**_short_domains(), "swe": swe_domain(share=0.05)}
+
+
+def _short_domains() -> dict[str, DomainConfig]:
+    """The calibrated math / code / agentic mix of short-context steps (see the module docstring)."""
     return {
         "math": DomainConfig(
             paradigm="math_verifier",
@@ -231,6 +253,39 @@ def _default_domains() -> dict[str, DomainConfig]:
     }
 
 
+def swe_domain(share: float) -> DomainConfig:
+    """A coding agent in a sandbox (read files, run tests, edit): long sessions whose context grows to 32k-64k.
+
+    Calibration (public figures; see the module docstring): turns 29 / 56 / 85 at p50 / p90 / p99, at least
+    5 and at most 99 in recorded coding-agent RL sessions (NVIDIA-NeMo/RL issue 3663; SWE RL caps trajectories
+    at 100 steps, NeMo Gym / Nemotron SWE-RL), and turn counts shared within a GRPO group (the same task);
+    context cap 64k (DeepSWE trains at 64k; Nemotron SWE-RL at 131k: raise ``max_context_tokens``); a few
+    hundred output tokens per turn (a thought and one tool call); tool latency of 0.26-3.2 s per action
+    depending on the sandbox (NeMo Gym: 13-160 s per 50-action trajectory), heavy-tailed to tens of seconds
+    (a test run), while a coding-agent serving trace saw 86% of next turns within 1 s and 95% within 10 s;
+    observations (file views, test output) from about 100 to several thousand tokens; verification runs the
+    task's tests once at the end (tens of seconds).
+    """
+    return DomainConfig(
+        paradigm="unit_test_sandbox",
+        share=share,
+        prompt_tokens=SplitLogNormal(median=2500, sigma=0.35, sigma_low=0.3, min=512, max=8192),
+        output_tokens=SplitLogNormal(median=200, sigma=0.6, sigma_low=0.5, min=8),
+        max_tokens=4096,
+        verify_latency_s=SplitLogNormal(median=15.0, sigma=0.6, min=1.0, max=300.0),
+        group_icc=0.3,
+        prompt_corr=0.2,
+        turns=SplitLogNormal(median=29, sigma=0.51, sigma_low=0.6, min=5, max=99),
+        turns_icc=0.4,
+        tool=ToolConfig(
+            name="sandbox",
+            latency_s=SplitLogNormal(median=0.8, sigma=1.25, sigma_low=0.8, min=0.05, max=60.0),
+            tokens=SplitLogNormal(median=350, sigma=0.85, sigma_low=0.6, min=64, max=8000),
+        ),
+        max_context_tokens=65536,
+    )
+
+
 @dataclass(frozen=True)
 class SynthConfig:
     """Everything ``generate`` needs; the defaults are the calibrated mixed workload."""
@@ -258,8 +313,17 @@ class SynthConfig:
             raise ValueError("domains must hold at least one domain with share > 0")
 
     @classmethod
-    def from_file(cls, path: str | Path) -> SynthConfig:
-        """Read a TOML config; keys it leaves out keep their defaults (domains merge by name)."""
+    def preset(cls, name: str) -> SynthConfig:
+        """A named workload: one of :data:`PRESETS` (``default``, ``short``, ``agentic``)."""
+        try:
+            return PRESETS[name]()
+        except KeyError:
+            raise ValueError(f"unknown workload preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path, base: SynthConfig | None = None) -> SynthConfig:
+        """Read a TOML config over ``base`` (default: the defaults); keys it leaves out keep their values there
+        (domains merge by name)."""
         path = Path(path)
         try:
             with path.open("rb") as fh:
@@ -267,9 +331,27 @@ class SynthConfig:
         except tomllib.TOMLDecodeError as err:
             raise DataValidationError(f"not valid TOML: {err}", file=str(path)) from None
         try:
-            return _build(cls, data, cls(), "")
+            return _build(cls, data, base if base is not None else cls(), "")
         except _ConfigError as err:
             raise DataValidationError(str(err), file=str(path)) from None
+
+
+def _agentic() -> SynthConfig:
+    """Long-horizon agents: swe sessions (3/4 of the prompts) beside the search agent, 16 prompts x 8 per step."""
+    short = _short_domains()
+    return SynthConfig(prompts_per_step=16, domains={"swe": swe_domain(share=0.75),
+                                                     "agentic": dataclasses.replace(short["agentic"], share=0.25)})
+
+
+#: Named workloads (``kvpilot workload synth --preset NAME``): ``default`` (:class:`SynthConfig`'s defaults,
+#: :file:`default_workload.toml`), ``short`` (the mix before the swe domain, so earlier results reproduce:
+#: short-context steps where vLLM default runs close to the bound) and ``agentic`` (long-horizon agents, where
+#: KV competition decides throughput).
+PRESETS: dict[str, Any] = {
+    "default": SynthConfig,
+    "short": lambda: SynthConfig(domains=_short_domains()),
+    "agentic": _agentic,
+}
 
 
 # ---------------------------------------------------------------- TOML to dataclasses
@@ -403,6 +485,9 @@ def _scores(rng: np.random.Generator, shared: np.ndarray, weight: float, shape: 
 
 def _turn_counts(rng: np.random.Generator, dom: DomainConfig, tendency: np.ndarray) -> np.ndarray:
     """Turns per session from ``turn_probs``, through a score sharing ``turns_icc`` with the group."""
+    if dom.turns is not None:
+        counts = np.rint(dom.turns.from_scores(_scores(rng, tendency, dom.turns_icc, tendency.shape)))
+        return np.clip(counts, 1, dom.max_turns).astype(np.int64)
     if len(dom.turn_probs) == 1:
         return np.ones(len(tendency), dtype=np.int64)
     cum = np.clip(np.cumsum(dom.turn_probs)[:-1], 1e-12, 1 - 1e-12)
@@ -414,7 +499,7 @@ def _rollouts(
     rng: np.random.Generator, cfg: SynthConfig, dom: DomainConfig, pool: _Pool, idx: np.ndarray, first_group: int
 ) -> dict[str, np.ndarray]:
     """The rollout turns of one domain's groups in one step, as columns in session and turn order."""
-    n_sessions, max_turns = len(idx) * cfg.group_size, len(dom.turn_probs)
+    n_sessions, max_turns = len(idx) * cfg.group_size, dom.max_turns
     difficulty, tendency = _scores(rng, pool.latent[idx], cfg.step_persistence, (len(idx), 2)).T
     group = np.repeat(np.arange(len(idx)), cfg.group_size)
     n_turns = _turn_counts(rng, dom, tendency[group])
@@ -432,6 +517,9 @@ def _rollouts(
     first_prompt = pool.prompt_tokens[idx][group]
     grown = np.cumsum(out + tool_tokens, axis=1) - (out + tool_tokens)
     prompt = first_prompt[:, None] + grown
+    if dom.max_context_tokens is not None:  # the session ends before the turn whose context would not fit
+        over = (prompt + out > dom.max_context_tokens) & (turn > 0) & (turn < n_turns[:, None])
+        n_turns = np.where(over.any(axis=1), over.argmax(axis=1), n_turns)
     s, k = np.nonzero(turn < n_turns[:, None])
     last = k == n_turns[s] - 1
     finish = np.where(~last, _TOOL_CALL, np.where(out[s, k] >= dom.max_tokens, _LENGTH, _STOP))

@@ -443,10 +443,16 @@ def manifest_for(config: Mapping[str, Any], trained_on: Mapping[str, Any]) -> di
     }
 
 
-def read_manifest(policy_dir: Path) -> dict[str, Any]:
+def read_manifest(policy_dir: Path, *, check_schema: bool = True) -> dict[str, Any]:
+    """POLICY_DIR's ``policy.json``: the one reader of policy manifests (training, the registry, the hook).
+
+    :class:`PolicyLoadError` naming the file when it is missing, not JSON or not a kvpilot policy manifest;
+    with ``check_schema`` also when its format or telemetry schema version or its features are not this
+    build's (without: a bundle another build wrote can still be registered and described).
+    """
     from data.schemas import SCHEMA_VERSION
 
-    f = policy_dir / "policy.json"
+    f = Path(policy_dir) / "policy.json"
     if not f.is_file():
         raise PolicyLoadError(f"{f}: missing (not a POLICY_DIR written by `kvpilot train policy`)")
     try:
@@ -456,12 +462,12 @@ def read_manifest(policy_dir: Path) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise PolicyLoadError(f"{f}: corrupt manifest: not a JSON object")
     expect = {"format": FORMAT, "format_version": FORMAT_VERSION, "policy": "learned",
-              "telemetry_schema_version": SCHEMA_VERSION}
+              "telemetry_schema_version": SCHEMA_VERSION} if check_schema else {"format": FORMAT}
     for key, want in expect.items():
         if m.get(key) != want:
             raise PolicyLoadError(f"{f}: {key} is {m.get(key)!r}, this kvpilot reads {want!r}")
     feats = (m.get("feature_schema") or {}).get("features")
-    if feats != list(FEATURES):
+    if check_schema and feats != list(FEATURES):
         raise PolicyLoadError(f"{f}: feature_schema.features {feats!r} differ from this kvpilot's {list(FEATURES)!r}")
     return m
 

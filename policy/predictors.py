@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from typing import Optional, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
 
 import pyarrow as pa
 
@@ -312,3 +313,64 @@ class OracleReusePredictor:
                     pend.remove(key)
                 except ValueError:
                     pass
+
+
+@dataclass(frozen=True)
+class PredictorOption:
+    """What a policy option that names a predictor accepts (``length_predictor``, ``reuse_predictor``)."""
+
+    option: str  # the option's name
+    method: str  # the method a predictor object must have
+    signature: str  # that method as a user writes it, for errors
+    builders: Mapping[str, Callable[[Any], Any]]  # name -> build(workload); the workload is None in production
+    hindsight: Mapping[str, str]  # names that read the future from the workload -> what they read from it
+    production: str  # what to use in production instead of a hindsight name
+
+
+LENGTH_PREDICTOR = PredictorOption(
+    option="length_predictor",
+    method="predict",
+    signature="predict(requests)",
+    builders={"oracle": OracleLengthPredictor.from_workload, "domain-mean": lambda _: DomainMeanLengthPredictor()},
+    hindsight={"oracle": "true output lengths; needs columns session_id, turn, output_tokens"},
+    production="length_predictor='domain-mean' or a trained predictor object",
+)
+
+REUSE_PREDICTOR = PredictorOption(
+    option="reuse_predictor",
+    method="next_use_s",
+    signature="next_use_s(prefixes, now_s)",
+    builders={"oracle": OracleReusePredictor.from_workload},
+    hindsight={"oracle": "future requests; needs columns session_id, turn, block_hashes"},
+    production="a trained reuse predictor object",
+)
+
+
+def resolve_predictor(kind: PredictorOption, spec: Any, workload: Any = None, *, policy: str = "policy") -> Any:
+    """The predictor an option names (or gives): a name of ``kind.builders``, or an object with ``kind.method``.
+
+    A hindsight name (``"oracle"``) is built from ``workload``, the simulated workload table, and fails without
+    one: in production nothing knows the future. Errors name the policy, the option and what it accepts.
+    """
+    names = ", ".join(kind.builders)
+    if isinstance(spec, str):
+        name = spec.strip().lower()
+        build = kind.builders.get(name)
+        if build is None:
+            raise ValueError(f"{policy}: unknown {kind.option} {spec!r}; use one of {names} or pass a predictor object")
+        reads = kind.hindsight.get(name)
+        if reads is None:
+            return build(workload)
+        if workload is None:
+            raise ValueError(f"{policy}: {kind.option}={name!r} needs the simulated workload ({reads.split(';')[0]}), "
+                             f"and none was given; in production use {kind.production}")
+        try:
+            return build(workload)
+        except Exception as e:  # a table without the columns, or not a table
+            raise ValueError(f"{policy}: cannot build the {name} {kind.option.replace('_', ' ')} from the workload "
+                             f"({reads}): {e}") from e
+    if spec is None or not callable(getattr(spec, kind.method, None)):
+        raise TypeError(f"{policy}: {kind.option} must be one of {names} or an object with {kind.signature}, "
+                        f"got {type(spec).__name__}")
+    return spec
+

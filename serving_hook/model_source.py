@@ -1,7 +1,7 @@
 """The hook's model from the MLflow registry: loaded at start-up, polled off the scheduler loop, swapped between steps.
 
 :class:`ModelSource` resolves ``KVPILOT_MODEL_URI`` (default ``models:/kvpilot@champion``) to a registered
-version, downloads its POLICY_DIR, checks the bundle's telemetry schema version and builds the policy with
+version, downloads its POLICY_DIR and builds the policy (which checks its schema versions and features) with
 ``policy.learned.LearnedPolicy.load(dir, mode="serve")``. A poll (a background thread every
 ``KVPILOT_MODEL_POLL_S`` seconds, or :meth:`ModelSource.poll_now`) stages a new version when the alias
 moved; it never touches the running policy. :class:`RegistryPolicy` is what the hook runs: it delegates
@@ -37,10 +37,17 @@ from policy.interface import (
     RetentionDecision,
 )
 from policy.vllm_default import VllmDefaultPolicy
+from serving_hook.model_registry import (
+    DEFAULT_MODEL_URI,
+    ModelRef,
+    RegistryError,
+    RegistryUnreachable,
+    fetch_policy_dir,
+    resolve_version,
+)
 
 logger = logging.getLogger("kvpilot.hook")
 
-DEFAULT_MODEL_URI = "models:/kvpilot@champion"  # = training.registry.DEFAULT_MODEL_URI (no mlflow import here)
 DEFAULT_POLL_S = 60.0
 
 _MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -130,8 +137,6 @@ class ModelSource:
         return loaded
 
     def _resolve(self) -> str:
-        from training.registry import RegistryError, RegistryUnreachable, resolve_version
-
         try:
             return str(resolve_version(self.uri).version)
         except RegistryUnreachable as e:
@@ -140,8 +145,6 @@ class ModelSource:
             raise ModelError("missing", str(e)) from None
 
     def _build(self, version: str) -> LoadedModel:
-        from training.registry import ModelRef, RegistryError, fetch_policy_dir, read_manifest
-
         name = ModelRef.parse(self.uri).name
         label = f"{name}/{version}"
         tmp = Path(tempfile.mkdtemp(prefix="kvpilot-model-"))
@@ -151,12 +154,8 @@ class ModelSource:
             except RegistryError as e:  # may be transient: retried at the next poll
                 raise ModelError("download", str(e), key=label) from None
             try:
-                check_manifest(read_manifest(policy_dir), policy_dir, label)
                 policy = self.loader(policy_dir)
-            except ModelError:
-                self._bad.add(version)
-                raise
-            except Exception as e:  # RegistryError, PolicyLoadError, anything the loader raises
+            except Exception as e:  # PolicyLoadError (a manifest of another schema, a corrupt file), anything else
                 self._bad.add(version)
                 msg = str(e)
                 kind = "schema" if "this kvpilot" in msg else "load"  # PolicyLoadError's mismatch messages
@@ -222,20 +221,6 @@ class ModelSource:
                 self._failed(ModelError("poll", repr(e)))
 
 
-def check_manifest(manifest: dict, policy_dir: Path, label: str) -> None:
-    """The bundle must match this build's telemetry schema version (its features are checked by the loader)."""
-    from data.schemas import SCHEMA_VERSION
-
-    got = manifest.get("telemetry_schema_version")
-    if got != SCHEMA_VERSION:
-        raise ModelError(
-            "schema",
-            f"{label}: {policy_dir / 'policy.json'}: telemetry_schema_version is {got!r}, this kvpilot writes "
-            f"{SCHEMA_VERSION}",
-            key=label,
-        )
-
-
 class RegistryPolicy(Policy):
     """Serves the registry's model: delegates to the current version, swapped only by the scheduler.
 
@@ -246,8 +231,6 @@ class RegistryPolicy(Policy):
     name = "registry"
 
     def __init__(self, uri: Optional[str] = None, loader: Loader = learned_loader) -> None:
-        from training.registry import ModelRef, RegistryError
-
         self.source = ModelSource(uri, loader)
         try:
             ModelRef.parse(self.source.uri)  # a malformed URI is a configuration error: fail at start-up

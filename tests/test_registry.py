@@ -117,7 +117,7 @@ def test_errors_name_what_is_wrong(store):
         with pytest.raises(reg.RegistryError, match=r"empty/policy.json: missing"):
             reg.log_policy_model(empty, run)
     (empty / "policy.json").write_text('{"format": "other"}')
-    with pytest.raises(reg.RegistryError, match="field 'format'"):
+    with pytest.raises(reg.RegistryError, match="format is 'other'"):
         reg.read_manifest(empty)
 
 

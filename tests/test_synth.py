@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "polytrace"
 DEFAULT_TOML = ROOT / "data" / "default_workload.toml"
 AGENTIC = SynthConfig().domains["agentic"]
-LARGE = dataclasses.replace(SynthConfig(), steps=20, prompts_per_step=512)
+#: The calibrated short-context domains (the swe domain has its own tests below).
+LARGE = dataclasses.replace(SynthConfig.preset("short"), steps=20, prompts_per_step=512)
 
 
 @pytest.fixture(scope="module")

@@ -59,15 +59,20 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 @workload_app.command("synth")
 def workload_synth(
     out: Annotated[Path, typer.Option("-o", "--out", help="Output Parquet file.")],
-    config: Annotated[Optional[Path], typer.Option("--config", help="TOML config; defaults are built in.")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", help="TOML config over the preset; keys it leaves out keep the preset's values.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Override the config's seed.")] = None,
+    preset: Annotated[str, typer.Option(
+        "--preset", help="Named workload: default (the mixed RL mix), short (the mix before the swe domain) "
+        "or agentic (long-horizon agents).")] = "default",
 ) -> None:
     """Generate a seeded synthetic mixed-domain RL workload."""
     from data.io import write_workload
     from data.synth import SynthConfig, generate
 
     try:
-        cfg = SynthConfig.from_file(config) if config else SynthConfig()
+        base = SynthConfig.preset(preset)
+        cfg = SynthConfig.from_file(config, base) if config else base
         if seed is not None:
             cfg = dataclasses.replace(cfg, seed=seed)
         t0 = time.perf_counter()
@@ -401,7 +406,7 @@ def promote_cmd(
 ) -> None:
     """Move the `champion` alias to a version if it is no worse than the champion on makespan and recompute."""
     from training.promote import PromotionError, promote, render_comparison
-    from training.registry import RegistryError
+    from serving_hook.model_registry import RegistryError
 
     try:
         result = promote(version, force=force, heldout=_heldout(workload, kv_fraction, seed), out_dir=out_dir,

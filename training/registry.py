@@ -1,115 +1,59 @@
-"""MLflow registry primitives: where the store is, the ``kvpilot`` pyfunc, versions and the ``champion`` alias.
+"""The MLflow model registry's write side: the ``kvpilot`` pyfunc, registering versions, the ``champion`` alias.
 
-One registered model, ``kvpilot``; each version is a pyfunc (:class:`KVPilotModel`) logged with
-``artifacts={"policy_dir": POLICY_DIR}``, so one version is one consistent set of policy, predictors,
-feature schema and telemetry schema version. The store is ``MLFLOW_TRACKING_URI`` when set, else an
-embedded SQLite file ``<cwd>/mlruns.db`` with artifacts under ``<cwd>/mlartifacts`` (no server, no network).
-
-The serving hook does not go through pyfunc: it resolves the alias to a version, downloads that version's
-files (:func:`fetch_policy_dir`) and loads POLICY_DIR itself.
+Each version is a pyfunc (:class:`KVPilotModel`) logged with ``artifacts={"policy_dir": POLICY_DIR}``, so
+one version is one consistent set of policy, predictors, feature schema and telemetry schema version. Where
+the store is, URIs, versions and downloads are the read side, :mod:`serving_hook.model_registry`, which the
+serving hook uses too; its names are re-exported here for the training commands.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
+
+from serving_hook.model_registry import (
+    ARTIFACT_DIR,
+    CHAMPION,
+    DB_FILE,
+    DEFAULT_MODEL_URI,
+    MODEL_NAME,
+    POLICY_ARTIFACT,
+    ModelRef,
+    RegistryError,
+    RegistryUnreachable,
+    artifact_root,
+    client,
+    configure,
+    fetch_policy_dir,
+    is_not_found,
+    resolve_version,
+    tracking_uri,
+)
 
 if TYPE_CHECKING:  # mlflow takes seconds to import: only when used
     import pandas as pd
     from mlflow.entities import Run
     from mlflow.entities.model_registry import ModelVersion
-    from mlflow.tracking import MlflowClient
 
-MODEL_NAME = "kvpilot"
-CHAMPION = "champion"
-DEFAULT_MODEL_URI = f"models:/{MODEL_NAME}@{CHAMPION}"
-POLICY_ARTIFACT = "policy_dir"
-MANIFEST = "policy.json"
-POLICY_FORMAT = "kvpilot-policy"
-DB_FILE = "mlruns.db"
-ARTIFACT_DIR = "mlartifacts"
-
-_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
-
-
-class RegistryError(RuntimeError):
-    """A registry operation failed: no such model, version or alias, a bad bundle, or an unreachable store."""
-
-
-class RegistryUnreachable(RegistryError):
-    """The tracking/registry store could not be reached or read (a dead server, an unreadable SQLite file)."""
-
-
-def _embedded_uri(cwd: Optional[Path]) -> str:
-    return f"sqlite:///{(Path(cwd) if cwd else Path.cwd()).resolve() / DB_FILE}"
-
-
-def tracking_uri(cwd: Optional[Path] = None) -> str:
-    """``MLFLOW_TRACKING_URI`` when set, else the embedded ``sqlite:///<cwd>/mlruns.db``."""
-    return os.environ.get("MLFLOW_TRACKING_URI", "").strip() or _embedded_uri(cwd)
-
-
-def artifact_root(cwd: Optional[Path] = None) -> Optional[Path]:
-    """Where the embedded store keeps artifacts (``<cwd>/mlartifacts``); ``None`` for any other store.
-
-    (``mlflow.set_tracking_uri`` exports ``MLFLOW_TRACKING_URI``, so the test is on the URI, not the variable.)
-    """
-    if tracking_uri(cwd) != _embedded_uri(cwd):
-        return None
-    return (Path(cwd) if cwd else Path.cwd()).resolve() / ARTIFACT_DIR
-
-
-def configure(experiment: Optional[str] = None, cwd: Optional[Path] = None) -> str:
-    """Point MLflow at :func:`tracking_uri` (and make ``experiment`` the active one); returns the URI.
-
-    In the embedded store a new experiment keeps its artifacts under ``<cwd>/mlartifacts/<experiment>``.
-    MLflow's own usage telemetry (its only network call) and its download progress bars are switched off
-    unless set otherwise.
-    """
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    import mlflow
-
-    uri = tracking_uri(cwd)
-    mlflow.set_tracking_uri(uri)  # the registry follows it (unless MLFLOW_REGISTRY_URI says otherwise)
-    if experiment:
-        root = artifact_root(cwd)
-        try:
-            if mlflow.get_experiment_by_name(experiment) is None and root is not None:
-                mlflow.create_experiment(experiment, artifact_location=(root / experiment).as_uri())
-            mlflow.set_experiment(experiment)
-        except Exception as e:
-            raise RegistryError(f"cannot open experiment {experiment!r} in the MLflow store {uri}: {e}") from e
-    return uri
-
-
-def client() -> "MlflowClient":
-    """An ``MlflowClient`` on the configured store (:func:`configure` first if nothing set it)."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    if not mlflow.is_tracking_uri_set():
-        configure()
-    return MlflowClient()
+__all__ = [
+    "ARTIFACT_DIR", "CHAMPION", "DB_FILE", "DEFAULT_MODEL_URI", "MODEL_NAME", "POLICY_ARTIFACT", "KVPilotModel",
+    "ModelRef", "RegistryError", "RegistryUnreachable", "artifact_root", "client", "configure", "fetch_policy_dir",
+    "get_champion", "load_pyfunc_policy_dir", "log_policy_model", "read_manifest", "resolve_version",
+    "set_champion", "tracking_uri",
+]
 
 
 def read_manifest(policy_dir: Path) -> dict[str, Any]:
-    """POLICY_DIR's ``policy.json``; :class:`RegistryError` naming the file when it is missing or not a manifest."""
-    path = Path(policy_dir) / MANIFEST
+    """POLICY_DIR's ``policy.json`` (:func:`policy.learned.read_manifest`, its format only: a version written by
+    another build can be registered and described); :class:`RegistryError` naming the file otherwise."""
+    from policy.learned import PolicyLoadError
+    from policy.learned import read_manifest as read_policy_manifest
+
     try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise RegistryError(f"{path}: missing (not a POLICY_DIR written by `kvpilot train policy`)") from None
-    except (OSError, ValueError) as e:
-        raise RegistryError(f"{path}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != POLICY_FORMAT:
-        raise RegistryError(f"{path}: field 'format' must be {POLICY_FORMAT!r}")
-    return manifest
+        return read_policy_manifest(Path(policy_dir), check_schema=False)
+    except PolicyLoadError as e:
+        raise RegistryError(str(e)) from None
 
 
 try:
@@ -206,7 +150,7 @@ def get_champion(name: str = MODEL_NAME) -> Optional["ModelVersion"]:
     try:
         return client().get_model_version_by_alias(name, CHAMPION)
     except MlflowException as e:
-        if e.error_code in _NOT_FOUND:
+        if is_not_found(e):
             return None
         raise RegistryError(f"cannot read alias {name}@{CHAMPION}: {e}") from e
 
@@ -222,86 +166,6 @@ def set_champion(version: int | str, name: str = MODEL_NAME) -> "ModelVersion":
     except MlflowException as e:
         raise RegistryError(f"cannot make {name} version {version} the {CHAMPION}: {e}") from e
     return mv
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """A parsed ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` URI."""
-
-    name: str
-    alias: Optional[str] = None
-    version: Optional[str] = None
-
-    @classmethod
-    def parse(cls, uri: str) -> "ModelRef":
-        m = _URI.match(uri.strip())
-        if m is None:
-            raise RegistryError(f"model URI {uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
-        return cls(m["name"], m["alias"], m["version"])
-
-
-def resolve_version(uri: str) -> "ModelVersion":
-    """The registered version ``uri`` names now (an alias is read from the registry)."""
-    from mlflow.exceptions import MlflowException
-
-    ref = ModelRef.parse(uri)
-    try:
-        c = client()
-        if ref.alias is not None:
-            return c.get_model_version_by_alias(ref.name, ref.alias)
-        return c.get_model_version(ref.name, ref.version)
-    except MlflowException as e:
-        if e.error_code in _NOT_FOUND:
-            raise RegistryError(f"{uri}: {e.message}") from None
-        raise RegistryUnreachable(f"{uri}: the registry at {_uri_now()} is unreachable ({e.message})") from None
-    except Exception as e:  # a missing driver, a locked or corrupt SQLite file
-        raise RegistryUnreachable(
-            f"{uri}: the registry at {_uri_now()} is unreachable ({type(e).__name__}: {e})"
-        ) from None
-
-
-_NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
-
-
-def _uri_now() -> str:
-    import mlflow
-
-    return mlflow.get_tracking_uri()
-
-
-def fetch_policy_dir(uri: str, dst: Optional[Path] = None) -> tuple[Path, "ModelVersion"]:
-    """Resolve ``uri`` to a version and download its POLICY_DIR; returns ``(local POLICY_DIR, version)``.
-
-    The alias is resolved first and the fixed version downloaded, so a promotion in between cannot mix two
-    versions. ``dst``: where to download (a new temporary folder by default).
-    """
-    import mlflow
-
-    mv = resolve_version(uri)
-    ref = ModelRef.parse(uri)
-    dst = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix="kvpilot-model-"))
-    fixed = f"models:/{ref.name}/{mv.version}"
-    try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=fixed, dst_path=str(dst)))
-    except Exception as e:
-        raise RegistryError(f"{fixed}: cannot download its files ({type(e).__name__}: {e})") from e
-    return _policy_dir_in(local, fixed), mv
-
-
-def _policy_dir_in(model_dir: Path, uri: str) -> Path:
-    """The POLICY_DIR inside a downloaded pyfunc model folder (its MLmodel names the artifact's path)."""
-    import yaml
-
-    mlmodel = model_dir / "MLmodel"
-    try:
-        spec = yaml.safe_load(mlmodel.read_text())
-        rel = spec["flavors"]["python_function"]["artifacts"][POLICY_ARTIFACT]["path"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
-        raise RegistryError(f"{uri}: {mlmodel} does not name a {POLICY_ARTIFACT!r} artifact ({e})") from None
-    path = model_dir / rel
-    if not path.is_dir():
-        raise RegistryError(f"{uri}: its {POLICY_ARTIFACT!r} artifact {path} is missing")
-    return path
 
 
 def load_pyfunc_policy_dir(uri: str) -> Path:

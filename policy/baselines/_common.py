@@ -33,10 +33,9 @@ from itertools import islice
 from typing import Any, Optional
 
 from policy.interface import CandidateRequest, EngineState, Event, EventKind, Policy
-from policy.predictors import UNKNOWN, DomainMeanLengthPredictor, LengthPredictor, OracleLengthPredictor
+from policy.predictors import LENGTH_PREDICTOR, UNKNOWN, LengthPredictor, resolve_predictor
 
 __all__ = [
-    "PREDICTOR_NAMES",
     "resolve_length_predictor",
     "LengthCache",
     "remaining_tokens",
@@ -49,49 +48,10 @@ __all__ = [
     "top_ids",
 ]
 
-#: Names accepted for the ``length_predictor`` option.
-PREDICTOR_NAMES: tuple[str, ...] = ("oracle", "domain-mean")
-
-
 def resolve_length_predictor(spec: Any, workload: Any = None, *, policy: str = "policy") -> LengthPredictor:
-    """The length predictor named (or given) by ``spec``.
-
-    * ``"oracle"``: true output lengths read from ``workload`` (the simulated
-      workload table; a hindsight reference, not deployable). Without a
-      workload this fails: in production there are no true lengths.
-    * ``"domain-mean"``: :class:`policy.predictors.DomainMeanLengthPredictor`
-      (no training, no workload).
-    * an object with ``predict(requests) -> [(p50, p90), ...]`` (and optionally
-      ``observe(event)``), e.g. the LightGBM length model: used as it is.
-    """
-    if isinstance(spec, str):
-        name = spec.strip().lower()
-        if name == "oracle":
-            if workload is None:
-                raise ValueError(
-                    f"{policy}: length_predictor='oracle' needs the simulated workload (true output lengths), "
-                    "and none was given; in production use length_predictor='domain-mean' or a trained "
-                    "predictor object"
-                )
-            try:
-                return OracleLengthPredictor.from_workload(workload)
-            except Exception as e:  # a table without the columns, or not a table
-                raise ValueError(
-                    f"{policy}: cannot build the oracle length predictor from the workload "
-                    f"(needs columns session_id, turn, output_tokens): {e}"
-                ) from e
-        if name == "domain-mean":
-            return DomainMeanLengthPredictor()
-        raise ValueError(
-            f"{policy}: unknown length_predictor {spec!r}; use one of {', '.join(PREDICTOR_NAMES)} "
-            "or pass a predictor object"
-        )
-    if spec is None or not callable(getattr(spec, "predict", None)):
-        raise TypeError(
-            f"{policy}: length_predictor must be one of {', '.join(PREDICTOR_NAMES)} or an object with "
-            f"predict(requests), got {type(spec).__name__}"
-        )
-    return spec
+    """The ``length_predictor`` option's predictor: ``"oracle"`` (true lengths from ``workload``; a hindsight
+    reference), ``"domain-mean"`` (no training) or an object with ``predict(requests)`` (the LightGBM model)."""
+    return resolve_predictor(LENGTH_PREDICTOR, spec, workload, policy=policy)
 
 
 def check_positive(name: str, value: Any, *, allow_none: bool = False, allow_zero: bool = False) -> Optional[float]:

@@ -20,50 +20,17 @@ from typing import Any, Optional
 
 from data.records import tail_starts
 from policy.interface import CachedPrefix, Event
-from policy.predictors import OracleReusePredictor, ReusePredictor
+from policy.predictors import REUSE_PREDICTOR, ReusePredictor, resolve_predictor
 
 __all__ = [
-    "REUSE_PREDICTOR_NAMES", "resolve_reuse_predictor", "furthest_first", "check_count",
+    "resolve_reuse_predictor", "furthest_first", "check_count",
     "ReuseEventsMixin",
 ]
 
-REUSE_PREDICTOR_NAMES: tuple[str, ...] = ("oracle",)
-
-
 def resolve_reuse_predictor(spec: Any, workload: Any = None, *, policy: str = "policy") -> ReusePredictor:
-    """The reuse predictor named (or given) by ``spec``.
-
-    * ``"oracle"``: :class:`policy.predictors.OracleReusePredictor` built from
-      ``workload`` (the simulated workload table; hindsight, not deployable).
-      Without a workload this fails: in production nothing knows the future.
-    * an object with ``next_use_s(prefixes, now_s)`` (and optionally
-      ``observe(event)``), e.g. the LightGBM reuse model: used as it is.
-    """
-    if isinstance(spec, str):
-        name = spec.strip().lower()
-        if name == "oracle":
-            if workload is None:
-                raise ValueError(
-                    f"{policy}: reuse_predictor='oracle' needs the simulated workload (future requests), "
-                    "and none was given; in production pass a trained reuse predictor object"
-                )
-            try:
-                return OracleReusePredictor.from_workload(workload)
-            except Exception as e:
-                raise ValueError(
-                    f"{policy}: cannot build the oracle reuse predictor from the workload "
-                    f"(needs columns session_id, turn, block_hashes): {e}"
-                ) from e
-        raise ValueError(
-            f"{policy}: unknown reuse_predictor {spec!r}; use one of {', '.join(REUSE_PREDICTOR_NAMES)} "
-            "or pass a predictor object"
-        )
-    if spec is None or not callable(getattr(spec, "next_use_s", None)):
-        raise TypeError(
-            f"{policy}: reuse_predictor must be 'oracle' or an object with next_use_s(prefixes, now_s), "
-            f"got {type(spec).__name__}"
-        )
-    return spec
+    """The ``reuse_predictor`` option's predictor: ``"oracle"`` (Belady's next use from ``workload``; hindsight,
+    not deployable) or an object with ``next_use_s(prefixes, now_s)`` (the LightGBM reuse model)."""
+    return resolve_predictor(REUSE_PREDICTOR, spec, workload, policy=policy)
 
 
 def _as_time(x: Any) -> float:

@@ -1,0 +1,86 @@
+"""The layers import only downward: data < predictors < policy < serving_hook < simulator < training.
+
+Read from the source with ``ast`` (nothing is imported): every ``import`` statement, at module level or inside a
+function, and every string literal that names one of our modules (``"pkg.module"`` or ``"pkg.module:attr"``, as
+lazy factories and ``importlib`` take them). vLLM is imported only by the serving hook and the simulator's engine.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("data", "predictors", "policy", "serving_hook", "simulator", "training")
+RANK = {name: i for i, name in enumerate(LAYERS)}
+#: Where vLLM may be imported: the one adapter, and the simulator's engine module.
+VLLM_ALLOWED = ("serving_hook/", "simulator/engine.py")
+_MODULE_STRING = re.compile(rf"^({'|'.join(LAYERS)})(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?$")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (they may name any module)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def references(source: str, filename: str) -> list[tuple[int, str]]:
+    """(line, top-level package) of every module this source imports or names in a string."""
+    tree = ast.parse(source, filename)
+    docs = _docstrings(tree)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module.split(".")[0]))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+              and _MODULE_STRING.match(node.value)):
+            out.append((node.lineno, node.value.split(".")[0]))
+    return out
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    """Every reference against the layer order, or to vLLM outside the adapter, as ``file:line: message``."""
+    bad = []
+    for layer in LAYERS:
+        for path in sorted((root / layer).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            for line, pkg in references(path.read_text(), rel):
+                if pkg in RANK and RANK[pkg] > RANK[layer]:
+                    bad.append(f"{rel}:{line}: {layer} reaches up to {pkg}")
+                elif pkg == "vllm" and not rel.startswith(VLLM_ALLOWED):
+                    bad.append(f"{rel}:{line}: imports vllm outside {', '.join(VLLM_ALLOWED)}")
+    return bad
+
+
+def test_no_import_runs_against_the_layer_order() -> None:
+    assert violations() == []
+
+
+@pytest.mark.parametrize(
+    "layer, source, found",
+    [
+        ("predictors", "from policy.interface import Event\n", "predictors reaches up to policy"),
+        ("policy", "def f():\n    import serving_hook.config\n", "policy reaches up to serving_hook"),
+        ("policy", 'TARGET = "serving_hook.model_source:RegistryPolicy"\n', "policy reaches up to serving_hook"),
+        ("serving_hook", "from training.registry import ModelRef\n", "serving_hook reaches up to training"),
+        ("simulator", "from vllm.v1.request import Request\n", "imports vllm outside"),
+        ("policy", "import vllm\n", "imports vllm outside"),
+    ],
+)
+def test_the_check_finds_an_upward_reference(tmp_path: Path, layer: str, source: str, found: str) -> None:
+    for name in LAYERS:
+        (tmp_path / name).mkdir()
+    (tmp_path / layer / "bad.py").write_text('"""A docstring may name training.cli freely."""\n' + source)
+    (tmp_path / "data" / "ok.py").write_text("import json\nfrom data.records import Event\n")
+    got = violations(tmp_path)
+    assert len(got) == 1 and found in got[0] and got[0].startswith(f"{layer}/bad.py:"), got
