@@ -205,6 +205,23 @@ class CostModel:
             )
         return int(free // self.kv_block_bytes(block_size))
 
+    @property
+    def weight_read_s(self) -> float:
+        """Seconds to stream the weights once: the memory floor of every step's GEMMs."""
+        return self._weight_s
+
+    def linear_s(self, tokens: int | float, decode_tokens: int | float) -> float:
+        """Compute seconds of the GEMMs of ``tokens`` tokens, ``decode_tokens`` of them with logits."""
+        return (self._token_flops * tokens + self._logit_flops * decode_tokens) / self._flops
+
+    def attention_s(self, pairs: int | float) -> float:
+        """Compute seconds of ``pairs`` attention query-key pairs."""
+        return self._pair_flops * pairs / self._flops
+
+    def kv_read_s(self, context_tokens: int | float) -> float:
+        """Seconds to read ``context_tokens`` tokens of K and V."""
+        return self._kv_bytes * context_tokens / self._bandwidth
+
     def step_time(
         self,
         prefill_tokens: int,

@@ -195,6 +195,38 @@ def simulate(
     console.print(f"telemetry and summary.json in {out_dir}", highlight=False)
 
 
+@app.command("bound")
+def bound(
+    workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
+    kv_blocks: Annotated[
+        Optional[int], typer.Option("--kv-blocks", help="KV blocks (16 tokens) per replica.")
+    ] = None,
+    kv_fraction: Annotated[
+        Optional[float],
+        typer.Option("--kv-fraction", help="KV per replica as a fraction of what the largest step needs at once."),
+    ] = None,
+    replicas: Annotated[int, typer.Option("--replicas", help="Number of replicas.")] = 1,
+    preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
+    decode_stride: Annotated[
+        int, typer.Option("--decode-stride", help="The simulator's decode stride the bound is for (1: exact).")
+    ] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the bound as one JSON object.")] = False,
+) -> None:
+    """A lower bound of each RL step's makespan that no schedule beats under the same cost model."""
+    from data.io import read_workload
+    from simulator.bound import render_bound, workload_bound
+
+    if kv_blocks is not None and kv_fraction is not None:
+        raise _fail("give at most one of --kv-blocks and --kv-fraction")
+    try:
+        table = read_workload(workload)
+        result = workload_bound(table, preset=preset, kv_blocks=kv_blocks, kv_fraction=kv_fraction,
+                                replicas=replicas, decode_stride=decode_stride)
+    except (DataValidationError, ValueError, OSError) as err:
+        raise _fail(str(err)) from None
+    typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_bound(result))
+
+
 def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Optional[str], replicas: int, router: str,
               kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: int,
               max_num_batched_tokens: int, progress: bool, decode_stride: int = 1) -> dict:

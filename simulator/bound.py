@@ -1,0 +1,258 @@
+"""A physics lower bound of each RL step's makespan: no schedule beats it under the same cost model.
+
+Every result is read beside it: a policy's ``makespan_over_bound`` and the share of vLLM default's gap to
+it that the policy closes (``gap_closed``). It is computed from the workload alone, with the cost model of
+:mod:`simulator.cost_model` (``c`` below is its ``step_time``), for ``R`` replicas of ``K`` KV blocks each.
+Notation per request: prompt ``p`` tokens, output ``L`` tokens; sampling output token ``m`` reads ``p + m - 1``
+tokens of context (token 1 is sampled by the prefill step, tokens 2..L by one decode iteration each, as the
+simulator prices them at every decode stride).
+
+**Chain bound** (a trajectory's critical path). A session's turns run one after the other: turn k+1 arrives
+``tool_latency_s`` after turn k finishes; after the last turn its verifier runs (``verify_latency_s``) and
+its reward-model scoring requests are sent, each then parsed for its own ``verify_latency_s``; the
+trajectory ends when all of these are done. A request alone takes at least:
+
+* its prefill step, ``c(n, pairs(n, p - n), 0, 0)``, where ``n`` (at least 1: vLLM always computes the last
+  prompt token) is the tokens of its full blocks that no other request of the workload holds: nothing can
+  have cached them, so this request computes them (more if chunked or recomputed; a step that also runs
+  others only costs more, since ``c`` is monotone in every argument);
+* ``L - 1`` decode iterations, each at least the iteration of that sequence alone,
+  ``c(0, 0, 1, ctx) = overhead + max(GEMMs of one token, weight read) + max(attention, KV read of ctx)``
+  (a batch reads the weights once but every member waits for the whole iteration).
+
+The chain bound of an RL step is its longest trajectory: the sum of its turns' request bounds and tool
+latencies, plus the longer of its verifier and its slowest scoring request (that request's bound plus its
+parse). In a trace replay (every row has ``arrival_s``), a request cannot start before it arrives: the step's
+chain bound is its latest ``arrival - step start + request bound (+ verification)``.
+
+**Iteration floor and KV-area bound** (the replica's busy time). Every decode iteration reads the weights and
+pays the step overhead once, and the KV its sequences hold fits in the cache: at most ``C = (K - 1) x 16``
+tokens (vLLM's null block excluded; at decode stride k the last k - 1 tokens of each sequence are allocated
+one step late, so ``C + (k - 1) x min(max_num_seqs, requests)``). Prefix caching lets sequences share
+blocks (GRPO siblings hold one copy of their prompt), so each request is charged only its share of the
+blocks it holds. A stream (a session's turns and the requests scoring it) runs one request at a time, so a
+full prompt block that ``n`` streams of the workload hold counts ``1 / n`` of its tokens for each request
+holding it: at most ``n`` holders run at once, so the running sequences' shares never exceed what the cache
+holds. A request's partial block and its own output count whole. With ``A'`` the step's shared-context
+token-iterations (sum over requests of ``sum_m (share of prompt + m - 1)``), a replica set runs at least
+``N = max(A' / C, max L - 1)`` decode iterations, and with ``A`` the contexts it reads (``sum_m (p + m - 1)``:
+each sequence reads all of its own), its GPU time summed over replicas is at least::
+
+    N x overhead + max(GEMMs of the prefill and decode tokens, N x weight read) + max(attention, KV read of A)
+
+(``sum_i max(a_i, b) >= max(sum_i a_i, n b)``: per-iteration maxima summed are at least the maximum of the
+sums). **Prefill** enters through the GEMMs: at least the step's distinct full-block tokens that no earlier
+step held, less the outputs that later prompts contain (those tokens' KV is written by decode), at the
+compute roofline; its attention is left out (a valid under-estimate).
+
+**Replicas.** The bound of a step on ``R`` replicas is ``max(chain, busy / R)``: the relaxation lets work split
+freely across replicas (any session on any replica, any request split), so it stays below every real
+placement. One replica is the same formula with ``R = 1``.
+
+What it does not cover: policies that change which work an RL step holds (tail batching re-runs cut prompts
+in later long rounds, over-provisioning aborts trajectories) can end a step below its bound; compare their
+whole runs (``simulated_s`` against ``bound_total_s``) only as a guide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from simulator.cost_model import CostModel, prefill_attention_pairs
+
+__all__ = ["StepBound", "Bound", "makespan_bound", "workload_bound", "render_bound", "VLLM_BLOCK_TOKENS"]
+
+#: Tokens per vLLM KV block in the simulated engine (the KV capacity's unit).
+VLLM_BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """One RL step's lower bound and its terms (seconds)."""
+
+    step: int
+    requests: int
+    chain_s: float  # the longest trajectory's critical path
+    busy_s: float  # GPU time of all replicas together (iteration floor, KV area, prefill)
+    decode_iterations: float  # the iteration floor N
+    bound_s: float  # max(chain_s, busy_s / replicas)
+    binding: str  # "chain" or "busy"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The bound of a whole workload: per step, their mean (beside ``makespan_s``) and their sum."""
+
+    steps: list[StepBound]
+    replicas: int
+    kv_blocks: int
+    preset: str
+    decode_stride: int
+    mean_s: float = field(init=False)
+    total_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        total = float(sum(s.bound_s for s in self.steps))
+        object.__setattr__(self, "total_s", total)
+        object.__setattr__(self, "mean_s", total / len(self.steps) if self.steps else 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"mean_s": self.mean_s, "total_s": self.total_s}
+
+
+def makespan_bound(workload: pa.Table, cost: CostModel, kv_blocks: int, *, replicas: int = 1, preset: str = "",
+                   decode_stride: int = 1, max_num_seqs: int = 256) -> Bound:
+    """The lower bound of every RL step of ``workload`` (a validated WORKLOAD table); see the module docstring."""
+    if replicas < 1 or kv_blocks < 2 or decode_stride < 1:
+        raise ValueError("replicas must be >= 1, kv_blocks >= 2 and decode_stride >= 1")
+    col = lambda name: workload.column(name).to_numpy(zero_copy_only=False)  # noqa: E731
+    p = col("prompt_tokens").astype(np.int64)
+    out = col("output_tokens").astype(np.int64)
+    step = col("step").astype(np.int64)
+    exclusive, shared_prompt, fresh = _block_tokens(workload, step)
+    service = _request_bounds(cost, p, out, exclusive)
+    decode_ctx = (out - 1) * p + (out - 1) * out // 2  # sum over m = 2..L of (p + m - 1)
+    held = (out - 1) * shared_prompt + (out - 1) * out / 2  # the same with each prompt block's share
+    fed = _feeds_a_later_prompt(workload)
+    chain = _chain_bounds(workload, service, step)
+    steps = []
+    for s in np.unique(step):
+        rows = step == s
+        n_rows = int(rows.sum())
+        capacity = (kv_blocks - 1) * VLLM_BLOCK_TOKENS + (decode_stride - 1) * min(max_num_seqs, n_rows)
+        area = float(decode_ctx[rows].sum())
+        decoded = float((out[rows] - 1).sum())
+        iterations = max(float(held[rows].sum()) / capacity, float((out[rows] - 1).max()))
+        prefill = max(0.0, float(fresh[s]) - float(out[rows & fed].sum()))
+        busy = (iterations * cost.step_overhead_s
+                + max(cost.linear_s(prefill + decoded, decoded), iterations * cost.weight_read_s)
+                + max(cost.attention_s(area), cost.kv_read_s(area)))
+        c = float(chain[s])
+        b = max(c, busy / replicas)
+        steps.append(StepBound(int(s), n_rows, c, busy, iterations, b, "chain" if c >= busy / replicas else "busy"))
+    return Bound(steps, replicas, int(kv_blocks), preset, decode_stride)
+
+
+def workload_bound(workload: pa.Table, *, preset: str = "H200-7B", kv_blocks: int | None = None,
+                   kv_fraction: float | None = None, replicas: int = 1, decode_stride: int = 1,
+                   max_num_seqs: int = 256) -> Bound:
+    """:func:`makespan_bound` with the KV size given as the simulator takes it: ``kv_blocks`` per replica, or
+    ``kv_fraction`` of what the largest step needs (:func:`simulator.sizing.blocks_for_fraction`), or neither:
+    the preset GPU's capacity."""
+    from simulator.sizing import blocks_for_fraction
+
+    cost = CostModel.preset(preset)
+    if kv_blocks is not None and kv_fraction is not None:
+        raise ValueError("give at most one of kv_blocks and kv_fraction")
+    if kv_fraction is not None:
+        kv_blocks = blocks_for_fraction(workload, kv_fraction)
+    elif kv_blocks is None:
+        kv_blocks = cost.max_kv_blocks(VLLM_BLOCK_TOKENS)
+    return makespan_bound(workload, cost, kv_blocks, replicas=replicas, preset=preset, decode_stride=decode_stride,
+                          max_num_seqs=max_num_seqs)
+
+
+def _block_tokens(workload: pa.Table, step: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, int]]:
+    """Per request, the tokens of its full blocks no other request holds, and its prompt's share of the KV
+    (each full block over the requests holding it, its partial block whole); per step, the tokens of the
+    full blocks that first appear in it (no earlier step held them)."""
+    chains = workload.column("block_hashes").combine_chunks()
+    size = workload.column("block_size").to_numpy().astype(np.int64)
+    lengths = pc.list_value_length(chains).fill_null(0).to_numpy().astype(np.int64)
+    full = np.minimum(lengths, workload.column("prompt_tokens").to_numpy() // size)
+    flat = pc.list_flatten(chains).to_numpy()
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    position = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    keep = position < full[row]
+    flat, row = flat[keep], row[keep]
+    _, inverse, counts = np.unique(flat, return_inverse=True, return_counts=True)
+    inverse = inverse.ravel()
+    exclusive = np.bincount(row[counts[inverse] == 1], minlength=len(lengths)) * size
+    stream = pc.dictionary_encode(pc.coalesce(workload.column("scores_session_id"), workload.column("session_id")))
+    stream = stream.combine_chunks().indices.to_numpy().astype(np.int64)[row]
+    pairs = np.unique(inverse * (int(stream.max()) + 1 if stream.size else 1) + stream)  # distinct (block, stream)
+    streams = np.bincount(pairs // (int(stream.max()) + 1 if stream.size else 1), minlength=counts.size)
+    prompt = workload.column("prompt_tokens").to_numpy().astype(np.int64)
+    shares = np.bincount(row, weights=1.0 / streams[inverse], minlength=len(lengths)) * size
+    shared_prompt = shares + (prompt - full * size)
+    steps = np.unique(step)
+    first_step = np.full(counts.size, np.iinfo(np.int64).max)
+    np.minimum.at(first_step, inverse, step[row])
+    block_tokens = np.zeros(counts.size, np.int64)
+    block_tokens[inverse] = size[row]
+    per_step = np.bincount(np.searchsorted(steps, first_step), weights=block_tokens, minlength=len(steps))
+    return exclusive, shared_prompt, {int(s): int(t) for s, t in zip(steps, per_step)}
+
+
+def _request_bounds(cost: CostModel, p: np.ndarray, out: np.ndarray, exclusive: np.ndarray) -> np.ndarray:
+    """Per request, the least time it takes alone: its prefill step and its L - 1 decode iterations."""
+    alone = cost.step_time(0, 0, 1, 0)  # one decode iteration of one sequence, less its KV read
+    per_token = cost.step_time(0, 0, 1, 1) - alone  # ... and per context token read (linear in the context)
+    decode_ctx = (out - 1) * p + (out - 1) * out // 2
+    new = np.maximum(1, np.minimum(exclusive, p))
+    prefill = np.array([cost.step_time(int(n), prefill_attention_pairs(int(n), int(q - n)), 0, 0)
+                        for n, q in zip(new.tolist(), p.tolist())])
+    return prefill + (out - 1) * alone + decode_ctx * per_token
+
+
+def _feeds_a_later_prompt(workload: pa.Table) -> np.ndarray:
+    """Rows whose output later prompts contain: turns that end in a tool call, and scored last turns."""
+    finish = workload.column("finish_reason").to_numpy(zero_copy_only=False)
+    scored = set(workload.column("scores_session_id").drop_null().to_pylist())
+    session = workload.column("session_id").to_pylist()
+    return (finish == "tool_call") | np.array([s in scored for s in session], bool)
+
+
+def _chain_bounds(workload: pa.Table, service: np.ndarray, step: np.ndarray) -> dict[int, float]:
+    """Per step, the longest trajectory's critical path (or, replaying a trace, the latest arrival's)."""
+    n = workload.num_rows
+    verify = np.nan_to_num(workload.column("verify_latency_s").to_numpy(zero_copy_only=False).astype(float))
+    arrival = workload.column("arrival_s")
+    out: dict[int, float] = {}
+    if n and arrival.null_count == 0:
+        t = arrival.to_numpy().astype(float)
+        for s in np.unique(step):
+            rows = step == s
+            out[int(s)] = float((t[rows] - t[rows].min() + service[rows] + verify[rows]).max())
+        return out
+    kind = workload.column("kind").to_numpy(zero_copy_only=False)
+    tool = np.nan_to_num(workload.column("tool_latency_s").to_numpy(zero_copy_only=False).astype(float))
+    session = workload.column("session_id").to_pylist()
+    scores = workload.column("scores_session_id").to_pylist()
+    turns: dict[str, float] = {}
+    last_verify: dict[str, float] = {}
+    tail: dict[str, float] = {}
+    step_of: dict[str, int] = {}
+    for i in range(n):
+        if kind[i] == "rollout":
+            sid = session[i]
+            turns[sid] = turns.get(sid, 0.0) + service[i] + tool[i]  # tool latency is null on the last turn
+            if verify[i] > 0:
+                last_verify[sid] = verify[i]
+            step_of[sid] = int(step[i])
+    for i in range(n):
+        if kind[i] != "rollout" and scores[i] is not None:
+            tail[scores[i]] = max(tail.get(scores[i], 0.0), service[i] + verify[i])
+    for sid, t in turns.items():
+        s = step_of[sid]
+        out[s] = max(out.get(s, 0.0), t + max(last_verify.get(sid, 0.0), tail.get(sid, 0.0)))
+    for s in np.unique(step):
+        out.setdefault(int(s), 0.0)
+    return out
+
+
+def render_bound(bound: Bound) -> str:
+    """A per-step table and the totals, for ``kvpilot bound``."""
+    lines = [f"lower bound of the makespan: {bound.replicas} replica(s) x {bound.kv_blocks} KV blocks, "
+             f"preset {bound.preset or '?'}, decode stride {bound.decode_stride}",
+             f"{'step':>5} {'requests':>9} {'chain_s':>10} {'busy_s':>10} {'iterations':>11} {'bound_s':>10}  binding"]
+    for s in bound.steps:
+        lines.append(f"{s.step:>5} {s.requests:>9} {s.chain_s:>10.2f} {s.busy_s:>10.2f} "
+                     f"{s.decode_iterations:>11.0f} {s.bound_s:>10.2f}  {s.binding}")
+    lines.append(f"total {bound.total_s:.2f} s, mean {bound.mean_s:.2f} s per step")
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""The makespan lower bound (simulator/bound.py) against vLLM's real scheduler in the simulator.
+
+The bound must hold for every schedule: no simulated RL step may end before it, whatever the policy, KV size,
+replica count or decode stride. And it must not be vacuous: a request alone takes about what it says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from data.synth import SplitLogNormal, SynthConfig, ToolConfig, generate, swe_domain
+from simulator.bound import makespan_bound, render_bound
+from simulator.cost_model import CostModel
+from simulator.simulation import run_simulation
+from simulator.sizing import blocks_for_fraction, min_blocks_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+COST = CostModel.preset("H200-7B")
+POLICIES = ("vllm-default", "continuum", "oracle")
+
+
+def _pool(rng: random.Random) -> dict:
+    """The calibrated domains, shrunk so that a run takes a fraction of a second."""
+    short = SynthConfig.preset("short").domains
+    math = dataclasses.replace(short["math"], output_tokens=SplitLogNormal(median=rng.choice((40, 120)),
+                                                                          sigma=0.8, min=1),
+                               max_tokens=600)
+    search = dataclasses.replace(short["agentic"], max_tokens=200)
+    swe = dataclasses.replace(swe_domain(1.0), turns=SplitLogNormal(median=4, sigma=0.5, min=2, max=8),
+                              output_tokens=SplitLogNormal(median=40, sigma=0.5, min=4), max_context_tokens=6000,
+                              prompt_tokens=SplitLogNormal(median=600, sigma=0.3, min=100, max=2000),
+                              tool=ToolConfig("sandbox", SplitLogNormal(median=0.5, sigma=1.0, max=5.0),
+                                              SplitLogNormal(median=200, sigma=0.6, min=16, max=1000)))
+    return {"math": math, "agentic": search, "swe": swe}
+
+
+def _small_domains(rng: random.Random) -> dict:
+    """Two or three of the shrunk domains, with random shares."""
+    pool = _pool(rng)
+    names = rng.sample(sorted(pool), rng.choice((2, 3)))
+    return {n: dataclasses.replace(pool[n], share=rng.uniform(0.3, 1.0)) for n in names}
+
+
+#: Seeds from here on are KV-bound (many long single-turn requests in a small cache): the busy term binds.
+BUSY_SEEDS = 15
+
+
+def _case(seed: int) -> tuple[SynthConfig, int, int]:
+    rng = random.Random(seed)
+    if seed >= BUSY_SEEDS:
+        math = dataclasses.replace(_pool(rng)["math"], share=1.0,
+                                   output_tokens=SplitLogNormal(median=300, sigma=0.5, min=1))
+        cfg = SynthConfig(seed=seed, steps=1, prompts_per_step=8, group_size=4, domains={"math": math})
+    else:
+        cfg = SynthConfig(seed=seed, steps=rng.choice((1, 2)), prompts_per_step=rng.choice((2, 3, 4)),
+                          group_size=rng.choice((2, 3, 4)), domains=_small_domains(rng))
+    return cfg, rng.choice((1, 2)), rng.choice((1, 8))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_no_simulated_step_ends_before_its_bound(seed: int) -> None:
+    cfg, replicas, stride = _case(seed)
+    workload = generate(cfg)
+    for fraction in (0.1, 1.0) if seed >= BUSY_SEEDS else (0.3, 1.0):
+        kv_blocks = max(blocks_for_fraction(workload, fraction), min_blocks_for(workload) + 2)
+        bound = makespan_bound(workload, COST, kv_blocks, replicas=replicas, decode_stride=stride)
+        if seed >= BUSY_SEEDS and fraction < 1:
+            assert all(s.binding == "busy" for s in bound.steps)  # the KV-area term is what is tested here
+        for policy in POLICIES:
+            res = run_simulation(workload, policy, replicas=replicas, router="round-robin", kv_blocks=kv_blocks,
+                                 progress=False, decode_stride=stride)
+            simulated = res.summary["makespan_per_step_s"]
+            bounds = [s.bound_s for s in bound.steps]
+            assert len(simulated) == len(bounds)
+            for got, floor in zip(simulated, bounds):
+                assert got >= floor * (1 - 1e-9), (
+                    f"seed {seed} {policy} kv {fraction} r{replicas} k{stride}: step took {got:.4f} s, "
+                    f"below the bound {floor:.4f} s\n{render_bound(bound)}")
+
+
+@pytest.mark.parametrize("domain", ["math", "swe"])
+def test_a_session_alone_takes_about_its_bound(domain: str) -> None:
+    """One request (or one multi-turn session) with nothing else running: within 5% of the simulated makespan."""
+    one = dataclasses.replace(_pool(random.Random(0))[domain], share=1.0, score_fraction=0.0)
+    workload = generate(SynthConfig(seed=5, steps=1, prompts_per_step=1, group_size=1, domains={domain: one}))
+    kv_blocks = COST.max_kv_blocks(16)
+    bound = makespan_bound(workload, COST, kv_blocks)
+    res = run_simulation(workload, "vllm-default", kv_blocks=kv_blocks, progress=False)
+    got = res.summary["makespan_s"]
+    assert bound.steps[0].binding == "chain"
+    assert bound.mean_s <= got <= 1.05 * bound.mean_s, (got, render_bound(bound))
+    assert np.isclose(bound.total_s, bound.mean_s)
+
+
+def test_more_kv_or_more_replicas_never_raise_the_bound() -> None:
+    workload = generate(dataclasses.replace(SynthConfig.preset("short"), prompts_per_step=8))
+    small = blocks_for_fraction(workload, 0.1)
+    tight = makespan_bound(workload, COST, small)
+    assert makespan_bound(workload, COST, 4 * small).total_s <= tight.total_s
+    two = makespan_bound(workload, COST, small, replicas=2)
+    assert two.total_s <= tight.total_s
+    assert all(s.chain_s == t.chain_s for s, t in zip(two.steps, tight.steps))
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        makespan_bound(workload, COST, small, replicas=0)
