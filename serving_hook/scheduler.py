@@ -34,20 +34,20 @@ of vllm 0.33.0):
   preemption) is overridden to note the request's hashed blocks before vLLM frees them to the
   free-list tail. At the start of the next ``schedule()`` (nothing allocates in
   between), the policy decides: protect (pin with TTL via
-  :class:`serving_hook.block_pool.BlockPoolAdapter`), demote (free-list head)
+  :class:`serving_hook.pins.BlockPoolAdapter`), demote (free-list head)
   or keep. Pins are released on expiry (checked at each ``schedule()``), on
   the policy's order, under pressure (above), when nothing runs and the next
   waiting request does not fit (liveness), and before ``reset_prefix_cache``
   (L3184; ``block_pool.py`` L871 refuses to reset while blocks are held).
 * **Eviction.** With ``Policy.uses_eviction``, ``_free_blocks`` also notes each
-  finished request's prefix in a :class:`serving_hook.block_pool.CachedPrefixIndex`,
+  finished request's prefix in a :class:`serving_hook.eviction.CachedPrefixIndex`,
   and the pool (class-swapped) calls ``_kvp_before_evict`` from
   ``get_new_blocks`` (``block_pool.py`` L706) when the blocks it is about to
   pop include a cached one. The policy's ``evict()`` then orders the cached
   prefixes whose blocks are free, and the hook moves the listed ones to the
   head of the free list before vLLM pops. At most once per step, budgeted
   and failure-isolated like the other calls; logged as a ``retain`` decision
-  with action ``evict``. Design and costs: :mod:`serving_hook.block_pool`.
+  with action ``evict``. Design and costs: :mod:`serving_hook.eviction`.
 
 **Zero-cost default.** With a policy that uses no lever (``VllmDefaultPolicy``)
 and no telemetry, every override is a single flag test and ``super()`` call;
@@ -110,11 +110,13 @@ from policy.interface import (
     RetentionDecision,
     EvictionDecision,
 )
-from serving_hook.block_pool import BlockPoolAdapter, CachedPrefixIndex, evict_first, install_eviction_counter
+from serving_hook.block_pool import install_eviction_counter
 from serving_hook.config import HookConfig, HookConfigError, build_policy, load_config
 from serving_hook.events import hash_to_int64, hashes_to_int64, kv_event_hashes, kv_event_rows
+from serving_hook.eviction import CachedPrefixIndex, evict_first
 from serving_hook.metadata import request_meta
 from serving_hook.model_source import RegistryPolicy
+from serving_hook.pins import BlockPoolAdapter
 
 logger = logging.getLogger("kvpilot.hook")
 
@@ -297,7 +299,7 @@ class KVPilotMixin:
             cap = int(cfg.max_pinned_fraction * self._kvp_num_blocks)
             self._kvp_pins = BlockPoolAdapter(pool, cap)
         if self._kvp_eviction:
-            # Eviction lever (see serving_hook.block_pool): candidates are the freed
+            # Eviction lever (see serving_hook.eviction): candidates are the freed
             # prefixes still cached; the pool calls back before an evicting allocation.
             self._kvp_index = CachedPrefixIndex(max(4 * self._kvp_num_blocks, 1024), pool)
             self._kvp_evict_hook = self._kvp_before_evict
