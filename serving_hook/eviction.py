@@ -5,10 +5,10 @@ moment vLLM evicts, comparing every cached prefix (KVFlow, Marconi, LRB,
 Belady). With ``Policy.uses_eviction``, the scheduler's ``_free_blocks`` notes
 each finished request's prefix in a :class:`CachedPrefixIndex`, and the pool
 (class-swapped, :mod:`serving_hook.block_pool`) calls
-the scheduler's ``_kvp_before_evict`` from ``get_new_blocks`` (``block_pool.py``
+:meth:`EvictionLever.before_evict` from ``get_new_blocks`` (``block_pool.py``
 L706) when the blocks it is about to pop include a cached one. The policy's
 ``evict()`` then orders the cached prefixes whose blocks are free, and the
-hook moves the listed ones to the head of the free list before vLLM pops. At
+lever moves the listed ones to the head of the free list before vLLM pops. At
 most once per step, budgeted and failure-isolated like the other calls;
 logged as a ``retain`` decision with action ``evict``.
 
@@ -31,9 +31,10 @@ Design and costs (line numbers of vllm 0.33.0):
   overrides ``get_new_blocks``. When its ``kvpilot_eviction_hook`` is set, it
   walks the first ``n`` free blocks (the ones about to be popped, the same
   walk ``popleft_n`` does) and, only if one of them carries a hash, calls
-  ``hook(n)`` before vLLM's own ``get_new_blocks``. The scheduler's hook
-  clears ``kvpilot_eviction_hook`` when it runs and sets it again at the next
-  ``schedule()``: at most one policy call per engine step, and
+  ``hook(n)`` before vLLM's own ``get_new_blocks``. The lever's hook
+  (:meth:`EvictionLever.before_evict`) clears ``kvpilot_eviction_hook`` when
+  it runs and sets it again at the next ``schedule()``
+  (:meth:`EvictionLever.rearm`): at most one policy call per engine step, and
   no walk at all for the rest of the step. The order the policy gave stays in
   the free list for the rest of the step.
 * *Candidates.* :class:`CachedPrefixIndex` keeps the prefixes of finished
@@ -72,18 +73,26 @@ Design and costs (line numbers of vllm 0.33.0):
   a step, then while the step's plan has tails left); once per step, one scan
   of the index (O(entries + blocks that lost their hash since the last
   scan)), the policy call (under the step budget,
-  ``_kvp_call``), and list surgery on about as many
+  :meth:`~serving_hook.guard.Guard.decide`), and list surgery on about as many
   blocks as the step takes.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Iterable, Optional, Sequence
 
 from vllm.v1.core.block_pool import BlockPool
 
+from policy.interface import CachedPrefix, EvictionDecision, OwnerState, Policy
 from serving_hook.block_pool import CountingBlockPool, cached_length, exclusive_tail, takes_cached
+from serving_hook.guard import Guard
+from serving_hook.lever import Lever
+from serving_hook.rows import Rows
+from serving_hook.translate import EngineView, Freed, Translator, hashes64
+
+_perf = time.perf_counter
 
 
 class CachedPrefixIndex:
@@ -327,3 +336,112 @@ def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[
         pool.kvpilot_plan_error = on_error
     return moved
 
+
+class EvictionLever(Lever):
+    """Asks the policy for an eviction order once per step, when vLLM is about to evict, and applies it."""
+
+    def __init__(self, sched: EngineView, policy: Policy, guard: Guard, tr: Translator, rows: Rows) -> None:
+        super().__init__(sched, policy, guard, tr, rows)
+        pool = tr.pool
+        self.pool = pool
+        # Candidates are the freed prefixes still cached; the pool calls back before an evicting allocation.
+        self.index = CachedPrefixIndex(max(4 * tr.num_blocks, 1024), pool)
+        self.cap: Optional[int] = None
+        self.set_cap(policy.max_eviction_candidates)
+        self._offered: dict[str, tuple] = {}  # evict()'s last candidates: prefix id -> (Freed, CachedPrefix)
+        self._hook = self.before_evict
+        pool.kvpilot_eviction_hook = self._hook
+
+    def set_cap(self, cap: Optional[int]) -> None:
+        """The most candidates one ``evict()`` gets: the policy's ``max_eviction_candidates`` (None or <= 0: all)."""
+        self.cap = int(cap) if cap is not None and int(cap) > 0 else None
+
+    def note_freed(self, freed: Freed) -> None:
+        """A finished request's cached blocks: a candidate while they stay cached."""
+        self.index.add(freed.request_id, freed)
+
+    def rearm(self) -> None:
+        """At ``schedule()``: one ask again this step; the last step's order is spent."""
+        pool = self.pool
+        pool.kvpilot_eviction_hook = self._hook
+        pool.kvpilot_plan = None
+
+    def before_evict(self, num_blocks: int) -> None:
+        """Called by the pool right before an allocation that evicts cached blocks.
+
+        Disarms itself: the policy is asked at most once per engine step
+        (``schedule()`` re-arms it); the order it gives stays in the free list
+        for the rest of the step.
+        """
+        self.pool.kvpilot_eviction_hook = None
+        t0 = _perf()
+        try:
+            self._evict(num_blocks)
+        except Exception as e:
+            self.guard.internal_error("evict", e)
+        self.guard.inner_s += _perf() - t0
+
+    def _count_moved(self, n: int) -> None:
+        self.stats.evict_first_blocks += n
+
+    def _plan_failed(self, e: BaseException) -> None:
+        self.guard.internal_error("evict", e)
+
+    def _evict(self, num_blocks: int) -> None:
+        if self.guard.fallback:
+            return  # this step already fell back to vLLM's behaviour (LRU)
+        found = self.index.candidates(self.cap)
+        if not found:
+            return
+        now = self.sched.kvpilot_clock()
+        sessions = self.tr.sessions
+        groups = self.tr.groups
+        ids_of = self.index.block_ids
+        last = self._offered  # the previous step's CachedPrefix objects, reused while unchanged
+        offered: dict[str, tuple[Freed, CachedPrefix]] = {}
+        prefixes: list[CachedPrefix] = []
+        for pid, f, n in found:
+            meta = f.meta
+            state = f.owner_state
+            if state is OwnerState.PAUSED_TOOL and sessions.get(meta.session_id) != (meta.turn or 0):
+                state = OwnerState.RUNNING  # the session's next turn has arrived
+            g = groups.get(meta.group_id) if meta.group_id is not None else None
+            pending = max(0, (meta.group_size or 0) - g[0]) if g is not None and meta.group_size else 0
+            prev = last.get(pid)
+            cp = prev[1] if prev is not None and prev[0] is f else None
+            if cp is None or len(cp.block_ids) != n or cp.owner_state is not state or cp.group_pending != pending:
+                h64 = hashes64(f)
+                cp = CachedPrefix(
+                    prefix_id=pid,
+                    owner_request_id=f.request_id,
+                    owner_state=state,
+                    meta=meta,
+                    block_ids=ids_of(pid)[:n],
+                    block_hashes=h64[:n],
+                    last_used_s=f.time_s,
+                    group_pending=pending,
+                )
+            offered[pid] = (f, cp)
+            prefixes.append(cp)
+        self._offered = offered
+        self.stats.eviction_calls += 1
+        dec = self.guard.decide("evict", self.policy.evict, EvictionDecision, prefixes, num_blocks, self.tr.state(now))
+        if dec is None:
+            return
+        by_id = {pid: (f, n) for pid, f, n in found}  # n: cached length, unchanged since candidates()
+        chains = []
+        seen: set = set()
+        first = None
+        for pid in dec.order or ():
+            fn = by_id.get(pid)
+            if fn is None or pid in seen:
+                continue
+            seen.add(pid)
+            chains.append((fn[0].blocks, fn[0].hashes, fn[1]))
+            if first is None:
+                first = pid
+        if chains and evict_first(self.pool, chains, num_blocks, self._count_moved, self._plan_failed):
+            self.stats.eviction_orders += 1
+        if self.rows.log_decisions:
+            idx = next((i for i, cp in enumerate(prefixes) if cp.prefix_id == first), -1)
+            self.rows.prefix_decision(now, prefixes, dec.predictions, idx, dec.propensity, "evict")

@@ -10,7 +10,7 @@ is handed out again (``get_new_blocks`` -> ``_maybe_evict_cached_block``).
   which takes it off the free list (a hard pin). The adapter releases it with
   ``BlockPool.free_blocks`` (back to the tail, still cached) when the TTL
   expires, when the policy says so, under pressure (before vLLM would preempt
-  a running request: see :mod:`serving_hook.scheduler`), or when the prefix cache
+  a running request: see :mod:`serving_hook.preemption`), or when the prefix cache
   is reset. Pinned blocks count as used, so the adapter caps them at
   ``max_pinned_blocks`` distinct blocks.
 * **Demote** = take the prefix's exclusive tail (its free cached blocks that
