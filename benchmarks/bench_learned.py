@@ -118,7 +118,7 @@ def schedulers(engine, model: Path, running: int) -> dict:
 
 def policy_time(s) -> float:
     """The (wall) time the hook measured inside policy calls in the scheduler's last step."""
-    return s._kvp_budget - s._kvp_budget_left
+    return s._kvp_guard.budget_s - s._kvp_guard.budget_left
 
 
 def clocked(policy, clock, acc: list) -> None:
@@ -218,11 +218,12 @@ def schedulers_learned(engine, model: Path, running: int):
 def preempt_time(s, clock, calls: int = 50) -> tuple[float, float]:
     """Median and p99 of one ``preempt()`` decision over all running requests (candidates built by the hook)."""
     now = s.kvpilot_clock()
+    tr = s._kvp_translate
     ts = []
     for _ in range(calls):
         t = clock()
-        cands = s._kvp_candidates(list(s.running), now)
-        s.kvpilot_policy.preempt(cands, s._kvp_state(now))
+        cands = tr.candidates(list(s.running), now)
+        s.kvpilot_policy.preempt(cands, tr.state(now))
         ts.append(clock() - t)
     return statistics.median(ts), p99(ts)
 

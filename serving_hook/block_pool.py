@@ -1,4 +1,4 @@
-"""Retention levers over vLLM's ``BlockPool``: pins with a TTL, and demotion.
+"""The pool mechanism under the retention and eviction levers: kvpilot's subclass of vLLM's ``BlockPool``.
 
 vLLM 0.33 (``vllm/v1/core/block_pool.py``) keeps every block with ref count 0
 in a doubly linked free list (``FreeKVCacheBlockQueue``). A freed block that
@@ -6,95 +6,38 @@ still carries a hash stays there as prefix cache until it reaches the head and
 is handed out again (``get_new_blocks`` -> ``_maybe_evict_cached_block``).
 ``free_blocks`` appends freed hashed blocks at the tail, so eviction is LRU.
 
-* **Protect** = ``BlockPool.touch(blocks)``: one more reference per block,
-  which takes it off the free list (a hard pin). The adapter releases it with
-  ``BlockPool.free_blocks`` (back to the tail, still cached) when the TTL
-  expires, when the policy says so, under pressure (before vLLM would preempt
-  a running request: see ``serving_hook.scheduler``), or when the prefix cache
-  is reset. Pinned blocks count as used, so the adapter caps them at
-  ``max_pinned_blocks`` distinct blocks.
-* **Demote** = take the prefix's exclusive tail (its free cached blocks that
-  no other cached chain goes through, :func:`exclusive_tail`) off the free
-  list and put it back at its head, deepest block first, so those blocks are
-  the next to be evicted. They can still be hit until they are reused.
+The pool's class is swapped (:func:`install_eviction_counter`; only the hook's
+non-passthrough mode installs it) for :class:`CountingBlockPool`, which
 
-The adapter also counts evictions: the pool's class is swapped for a subclass
-whose ``_maybe_evict_cached_block`` counts the blocks that lose their hash when
-handed out again. Only the hook's non-passthrough mode installs it.
+* counts evictions: its ``_maybe_evict_cached_block`` counts the blocks that
+  lose their hash when handed out again;
+* carries the eviction lever's entry point (``kvpilot_eviction_hook``, called
+  from ``get_new_blocks`` when an allocation evicts, :func:`takes_cached`) and
+  applies the step's eviction order as blocks are taken (``kvpilot_plan``);
+* keeps the prefix tree of the cached blocks, from which
+  :func:`exclusive_tail` tells a prefix's own tail from blocks that other
+  cached chains go through (what demotion, :mod:`serving_hook.pins`, and the
+  eviction order, :mod:`serving_hook.eviction`, move).
 
-**Eviction lever** (``Policy.uses_eviction``; line numbers of vllm 0.33.0).
-Retention decides when blocks are freed; the eviction lever decides at the
-moment vLLM evicts, comparing every cached prefix (KVFlow, Marconi, LRB,
-Belady).
-
-* *Where vLLM evicts.* Every block the KV-cache manager takes comes from
-  ``BlockPool.get_new_blocks`` (``v1/core/block_pool.py`` L706): it pops the
-  first ``n`` blocks of the free list (``FreeKVCacheBlockQueue.popleft_n``,
-  ``v1/core/kv_cache_utils.py`` L347, called at L721) and strips the hash of
-  each (``_maybe_evict_cached_block``, L729 / L769): a popped block that
-  carried a hash is an eviction. Its callers are the single-type managers'
-  ``allocate_new_blocks`` (``single_type_kv_cache_manager.py`` L395, L406;
-  L365 for external hits), reached from ``KVCacheManager.allocate_slots``
-  after the request's own cache hits were taken off the free list
-  (``touch``, ``kv_cache_manager.py`` L595 -> ``block_pool.py`` L792). So at
-  ``get_new_blocks`` the free list holds exactly the evictable blocks, in
-  the order vLLM will evict them.
-* *The hook.* :class:`CountingBlockPool` (installed by class swap, see
-  :func:`install_eviction_counter`) overrides ``get_new_blocks``. When its
-  ``kvpilot_eviction_hook`` is set, it walks the first ``n`` free blocks (the
-  ones about to be popped, the same walk ``popleft_n`` does) and, only if
-  one of them carries a hash, calls ``hook(n)`` before vLLM's own
-  ``get_new_blocks``. The scheduler's hook clears ``kvpilot_eviction_hook``
-  when it runs and sets it again at the next ``schedule()``: at most one
-  policy call per engine step, and no walk at all for the rest of the step.
-  The order the policy gave stays in the free list for the rest of the step.
-* *Candidates.* :class:`CachedPrefixIndex` keeps the prefixes of finished
-  requests (noted when the scheduler's ``_free_blocks`` frees them), in the
-  order they were freed (LRU). An entry is dropped when its first block no
-  longer holds the hash it had (evicted and reused: the rest of the chain
-  can no longer hit); a prefix is offered only while its deepest still-cached
-  block is free (``ref_cnt == 0``; otherwise a running request holds the whole
-  chain and there is no tail to move). The index is bounded (oldest entries
-  go first). It keeps each entry's cached length from the pool's log of
-  blocks that lost their hash, so a scan does not walk the chains.
-* *Applying the order.* :class:`EvictionPlan` takes the listed prefixes'
-  *exclusive tails* off the free list (``FreeKVCacheBlockQueue.remove``,
-  ``kv_cache_utils.py`` L391) and puts them back at its head (``prepend_n``,
-  L438), first-listed prefix first and each tail's deepest block first,
-  *behind* the run of hash-less free blocks at the head (vLLM puts freed
-  hash-less blocks there, ``free_blocks`` L845, and hands them out before
-  evicting anything). It places the first tails when the policy answers and
-  the next ones when a later allocation of the same step reaches past them
-  (:meth:`EvictionPlan.cover`), so a step moves about the blocks it takes,
-  not every cached block. The exclusive tail (:func:`exclusive_tail`) is the run
-  of free cached blocks at the end of the chain that no other cached chain
-  goes through: the pool keeps the prefix tree of the cached blocks
-  (``cache_full_blocks`` links each newly hashed block to the block before it
-  in its request; a link goes when either block loses its hash), and the
-  walk up from the deepest block stops at a branch point, at a block another
-  chain extends, or at a block in use. So a prefix ranked first never takes a
-  hot prefix's shared head with it; those blocks keep their LRU place.
-  Unlisted cached blocks keep their LRU order (``free_blocks`` appends at the
-  tail, L847). The free-block count does not change, so vLLM's own check
-  (``get_new_blocks`` L718) still holds.
-* *Cost.* Off (the default, or a policy without ``uses_eviction``): no class
-  swap in passthrough mode; otherwise one attribute test per
-  ``get_new_blocks`` and two dict updates per newly cached block (the tree).
-  On: a walk of ``n`` blocks per allocation (until the first evicting one in
-  a step, then while the step's plan has tails left); once per step, one scan
-  of the index (O(entries + blocks that lost their hash since the last
-  scan)), the policy call (under the step budget, ``_kvp_call``), and list
-  surgery on about as many blocks as the step takes.
+None of it changes what vLLM does. The levers that use it, and how, are
+described in :mod:`serving_hook.retention` and :mod:`serving_hook.eviction`.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from vllm.v1.core.block_pool import BlockPool
+
+
+class StepPlan(Protocol):
+    """This step's eviction order (:class:`serving_hook.eviction.EvictionPlan`), as the pool drives it."""
+
+    done: bool  # every listed tail is placed: the pool drops the plan
+
+    def cover(self, n: int) -> None:
+        """Make sure the first ``n`` free blocks evict in the plan's order."""
 
 
 class CountingBlockPool(BlockPool):
@@ -105,13 +48,13 @@ class CountingBlockPool(BlockPool):
     first when one of the ``n`` blocks it is about to pop still holds a hash.
     And it keeps the prefix tree of the cached blocks (``kvpilot_children``:
     block id -> ids of the cached blocks that follow it in some request), so
-    :func:`evict_first` can tell a prefix's own tail from blocks other cached
+    :func:`exclusive_tail` can tell a prefix's own tail from blocks other cached
     chains go through. Neither changes what vLLM does.
     """
 
     kvpilot_evictions: int = 0
     kvpilot_eviction_hook: Optional[Callable[[int], None]] = None
-    kvpilot_plan: Optional["EvictionPlan"] = None  # this step's eviction order, applied as blocks are taken
+    kvpilot_plan: Optional[StepPlan] = None  # this step's eviction order, applied as blocks are taken
     kvpilot_plan_error: Optional[Callable[[BaseException], None]] = None  # told when placing the plan fails
     kvpilot_dropped: Optional[list[int]] = None  # ids of blocks that lost their hash (kept for CachedPrefixIndex)
     kvpilot_tree: bool = True  # keep the prefix tree (only the levers that move blocks need it)
@@ -221,150 +164,6 @@ def install_eviction_counter(pool: BlockPool) -> None:
         pool.kvpilot_parent = {}
 
 
-@dataclass
-class Pin:
-    prefix_id: str
-    blocks: list  # KVCacheBlock, prefix order
-    expires_at: float
-    protected_at: float
-
-
-class BlockPoolAdapter:
-    """Pins (with TTL) and demotion for prefixes, over one vLLM ``BlockPool``."""
-
-    def __init__(self, pool: BlockPool, max_pinned_blocks: int) -> None:
-        self.pool = pool
-        self.max_pinned_blocks = max(0, int(max_pinned_blocks))
-        self.pins: dict[str, Pin] = {}
-        self._pin_refs: dict[int, int] = {}  # block_id -> pins holding it
-        self._expiry: list[tuple[float, int, str]] = []  # heap of (expires_at, seq, prefix_id)
-        self._seq = 0
-        # counters (monotonic)
-        self.num_protected = 0
-        self.num_refused = 0
-        self.num_released_expired = 0
-        self.num_released_policy = 0
-        self.num_released_pressure = 0
-        self.num_demoted_blocks = 0
-
-    # ------------------------------------------------------------------ state
-    @property
-    def num_pinned_blocks(self) -> int:
-        """Distinct blocks held by pins."""
-        return len(self._pin_refs)
-
-    def __len__(self) -> int:
-        return len(self.pins)
-
-    @staticmethod
-    def still_cached(block: Any, block_hash: Any) -> bool:
-        """True when ``block`` still holds the cache entry it had when freed."""
-        return not block.is_null and block_hash is not None and block.block_hash == block_hash
-
-    # ---------------------------------------------------------------- protect
-    def protect(self, prefix_id: str, blocks: Sequence[Any], hashes: Sequence[Any], ttl_s: float, now: float) -> int:
-        """Pin ``blocks`` (those still cached) until ``now + ttl_s``.
-
-        Protecting a prefix that is already pinned renews its TTL. Returns
-        the number of blocks pinned (0 when refused by the cap or nothing was
-        still cached).
-        """
-        expires = now + float(ttl_s)
-        pin = self.pins.get(prefix_id)
-        if pin is not None:
-            pin.expires_at = expires
-            self._push_expiry(expires, prefix_id)
-            return len(pin.blocks)
-        # Keep the contiguous prefix only: a hole makes the blocks after it unreachable.
-        n = 0
-        for b, h in zip(blocks, hashes):
-            if not self.still_cached(b, h):
-                break
-            n += 1
-        live = list(blocks[:n])
-        if not live:
-            return 0
-        new_distinct = sum(1 for b in live if b.block_id not in self._pin_refs)
-        if self.num_pinned_blocks + new_distinct > self.max_pinned_blocks:
-            self.num_refused += 1
-            return 0
-        self.pool.touch(live)
-        for b in live:
-            self._pin_refs[b.block_id] = self._pin_refs.get(b.block_id, 0) + 1
-        self.pins[prefix_id] = Pin(prefix_id, live, expires, now)
-        self._push_expiry(expires, prefix_id)
-        self.num_protected += 1
-        return len(live)
-
-    def _push_expiry(self, expires: float, prefix_id: str) -> None:
-        self._seq += 1
-        heapq.heappush(self._expiry, (expires, self._seq, prefix_id))
-
-    # ---------------------------------------------------------------- release
-    def release(self, prefix_id: str) -> int:
-        """Unpin one prefix; its blocks go back to the free-list tail (still cached)."""
-        pin = self.pins.pop(prefix_id, None)
-        if pin is None:
-            return 0
-        for b in pin.blocks:
-            c = self._pin_refs.get(b.block_id, 0) - 1
-            if c <= 0:
-                self._pin_refs.pop(b.block_id, None)
-            else:
-                self._pin_refs[b.block_id] = c
-        # Deepest block first, as vLLM frees a request's blocks.
-        self.pool.free_blocks(reversed(pin.blocks))
-        return len(pin.blocks)
-
-    def release_expired(self, now: float) -> list[str]:
-        """Unpin every prefix whose TTL has ended; their ids."""
-        released: list[str] = []
-        heap = self._expiry
-        while heap and heap[0][0] <= now:
-            _, _, pid = heapq.heappop(heap)
-            pin = self.pins.get(pid)
-            if pin is not None and pin.expires_at <= now:
-                self.release(pid)
-                released.append(pid)
-        self.num_released_expired += len(released)
-        return released
-
-    def release_policy(self, prefix_ids: Iterable[str]) -> list[str]:
-        """Unpin the named prefixes (those pinned); their ids."""
-        released = [pid for pid in prefix_ids if self.release(pid)]
-        self.num_released_policy += len(released)
-        return released
-
-    def release_one_for_pressure(self) -> Optional[str]:
-        """Release the pin that expires soonest; its prefix id, or None when none is left."""
-        if not self.pins:
-            return None
-        pid = min(self.pins.values(), key=lambda p: (p.expires_at, p.protected_at)).prefix_id
-        self.release(pid)
-        self.num_released_pressure += 1
-        return pid
-
-    def release_all(self) -> int:
-        n = len(self.pins)
-        for pid in list(self.pins):
-            self.release(pid)
-        self._expiry.clear()
-        return n
-
-    # ----------------------------------------------------------------- demote
-    def demote(self, blocks: Sequence[Any], hashes: Sequence[Any]) -> int:
-        """Move the prefix's :func:`exclusive_tail` to the head of the free list, deepest block first."""
-        queue = self.pool.free_block_queue
-        moved = exclusive_tail(self.pool, blocks, cached_length(blocks, hashes))
-        for b in moved:
-            queue.remove(b)
-        if moved:
-            queue.prepend_n(moved)
-        self.num_demoted_blocks += len(moved)
-        return len(moved)
-
-
-# ------------------------------------------------------------- eviction lever
 def cached_length(blocks: Sequence[Any], hashes: Sequence[Any]) -> int:
     """How many leading blocks still hold the hashes they had when freed."""
     n = 0
@@ -373,147 +172,6 @@ def cached_length(blocks: Sequence[Any], hashes: Sequence[Any]) -> int:
             break
         n += 1
     return n
-
-
-class CachedPrefixIndex:
-    """Finished requests' prefixes whose blocks may still be cached, in the order they were freed.
-
-    Entries are objects with ``blocks`` and ``hashes`` (the blocks' hashes at
-    free time), keyed by prefix id. Re-adding an id moves it to the end (most
-    recent). Dead entries (first block evicted) are dropped when
-    :meth:`candidates` scans past them, and when the index outgrows
-    ``max_entries`` (then, if needed, the oldest entries go too).
-
-    Each entry's cached length is kept up to date without walking its blocks:
-    a :class:`CountingBlockPool` logs the ids of the blocks that lose their hash
-    (``kvpilot_dropped``), and the index knows which entries hold each block at
-    which position. A drop cuts the entries that hold the block; a cut entry
-    then checks, from its cut onwards, whether its blocks hold their hashes again
-    (vLLM can cache the same content into the same block). So :meth:`candidates`
-    costs O(entries + blocks dropped since the last call), not O(cached blocks).
-    """
-
-    def __init__(self, max_entries: int, pool: Optional[BlockPool] = None) -> None:
-        self.max_entries = max(16, int(max_entries))
-        self.entries: dict[str, Any] = {}
-        self._known: dict[str, int] = {}  # prefix id -> leading blocks known to hold their hashes
-        self._ids: dict[str, tuple[int, ...]] = {}  # prefix id -> its blocks' ids
-        self._holders: dict[int, dict[str, int]] = {}  # block id -> {prefix id: position}
-        self._dropped: Optional[list[int]] = None
-        if isinstance(pool, CountingBlockPool):
-            pool.kvpilot_dropped = self._dropped = []
-        self.num_dropped_dead = 0
-        self.num_dropped_full = 0
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def add(self, prefix_id: str, entry: Any) -> None:
-        if prefix_id in self.entries:
-            self._forget(prefix_id)
-        self._refresh()  # drops logged before this entry's blocks were hashed must not cut it
-        ids = tuple(b.block_id for b in entry.blocks)
-        self.entries[prefix_id] = entry
-        self._ids[prefix_id] = ids
-        self._known[prefix_id] = cached_length(entry.blocks, entry.hashes) if self._dropped is not None else 0
-        holders = self._holders
-        for pos, bid in enumerate(ids):
-            h = holders.get(bid)
-            if h is None:
-                holders[bid] = {prefix_id: pos}
-            else:
-                h[prefix_id] = pos
-        if len(self.entries) > self.max_entries:
-            self._shrink()
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self._known.clear()
-        self._ids.clear()
-        self._holders.clear()
-        if self._dropped is not None:
-            self._dropped.clear()
-
-    def block_ids(self, prefix_id: str) -> tuple[int, ...]:
-        """The ids of all the blocks the prefix had when freed (cut them at its cached length)."""
-        return self._ids[prefix_id]
-
-    def _forget(self, prefix_id: str) -> None:
-        del self.entries[prefix_id]
-        del self._known[prefix_id]
-        holders = self._holders
-        for bid in self._ids.pop(prefix_id):
-            h = holders.get(bid)
-            if h is not None:
-                h.pop(prefix_id, None)
-                if not h:
-                    del holders[bid]
-
-    def _refresh(self) -> None:
-        """Cut the entries holding blocks that lost their hash since the last call."""
-        dropped = self._dropped
-        if not dropped:
-            return
-        holders, known = self._holders, self._known
-        for bid in dropped:
-            h = holders.get(bid)
-            if h:
-                for pid, pos in h.items():
-                    if pos < known[pid]:
-                        known[pid] = pos
-        dropped.clear()
-
-    def _length(self, prefix_id: str, entry: Any) -> int:
-        """The entry's current cached length (exact: see the class docstring)."""
-        if self._dropped is None:  # no drop log (a plain BlockPool): walk the chain
-            return cached_length(entry.blocks, entry.hashes)
-        n = self._known[prefix_id]
-        blocks, hashes = entry.blocks, entry.hashes
-        end = len(blocks)
-        if n < end and blocks[n].block_hash == hashes[n]:  # cached again since the cut
-            while n < end and blocks[n].block_hash == hashes[n]:
-                n += 1
-            self._known[prefix_id] = n
-        return n
-
-    def _shrink(self) -> None:
-        self._refresh()
-        dead = [pid for pid, e in self.entries.items() if self._length(pid, e) == 0]
-        for pid in dead:
-            self._forget(pid)
-        self.num_dropped_dead += len(dead)
-        target = (self.max_entries * 3) // 4
-        if len(self.entries) > target:
-            old = list(self.entries)[: len(self.entries) - target]
-            for pid in old:
-                self._forget(pid)
-            self.num_dropped_full += len(old)
-
-    def candidates(self, limit: Optional[int] = None) -> list[tuple[str, Any, int]]:
-        """``(prefix_id, entry, n_cached)`` of the prefixes whose deepest cached block is free, oldest first.
-
-        ``n_cached`` is the number of leading blocks still cached. A prefix
-        whose deepest cached block is in use (a running request holds the
-        whole chain) has no tail the lever could move, and is left out. At most
-        ``limit`` are returned (all when ``None``); the scan stops there.
-        """
-        self._refresh()
-        out: list[tuple[str, Any, int]] = []
-        dead: list[str] = []
-        length = self._length
-        for pid, e in self.entries.items():
-            n = length(pid, e)
-            if n == 0:
-                dead.append(pid)
-                continue
-            if e.blocks[n - 1].ref_cnt == 0:
-                out.append((pid, e, n))
-                if limit is not None and len(out) >= limit:
-                    break
-        for pid in dead:
-            self._forget(pid)
-        self.num_dropped_dead += len(dead)
-        return out
 
 
 def exclusive_tail(pool: BlockPool, blocks: Sequence[Any], n: int) -> list:
@@ -537,104 +195,3 @@ def exclusive_tail(pool: BlockPool, blocks: Sequence[Any], n: int) -> list:
         tail.append(b)
         below = b.block_id
     return tail
-
-
-#: Blocks an eviction plan moves at first (or the allocation's need, if larger); each later extension doubles it.
-PLAN_FIRST_BLOCKS = 64
-
-
-class EvictionPlan:
-    """A policy's eviction order for one engine step, applied to the free list as vLLM takes blocks.
-
-    The prefixes' exclusive tails (:func:`exclusive_tail`) go, in the given
-    order and each deepest block first, right behind the hash-less free blocks
-    at the head of the free list (those are handed out first and evict
-    nothing). Moving every listed tail would cost O(cached blocks) per step, but
-    a step takes only a few hundred blocks; so the plan moves the first tails
-    (at least :data:`PLAN_FIRST_BLOCKS` blocks, or the allocation's need), and
-    before each later allocation :meth:`cover` checks its first ``n`` free
-    blocks: if one is a cached block the plan has not placed while listed tails
-    are left, the next tails are placed right behind the ones still waiting. So
-    every evicting allocation of the step takes blocks in the policy's order, as
-    if all tails had been moved at once, except that a later tail is measured
-    when it is placed (a block in use by then stays). Unlisted cached blocks
-    keep their LRU order. The free-block count never changes: a placement
-    measures its tails first and then only unlinks and relinks free blocks.
-    """
-
-    def __init__(self, pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[Any], int]],
-                 on_move: Optional[Callable[[int], None]] = None) -> None:
-        self.pool = pool
-        self._chains = iter(chains)  # (blocks, hashes, cached length when the order was given)
-        self._fresh = True  # the cached lengths given still hold (nothing ran since)
-        self._placed: set[int] = set()
-        self._next = PLAN_FIRST_BLOCKS
-        self._on_move = on_move
-        self.done = False  # every listed tail is placed: LRU for the rest of the step
-        self.moved = 0
-
-    def cover(self, n: int) -> None:
-        """Make sure the first ``n`` free blocks evict in the plan's order (place more tails if needed)."""
-        if takes_cached(self.pool.free_block_queue, n, self._placed):
-            self.place(n)
-
-    def place(self, n: int) -> int:
-        """Place the next tails behind the hash-less and already placed blocks at the head; how many moved.
-
-        Enough for an allocation of ``n`` blocks, and at least the plan's next chunk (which doubles)."""
-        pool = self.pool
-        q = pool.free_block_queue
-        tail = q.fake_free_list_tail
-        placed = self._placed
-        ahead = 0  # hash-less or placed blocks at the head
-        b = q.fake_free_list_head.next_free_block
-        while b is not None and b is not tail and (b.block_hash is None or b.block_id in placed):
-            ahead += 1
-            b = b.next_free_block
-        want = max(n - ahead, self._next)
-        self._next *= 2
-        moved: list = []
-        while len(moved) < want:
-            chain = next(self._chains, None)
-            if chain is None:
-                self.done = True
-                break
-            blocks, hashes, length = chain
-            if not self._fresh:
-                length = cached_length(blocks, hashes)
-            for blk in exclusive_tail(pool, blocks, length):
-                if blk.block_id not in placed:
-                    placed.add(blk.block_id)
-                    moved.append(blk)
-        self._fresh = False
-        if moved:
-            for blk in moved:
-                q.remove(blk)
-            head = q.popleft_n(ahead) if ahead else []
-            q.prepend_n(moved)
-            if head:
-                q.prepend_n(head)
-            self.moved += len(moved)
-            if self._on_move is not None:
-                self._on_move(len(moved))
-        return len(moved)
-
-
-def evict_first(pool: BlockPool, chains: Iterable[tuple[Sequence[Any], Sequence[Any], int]], need: int = 0,
-                on_move: Optional[Callable[[int], None]] = None,
-                on_error: Optional[Callable[[BaseException], None]] = None) -> int:
-    """Start an :class:`EvictionPlan` for ``chains`` (``(blocks, hashes, cached_length)``, evict first first).
-
-    Places the first tails now (enough for ``need`` blocks, and at least
-    :data:`PLAN_FIRST_BLOCKS`); the pool's ``get_new_blocks`` places more when
-    an allocation of the same step needs them (a plain ``BlockPool`` gets only
-    this first placement). A later placement that fails drops the plan (LRU
-    for the rest of the step) and is passed to ``on_error``. Returns the number
-    of blocks moved now.
-    """
-    plan = EvictionPlan(pool, chains, on_move)
-    moved = plan.place(need)
-    if isinstance(pool, CountingBlockPool) and not plan.done:
-        pool.kvpilot_plan = plan
-        pool.kvpilot_plan_error = on_error
-    return moved

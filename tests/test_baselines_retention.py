@@ -425,14 +425,14 @@ def test_continuum_pin_outlives_short_tool_call_and_is_released(vllm_engine):
     s, policy, hit = _continuum_scenario(vllm_engine, tool_s=1.0)
     assert hit == 64  # the returning turn hit the pinned context
     assert s.kvpilot_pinned_blocks == 0
-    assert s._kvp_pins.num_released_policy == 1 and s._kvp_pins.num_released_expired == 0
+    assert s._kvp_retention.pins.num_released_policy == 1 and s._kvp_retention.pins.num_released_expired == 0
     assert list(policy._lat["search"]) == [1.0]  # the tool latency was learned
 
 
 @pytest.mark.vllm
 def test_continuum_pin_expires_after_long_tool_call(vllm_engine):
     s, policy, hit = _continuum_scenario(vllm_engine, tool_s=6.0)  # TTL 5 s (prior)
-    assert s._kvp_pins.num_released_expired == 1
+    assert s._kvp_retention.pins.num_released_expired == 1
     assert hit == 0  # released at the TTL, then evicted by the fillers
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from policy.interface import EvictionDecision, Policy
-from serving_hook import block_pool
+from serving_hook import block_pool, eviction
 
 from tests.hooks import hook_scheduler as _hook, stock_scheduler as _stock
 
@@ -225,7 +225,7 @@ def test_order_placed_lazily_evicts_as_if_placed_at_once(vllm_engine, monkeypatc
     places B's tail behind what is left of C's: the same evictions as placing
     both tails at once.
     """
-    monkeypatch.setattr(block_pool, "PLAN_FIRST_BLOCKS", first_blocks)
+    monkeypatch.setattr(eviction, "PLAN_FIRST_BLOCKS", first_blocks)
     engine = vllm_engine
     policy = EvictPolicy(order=["C", "B"])
     s, p = _two_fillers_in_one_step(engine, policy, "ev-f2b", 64)
@@ -239,7 +239,7 @@ def test_index_tracks_cached_lengths_without_walking(vllm_engine, monkeypatch):
     candidate's cached length equals a walk of its blocks, and every left-out prefix is dead or has its
     deepest cached block in use."""
     checked = []
-    original = block_pool.CachedPrefixIndex.candidates
+    original = eviction.CachedPrefixIndex.candidates
 
     def checking(index, limit=None):
         found = original(index, limit)
@@ -253,7 +253,7 @@ def test_index_tracks_cached_lengths_without_walking(vllm_engine, monkeypatch):
         checked.append(len(found))
         return found
 
-    monkeypatch.setattr(block_pool.CachedPrefixIndex, "candidates", checking)
+    monkeypatch.setattr(eviction.CachedPrefixIndex, "candidates", checking)
     engine = vllm_engine
     policy = EvictPolicy(order=[f"r{i}" for i in range(40)][::-1])  # newest first: not LRU
     s = engine.make_scheduler(_hook(policy), num_blocks=24, max_num_seqs=4)
@@ -272,9 +272,9 @@ def test_index_tracks_cached_lengths_without_walking(vllm_engine, monkeypatch):
 def test_a_failed_later_placement_falls_back_to_lru_for_the_step(vllm_engine, monkeypatch):
     """The same step as above, with the second placement (B's tail, for F2) raising: the engine goes on, F2
     evicts in LRU order (what is left of C, then A's deepest blocks), and the failure is counted once."""
-    monkeypatch.setattr(block_pool, "PLAN_FIRST_BLOCKS", 1)
+    monkeypatch.setattr(eviction, "PLAN_FIRST_BLOCKS", 1)
     calls = []
-    real = block_pool.exclusive_tail
+    real = eviction.exclusive_tail
 
     def flaky(pool, blocks, n):
         calls.append(n)
@@ -282,7 +282,7 @@ def test_a_failed_later_placement_falls_back_to_lru_for_the_step(vllm_engine, mo
             raise RuntimeError("boom")
         return real(pool, blocks, n)
 
-    monkeypatch.setattr(block_pool, "exclusive_tail", flaky)
+    monkeypatch.setattr(eviction, "exclusive_tail", flaky)
     engine = vllm_engine
     policy = EvictPolicy(order=["C", "B"])
     s, p = _two_fillers_in_one_step(engine, policy, "ev-f2b", 64)

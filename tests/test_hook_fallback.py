@@ -197,7 +197,7 @@ def test_explicit_default_configuration(vllm_engine, monkeypatch):
     monkeypatch.setenv("KVPILOT_DECISION_BUDGET_MS", "7.5")
     s = _construct(vllm_engine, KVPilotScheduler)
     assert isinstance(s.kvpilot_policy, VllmDefaultPolicy) and s.kvpilot_policy.explicit
-    assert s._kvp_budget == pytest.approx(0.0075)
+    assert s._kvp_guard.budget_s == pytest.approx(0.0075)
     assert not s._kvp_passthrough
 
 

@@ -225,7 +225,7 @@ def test_ttl_protected_prompt_survives_pressure_then_expires(vllm_engine):
     clock.t += 31.0
     runner.step(s)
     assert s.kvpilot_pinned_blocks == 0
-    assert s._kvp_pins.num_released_expired == 1
+    assert s._kvp_retention.pins.num_released_expired == 1
     for i in range(2, 4):
         s.add_request(engine.make_request(f"F{i}", engine.prompt_tokens(f"filler{i}", 100), 2))
         _run_until_done(s, runner)
@@ -250,7 +250,7 @@ def test_pins_released_under_pressure_before_preemption(vllm_engine):
     _run_until_done(s, runner)
     assert s.requests.get("G") is None
     assert s.kvpilot_stats.preemptions == 0
-    assert s._kvp_pins.num_released_pressure == 1
+    assert s._kvp_retention.pins.num_released_pressure == 1
     assert s.kvpilot_pinned_blocks == 0
 
 
@@ -266,7 +266,7 @@ def test_pinned_blocks_are_capped(vllm_engine):
     _run_until_done(s, runner)
     runner.step(s)
     assert s.kvpilot_pinned_blocks == 0
-    assert s._kvp_pins.num_refused == 1
+    assert s._kvp_retention.pins.num_refused == 1
 
 
 def _demotion_scenario(engine, cls):
@@ -344,7 +344,7 @@ def test_policy_releases_a_pin(vllm_engine):
     runner.step(s)  # X's blocks were freed: retain() sees X (freed) and P (pinned)
     assert policy.calls[-1][0][0] == "X" and policy.calls[-1][1][0] == "P"
     assert s.kvpilot_pinned_blocks == 0
-    assert s._kvp_pins.num_released_policy == 1
+    assert s._kvp_retention.pins.num_released_policy == 1
 
 
 class Recorder(Policy):

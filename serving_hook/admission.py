@@ -1,0 +1,90 @@
+"""Admission lever: the order in which waiting requests may take KV blocks, and who is held back this step.
+
+How it reaches vLLM (line numbers: ``vllm/v1/core/sched/scheduler.py`` of vllm 0.33.0): vLLM admits
+inline in ``schedule()`` (L699): only when the running loop preempted nobody (L1050), it peeks/pops
+``self.kv_holding_waiting`` first, then ``self.waiting`` (L1062-L1065), and stops at the first request
+whose ``allocate_slots`` fails (L1435-L1463). Before calling ``super().schedule()`` the hook re-orders
+the ``FCFSRequestQueue`` (a deque) in place to the policy's order, and takes the held-back requests out
+of it; they are put back right after the step (``finally``), so they keep the policy's order. Requests in
+``kv_holding_waiting`` are not candidates (vLLM always drains them first). With
+``--scheduling-policy priority`` the queue is a heap and this lever is left to vLLM (logged once).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from policy.interface import AdmissionDecision
+from serving_hook.lever import Lever
+
+
+def _keeps_order(order: Any, cands: list) -> bool:
+    """True when ``order`` lists the first ``len(order)`` candidates in their own order (nothing moves)."""
+    return len(order) <= len(cands) and all(rid == c.request_id for rid, c in zip(order, cands))
+
+
+class AdmissionLever(Lever):
+    """Re-orders vLLM's FCFS waiting queue to the policy's order before each step, holding some back."""
+
+    def admit(self, now: float) -> tuple[list, Optional[list]]:
+        """Ask the policy and re-order ``waiting``: ``(held-back requests, the full order)`` for :meth:`restore`.
+
+        ``([], None)`` when nothing changed or vLLM could admit nobody this step.
+        """
+        sched = self.sched
+        waiting = sched.waiting
+        # vLLM admits nobody while the running set is full (L1072-L1074): skip the policy.
+        if not waiting or len(sched.running) + sched.num_waiting_for_streaming_input >= sched.max_num_active_reqs:
+            return [], None
+        reqs = list(waiting)
+        cands = self.tr.candidates(reqs, now)
+        dec = self.guard.decide("admit", self.policy.admit, AdmissionDecision, cands, self.tr.state(now))
+        if dec is None:
+            return [], None
+        order = dec.order
+        if order is None or _keeps_order(order, cands):
+            ordered = reqs
+        else:
+            by_id = {r.request_id: r for r in reqs}
+            ordered = []
+            seen: set = set()
+            for rid in order:
+                r = by_id.get(rid)
+                if r is not None and rid not in seen:
+                    seen.add(rid)
+                    ordered.append(r)
+            if len(ordered) < len(reqs):
+                ordered.extend(r for r in reqs if r.request_id not in seen)
+        hold = dec.hold
+        held = [r for r in ordered if r.request_id in hold] if hold else []
+        if self.rows.log_decisions:
+            first = ordered[0].request_id if ordered else None
+            idx = next((i for i, c in enumerate(cands) if c.request_id == first), -1)
+            action = f"hold:{len(held)}" if held else None
+            self.rows.request_decision("admit", now, cands, dec.predictions, idx, dec.propensity, action)
+        changed = ordered is not reqs and any(a is not b for a, b in zip(ordered, reqs))
+        if not changed and not held:
+            return [], None
+        heldset = {id(r) for r in held}
+        waiting.clear()
+        waiting.extend(r for r in ordered if id(r) not in heldset)
+        st = self.stats
+        if changed:
+            st.admission_reorders += 1
+        st.held += len(held)
+        return held, ordered
+
+    def restore(self, held: list, desired: Optional[list]) -> None:
+        """Put held-back requests back into ``waiting`` in the policy's order.
+
+        Requests vLLM put in front during the step (preempted ones) stay in front.
+        """
+        waiting = self.sched.waiting
+        pos = {id(r): i for i, r in enumerate(desired or held)}
+        rest = list(waiting)
+        front = [r for r in rest if id(r) not in pos]
+        tail = [r for r in rest if id(r) in pos] + [r for r in held if not r.is_finished()]
+        tail.sort(key=lambda r: pos[id(r)])
+        waiting.clear()
+        waiting.extend(front)
+        waiting.extend(tail)

@@ -1,0 +1,373 @@
+"""vLLM's requests as kvpilot's plain records: what the policy sees is never a vLLM object.
+
+:class:`Translator` keeps what the hook knows of each live request (:class:`ReqInfo`: its
+:class:`RequestMeta`, read once from ``SamplingParams.extra_args`` by :mod:`serving_hook.metadata`, and its
+times), the progress of GRPO groups and of sessions paused on a tool, and builds from them the records of
+:mod:`policy.interface` (:mod:`data.records`): :class:`CandidateRequest` (one object per request, refreshed in
+place each time it is offered), :class:`EngineState` and :class:`Event`. A finished request's cached blocks
+become a :class:`Freed` record, from which the retention and eviction levers build their
+:class:`CachedPrefix` candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from vllm.v1.core.kv_cache_utils import get_block_hash
+from vllm.v1.request import RequestStatus as VRS
+
+from policy.interface import CandidateRequest, EngineState, Event, EventKind, OwnerState, RequestMeta, RequestStatus
+from serving_hook.events import hash_to_int64
+from serving_hook.guard import Guard
+from serving_hook.metadata import request_meta
+
+_MAX_GROUPS = 1 << 16
+
+
+class EngineView(Protocol):
+    """What the hook's parts read of the vLLM scheduler they serve (the scheduler itself).
+
+    Read through this view at each use, never copied: vLLM re-binds ``running``, and the simulator
+    replaces ``kvpilot_clock`` after construction.
+    """
+
+    running: list
+    waiting: Any  # RequestQueue (a deque for FCFS)
+    kv_holding_waiting: Any
+    requests: dict
+    kv_cache_manager: Any
+    connector: Any
+    block_size: int
+    max_num_running_reqs: int
+    max_num_active_reqs: int
+    max_num_scheduled_tokens: int
+    num_waiting_for_streaming_input: int
+    kvpilot_clock: Callable[[], float]
+    kvpilot_decode_stride: int
+
+    @property
+    def kvpilot_pinned_blocks(self) -> int: ...
+
+
+@dataclass(slots=True)
+class ReqInfo:
+    """What the hook keeps per live request (metadata cached at add_request)."""
+
+    meta: RequestMeta
+    arrival_s: float
+    first_scheduled_s: Optional[float] = None
+    first_token_s: Optional[float] = None
+    running: bool = False  # admitted and not preempted or finished since
+    cached_tokens: int = -1
+    computed_tokens: int = 0  # scheduled tokens summed over steps (counted with telemetry on)
+    cand: Optional[CandidateRequest] = None  # reused across steps, refreshed per call
+
+
+@dataclass(slots=True)
+class Freed:
+    """A finished request's cached blocks, waiting for the retention decision."""
+
+    request_id: str
+    meta: RequestMeta
+    owner_state: OwnerState
+    blocks: list
+    hashes: list  # the blocks' BlockHashWithGroupId at free time
+    time_s: float
+    hashes64: Optional[tuple] = None  # int64 hashes, computed once when first offered to evict()
+
+
+def plain_hash(h: Any) -> Any:
+    """The plain block hash of a ``BlockHashWithGroupId`` (vLLM packs the group id in)."""
+    return get_block_hash(h)
+
+
+def hashes64(held: Any) -> tuple:
+    """``held``'s block hashes as int64 (the interface's convention), converted once and kept.
+
+    ``held``: a :class:`Freed` or a pin's record (``hashes`` and a ``hashes64`` slot).
+    """
+    h64 = held.hashes64
+    if h64 is None:
+        h64 = held.hashes64 = tuple(hash_to_int64(plain_hash(h)) for h in held.hashes)
+    return h64
+
+
+class Translator:
+    """The hook's per-request bookkeeping, and the plain records built from it."""
+
+    def __init__(self, sched: EngineView, guard: Guard, events: bool) -> None:
+        self.sched = sched
+        self.guard = guard
+        self.events = events  # the policy gets events (Policy.uses_events)
+        pool = sched.kv_cache_manager.block_pool
+        self.pool = pool
+        self.num_blocks = pool.num_gpu_blocks - 1  # minus vLLM's null block
+        self.infos: dict[str, ReqInfo] = {}
+        self.groups: dict[str, list] = {}  # group_id -> [finished, running, (output lens,)]
+        self.sessions: dict[str, int] = {}  # session_id -> last turn seen finishing with a tool
+        self.prefilling: set[str] = set()  # scheduled, first token not seen yet
+        self._last_step_time: Optional[float] = None
+        self._last_duration = 0.0
+
+    # ------------------------------------------------------------ records
+    def state(self, now: float) -> EngineState:
+        """The engine-state summary a policy call gets."""
+        s = self.sched
+        pool = self.pool
+        free = pool.get_num_free_blocks()
+        return EngineState(
+            time_s=now,
+            engine_step=self.guard.step_no,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting) + len(s.kv_holding_waiting),
+            num_free_blocks=free,
+            num_total_blocks=self.num_blocks,
+            num_pinned_blocks=s.kvpilot_pinned_blocks,
+            kv_usage=pool.get_usage(),
+            block_size=s.block_size,
+            max_num_running=s.max_num_running_reqs,
+            max_num_batched_tokens=s.max_num_scheduled_tokens,
+            last_step_duration_s=self._last_duration,
+        )
+
+    def step_started(self, now: float) -> None:
+        """Note a step's start time (``EngineState.last_step_duration_s`` is the time since the last one)."""
+        if self._last_step_time is not None:
+            self._last_duration = max(0.0, now - self._last_step_time)
+        self._last_step_time = now
+
+    def candidates(self, reqs: list, now: float) -> list[CandidateRequest]:
+        """The candidates for ``reqs``: one object per request, built once and refreshed in place.
+
+        One inlined loop (no call per request): this runs over every waiting
+        request in each step in which vLLM could admit.
+        """
+        infos = self.infos
+        groups = self.groups
+        v_running, v_preempted = VRS.RUNNING, VRS.PREEMPTED
+        running, preempted, waiting = RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.WAITING
+        out: list[CandidateRequest] = []
+        append = out.append
+        for r in reqs:
+            info = infos.get(r.request_id)
+            if info is None:
+                info = infos[r.request_id] = ReqInfo(request_meta(r), r.arrival_time)
+            c = info.cand
+            if c is None:
+                append(self._new_candidate(r, info, now))
+                continue
+            s = r.status
+            if s is v_running:
+                c.status = running
+                c.wait_s = 0.0
+            else:
+                c.status = preempted if s is v_preempted else waiting
+                w = now - r.arrival_time
+                c.wait_s = w if w > 0.0 else 0.0
+            c.num_cached_tokens = info.cached_tokens
+            c.num_computed_tokens = r.num_computed_tokens
+            c.num_output_tokens = r.num_output_tokens
+            c.num_preemptions = r.num_preemptions
+            gid = info.meta.group_id
+            if gid is not None:
+                g = groups.get(gid)
+                if g:
+                    c.group_finished, c.group_running, c.sibling_output_tokens = g
+            append(c)
+        return out
+
+    def _new_candidate(self, r: Any, info: ReqInfo, now: float) -> CandidateRequest:
+        meta = info.meta
+        s = r.status
+        if s == VRS.RUNNING:
+            status = RequestStatus.RUNNING
+            wait = 0.0
+        else:
+            status = RequestStatus.PREEMPTED if s == VRS.PREEMPTED else RequestStatus.WAITING
+            wait = max(0.0, now - r.arrival_time)
+        g = self.groups.get(meta.group_id) if meta.group_id is not None else None
+        c = info.cand = CandidateRequest(
+            request_id=r.request_id,
+            meta=meta,
+            status=status,
+            prompt_token_ids=r.prompt_token_ids if r.prompt_token_ids is not None else (),
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_cached_tokens=info.cached_tokens,
+            num_computed_tokens=r.num_computed_tokens,
+            num_output_tokens=r.num_output_tokens,
+            max_tokens=r.max_tokens,
+            arrival_s=r.arrival_time,
+            wait_s=wait,
+            num_preemptions=r.num_preemptions,
+            priority=r.priority,
+            group_finished=g[0] if g else 0,
+            group_running=g[1] if g else 0,
+            sibling_output_tokens=g[2] if g else (),
+        )
+        return c
+
+    def freed(self, request: Any, blocks: list, hashes: list) -> Freed:
+        """The record of a finished request's cached ``blocks`` (their ``hashes`` at free time)."""
+        info = self.infos.get(request.request_id)
+        meta = info.meta if info is not None else request_meta(request)
+        aborted = request.status == VRS.FINISHED_ABORTED
+        state = OwnerState.PAUSED_TOOL if (meta.tool and not aborted) else OwnerState.FINISHED
+        return Freed(request.request_id, meta, state, blocks, hashes, self.sched.kvpilot_clock())
+
+    def emit(
+        self, kind: EventKind, r: Any, meta: RequestMeta, finish_reason: Optional[str] = None, budgeted: bool = True
+    ) -> None:
+        """Give the policy the event ``kind`` of request ``r`` (under the step's budget unless not ``budgeted``)."""
+        infos = self.infos
+        ev = Event(
+            kind=kind,
+            time_s=self.sched.kvpilot_clock(),
+            request_id=r.request_id,
+            meta=meta,
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_output_tokens,
+            num_cached_tokens=max(0, infos[r.request_id].cached_tokens) if r.request_id in infos else 0,
+            finish_reason=finish_reason,
+        )
+        self.guard.notify(ev, budgeted)
+
+    # ---------------------------------------------------- request lifecycle
+    def group(self, meta: RequestMeta) -> Optional[list]:
+        """The request's group record ``[finished, running, (output lens,)]`` (made on first use), or None."""
+        gid = meta.group_id
+        if gid is None:
+            return None
+        g = self.groups.get(gid)
+        if g is None:
+            if len(self.groups) >= _MAX_GROUPS:  # groups without a size never complete
+                del self.groups[next(iter(self.groups))]
+            g = self.groups[gid] = [0, 0, ()]
+        return g
+
+    def add(self, request: Any) -> Optional[str]:
+        """A new request: note it; the session id when it is the next turn of a session paused on a tool."""
+        rid = request.request_id
+        if rid in self.infos:  # streaming update of an existing request
+            return None
+        meta = request_meta(request)
+        self.infos[rid] = ReqInfo(meta, request.arrival_time)
+        sid = meta.session_id
+        # The next turn of a session whose last turn ended in a tool call: the tool returned.
+        resumed = sid is not None and self.sessions.pop(sid, None) is not None
+        if self.events:
+            if resumed:
+                self.emit(EventKind.TOOL_CALL_ENDED, request, meta, budgeted=False)
+            self.emit(EventKind.ARRIVED, request, meta, budgeted=False)
+        return sid if resumed else None
+
+    def scheduled(self, out: Any, now: float, hit_heads: Optional[list]) -> tuple[list, int, int]:
+        """Note the requests vLLM's step ``out`` admitted (new or resumed): ``(admitted ids, queries, hits)``.
+
+        ``queries`` / ``hits``: their tokens and prefix-cache hit tokens. With ``hit_heads`` (a list),
+        the first block hash of each admitted request that hit the cache is appended to it.
+        """
+        new_ids = [d.req_id for d in out.scheduled_new_reqs]
+        resumed = out.scheduled_cached_reqs.resumed_req_ids
+        nst = out.num_scheduled_tokens
+        reqs = self.sched.requests
+        infos = self.infos
+        queries = hits = 0
+        admitted = new_ids + [rid for rid in resumed if rid not in new_ids] if resumed else new_ids
+        events = self.events
+        for rid in admitted:
+            r = reqs.get(rid)
+            if r is None:
+                continue
+            hit = r.num_computed_tokens - nst.get(rid, 0)
+            queries += r.num_tokens
+            hits += hit
+            info = infos.get(rid)
+            if info is None:
+                continue
+            if info.first_scheduled_s is None:
+                info.first_scheduled_s = now
+                info.cached_tokens = hit
+                self.prefilling.add(rid)
+            if not info.running:
+                info.running = True
+                g = self.group(info.meta)
+                if g is not None:
+                    g[1] += 1
+            if hit > 0 and hit_heads is not None and r.block_hashes:
+                hit_heads.append(r.block_hashes[0])
+            if events:
+                self.emit(EventKind.SCHEDULED, r, info.meta)
+        st = self.guard.stats
+        st.prefix_queries += queries
+        st.prefix_hits += hits
+        return admitted, queries, hits
+
+    def count_computed(self, num_scheduled_tokens: dict) -> None:
+        """Add a step's scheduled tokens to each request's ``computed_tokens`` (telemetry)."""
+        infos = self.infos
+        for rid, n in num_scheduled_tokens.items():
+            info = infos.get(rid)
+            if info is not None:
+                info.computed_tokens += n
+
+    def first_tokens(self) -> None:
+        """After a step: stamp ``first_token_s`` of the prefilling requests that now have output."""
+        now = None
+        done = []
+        reqs = self.sched.requests
+        for rid in self.prefilling:
+            r = reqs.get(rid)
+            info = self.infos.get(rid)
+            if r is None or info is None:
+                done.append(rid)
+                continue
+            if r.num_output_tokens > 0:
+                if now is None:
+                    now = self.sched.kvpilot_clock()
+                info.first_token_s = now
+                done.append(rid)
+        for rid in done:
+            self.prefilling.discard(rid)
+
+    def preempted(self, request: Any) -> None:
+        """vLLM preempted ``request``."""
+        info = self.infos.get(request.request_id)
+        if info is not None:
+            if info.running:
+                info.running = False
+                g = self.group(info.meta)
+                if g is not None:
+                    g[1] -= 1
+            if self.events:
+                self.emit(EventKind.PREEMPTED, request, info.meta)
+
+    def finished(self, request: Any) -> Optional[tuple[ReqInfo, str]]:
+        """vLLM freed ``request`` (finished or aborted): forget it; its record and finish reason, if known."""
+        rid = request.request_id
+        info = self.infos.pop(rid, None)
+        self.prefilling.discard(rid)
+        if info is None:
+            return None
+        meta = info.meta
+        reason = request.get_finished_reason()
+        rs = str(reason) if reason is not None else "abort"
+        if rs not in ("stop", "length", "abort"):
+            rs = "abort"  # vLLM's "error"
+        if meta.tool and rs != "abort":
+            rs = "tool_call"
+            if meta.session_id is not None:
+                self.sessions[meta.session_id] = meta.turn or 0
+        g = self.group(meta)
+        if g is not None:
+            g[0] += 1
+            if info.running:
+                g[1] -= 1
+            g[2] = g[2] + (request.num_output_tokens,)
+            if meta.group_size and g[0] >= meta.group_size and g[1] == 0:
+                self.groups.pop(meta.group_id, None)
+        if self.events:
+            self.emit(EventKind.FINISHED, request, meta, finish_reason=rs)
+            if rs == "tool_call":
+                self.emit(EventKind.TOOL_CALL_STARTED, request, meta, finish_reason=rs)
+        return info, rs
