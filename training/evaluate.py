@@ -338,11 +338,23 @@ def _run_parallel(cases: list[Case], workload_path: str, out_dir: str, router: s
             done(case, res)
 
 
+def gap_closed(policy_s: Any, default_s: Any, bound_s: Any) -> float | None:
+    """(default - policy) / (default - bound): the share of vLLM default's gap to the bound a policy closes
+    (1: it reaches the bound; 0: no better than default; negative: worse). ``None`` without a gap."""
+    if policy_s is None or default_s is None or bound_s is None or not default_s - bound_s > 1e-12:
+        return None
+    return (default_s - policy_s) / (default_s - bound_s)
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each row's ratios to vllm-default's row at the same KV fraction and replicas (in place)."""
+    """Each row's ratios to vllm-default's row at the same KV fraction and replicas, and the share of default's
+    gap to the bound it closes (``gap_closed``, on the whole run's ``simulated_s``), in place."""
     base = {(r["kv_fraction"], r["replicas"]): r for r in rows if r["policy"] == DEFAULT}
     for r in rows:
         d = base.get((r["kv_fraction"], r["replicas"]))
+        ok = not r.get("error") and d is not None and not d.get("error")
+        r["gap_closed"] = gap_closed(r.get("simulated_s"), d.get("simulated_s"), r.get("bound_total_s")) if ok \
+            else None
         for ratio, key in RATIOS.items():
             a = r.get(key) if not r.get("error") else None
             b = d.get(key) if d is not None and not d.get("error") else None
@@ -357,7 +369,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------- reports
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
-    head = ["policy", "kv_fraction", "replicas", *RATIOS]
+    head = ["policy", "kv_fraction", "replicas", *RATIOS, "makespan_over_bound", "gap_closed"]
     rest: list[str] = []
     for r in rows:
         for k, v in r.items():
@@ -388,7 +400,9 @@ def write_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str,
             w.writerow(["" if r.get(k) is None else r.get(k) for k in cols])
     md = ["# Policy evaluation", "",
           ("Ratios are to vllm-default at the same KV fraction and replicas (makespan, recompute and simulated "
-           "time: lower is better; hit rate: higher is better)."), "",
+           "time: lower is better; hit rate: higher is better). `makespan_over_bound` is the whole run's "
+           "simulated time over its physics lower bound (`bound_total_s`, simulator/bound.py; 1 is optimal), "
+           "`gap_closed` the share of vllm-default's gap to that bound the policy closes."), "",
           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         md.append("| " + " | ".join(_fmt(r.get(k)).replace("|", "/").replace("\n", " ") for k in cols) + " |")
@@ -438,6 +452,12 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
                              and x.get(key) is not None)
                 if pts:
                     ax.plot([a for a, _ in pts], [b for _, b in pts], label=p, **style[p])
+            if key == "simulated_s":  # the physics lower bound under the same cost model
+                pts = sorted({(x["kv_fraction"], x["bound_total_s"]) for x in rows if x["replicas"] == r
+                              and not x.get("error") and x.get("bound_total_s") is not None})
+                if pts:
+                    ax.plot([a for a, _ in pts], [b for _, b in pts], color="black", linestyle=":", linewidth=2.0,
+                            label="lower bound")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.set_title(f"{title} ({r} replica{'s' if r > 1 else ''})")
@@ -469,6 +489,8 @@ def _legend(fig: Any, ax: Any, policies: list[str], style: dict) -> None:
 
     handles = [Line2D([], [], color=style[p]["color"], marker=style[p]["marker"], linestyle=style[p]["linestyle"],
                       label=p) for p in policies]
+    if any(line.get_label() == "lower bound" for line in ax.get_lines()):
+        handles.append(Line2D([], [], color="black", linestyle=":", linewidth=2.0, label="lower bound"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8,
               title="policy")
 
