@@ -16,6 +16,10 @@
   later turn's prompt equals an earlier turn's prompt + output + tool tokens.
   A request ends at its target length (``max_tokens``; ``ignore_eos``).
 
+Importing this module silences the start-up warnings of vLLM and torch that
+every simulator process printed and that say nothing about a simulation
+(:data:`START_UP_NOISE`); it imports no vLLM itself, so it can do so first.
+
 Issue 4's simulator extends this module; keep its functions stable.
 """
 
@@ -35,6 +39,29 @@ from typing import Any, Optional
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
 MAX_MODEL_LEN = 16384
+
+_NO_KERNELS = "Failed to import from vllm._C: ModuleNotFoundError(\"No module named 'vllm._C'\")"
+
+#: Start-up warnings dropped, by logger: the start of each message. The simulated engine is a GPU one run on
+#: the CPU without a model, so none of them applies:
+#:
+#: * vLLM's CPU platform advises 32-token blocks (the simulated engine keeps GPU vLLM's 16 on purpose, and the
+#:   CPU runs no attention kernel; printed once per engine, it flooded every run) and resets the SSM cache
+#:   dtype of a mamba backend the tiny Llama has none of; it (or, with no target device set, vLLM's generic
+#:   platform) misses the CPU kernels (``vllm._C``), which nothing here calls. Only the missing module is
+#:   dropped: any other failure to load them is still shown.
+#: * torch, imported by vLLM, warns of deprecations inside its own modules, and of no CUDA runtime (none is used).
+START_UP_NOISE: dict[str, tuple[str, ...]] = {
+    "vllm.platforms.cpu": (
+        "CPU backend prefers block_size",
+        "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'.",
+        _NO_KERNELS,
+    ),
+    "vllm.platforms.interface": (_NO_KERNELS,),  # without VLLM_TARGET_DEVICE=cpu
+    "torch._opaque_base": ("torch._opaque_base is deprecated",),
+    "torch._library.opaque_object": ("register_opaque_type is deprecated", "typ='value' is deprecated"),
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+}
 
 _TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -74,12 +101,26 @@ def tiny_model_dir(root: Optional[os.PathLike] = None) -> str:
     return str(d)
 
 
-class _GpuBlockSizeIsDeliberate(logging.Filter):
-    """Drops vLLM's CPU-platform advice to use blocks of 32 tokens: the simulated engine is a GPU one, with GPU
-    vLLM's 16-token blocks, and the CPU runs no attention kernel. Printed once per engine, it flooded every run."""
+class StartUpNoise(logging.Filter):
+    """Drops one logger's records whose message starts with one of ``messages`` (see :data:`START_UP_NOISE`)."""
+
+    def __init__(self, messages: tuple[str, ...]) -> None:
+        super().__init__()
+        self.messages = messages
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("CPU backend prefers block_size")
+        return not record.getMessage().startswith(self.messages)
+
+
+def _silence_start_up_noise() -> None:
+    """Install the :class:`StartUpNoise` filters, once per process, before vLLM (and torch) are imported."""
+    for name, messages in START_UP_NOISE.items():
+        log = logging.getLogger(name)
+        if not any(isinstance(f, StartUpNoise) for f in log.filters):
+            log.addFilter(StartUpNoise(messages))
+
+
+_silence_start_up_noise()
 
 
 def make_vllm_config(
@@ -136,9 +177,6 @@ def make_vllm_config(
         enable_prefix_caching=enable_prefix_caching,
     )
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if enable_kv_cache_events else None
-    cpu_log = logging.getLogger("vllm.platforms.cpu")
-    if not any(isinstance(f, _GpuBlockSizeIsDeliberate) for f in cpu_log.filters):
-        cpu_log.addFilter(_GpuBlockSizeIsDeliberate())
     cfg = VllmConfig(
         model_config=model_config,
         cache_config=cache_config,

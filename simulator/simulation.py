@@ -132,6 +132,7 @@ import pyarrow as pa
 
 from policy.interface import Policy
 from serving_hook.events import hashes_to_int64
+from simulator import engine  # before vLLM: it silences vLLM's start-up noise
 from simulator.cost_model import CostModel
 from simulator.metrics import StepRecord, TrajectoryRecord, render_summary, summarize
 from simulator.routers import ReplicaLoad, Router, RouteRequest, make_router
@@ -449,7 +450,6 @@ class Simulation:
     def _build_replicas(self, writer: Any) -> list[_Replica]:
         from serving_hook import KVPilotScheduler, with_policy
         from serving_hook.config import HookConfig
-        from simulator import engine
 
         reps = []
         for i in range(self.n_replicas):
@@ -507,8 +507,6 @@ class Simulation:
 
     def _submit(self, row: int, t: float) -> None:
         """Request ``row`` arrives at time ``t``: build it, route it, add it (now or at its replica's step end)."""
-        from simulator.engine import make_request
-
         if self._stale_arrivals.get(row):  # the next turn of an aborted attempt (tail batching)
             self._stale_arrivals[row] -= 1
             return
@@ -534,7 +532,7 @@ class Simulation:
         if self.finish[row] != "length" or self.output_len[row] < self.max_tokens[row]:
             out[-1] = EOS_TOKEN_ID  # the model stops here
         self._scripts[rid] = out
-        req = make_request(rid, self.tokens.prompt_ids(row).tolist(), self.max_tokens[row], arrival_time=t,
+        req = engine.make_request(rid, self.tokens.prompt_ids(row).tolist(), self.max_tokens[row], arrival_time=t,
                            extra_args=extra, stop_token_ids=(EOS_TOKEN_ID,))
         rep = self._route(row, req)
         self._replica_of[rid] = rep

@@ -465,16 +465,29 @@ def test_cached_env_reads_change_no_result(vllm_engine: Any, policy: str, monkey
     assert cached["preemptions"] > 0
 
 
-def test_cpu_block_size_advice_is_dropped_and_nothing_else() -> None:
-    """vLLM's CPU platform advises 32-token blocks once per engine; the simulated GPU engine keeps 16 on purpose."""
+def test_start_up_noise_is_dropped_and_nothing_else() -> None:
+    """The start-up warnings every simulator process printed are dropped at their loggers (installed when
+    simulator.engine is imported, before vLLM); other messages of the same loggers still show."""
     import logging
 
-    from simulator.engine import _GpuBlockSizeIsDeliberate
+    import simulator.engine  # noqa: F401 - installs the filters
 
-    def record(msg: str) -> logging.LogRecord:
-        return logging.LogRecord("vllm.platforms.cpu", logging.WARNING, __file__, 1, msg, None, None)
+    def shown(logger: str, msg: str, *args: object) -> bool:
+        return logging.getLogger(logger).filter(logging.LogRecord(logger, logging.WARNING, __file__, 1, msg, args,
+                                                                  None))
 
-    f = _GpuBlockSizeIsDeliberate()
-    assert not f.filter(record("CPU backend prefers block_size is multiples of 32, otherwise the performance is not "
-                               "optimized."))
-    assert f.filter(record("Triton is not installed. triton-cpu is expected on x86 CPUs."))
+    cpu = "vllm.platforms.cpu"
+    assert not shown(cpu, "CPU backend prefers block_size is multiples of 32, otherwise the performance is not "
+                          "optimized.")
+    assert not shown(cpu, "Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'.", "none")
+    no_kernels = repr(ModuleNotFoundError("No module named 'vllm._C'"))
+    assert not shown(cpu, "Failed to import from vllm._C: %s", no_kernels)
+    assert not shown("vllm.platforms.interface", "Failed to import from vllm._C: %s", no_kernels)
+    assert not shown("torch._opaque_base", "torch._opaque_base is deprecated, use torch._custom_class_base instead")
+    assert not shown("torch._library.opaque_object", "typ='value' is deprecated, use typ='constant' instead")
+    assert not shown("torch._library.opaque_object", "register_opaque_type is deprecated, use register_custom_class")
+    assert not shown("torch.utils.cpp_extension", "No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local")
+    assert shown(cpu, "Triton is not installed. triton-cpu is expected on x86 CPUs.")
+    assert shown(cpu, "Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'.", "gdn")
+    assert shown(cpu, "Failed to import from vllm._C: %s", repr(ImportError("undefined symbol: foo")))
+    assert shown("torch._library.opaque_object", "typ='reference' is deprecated, use typ='symbolic' instead")
