@@ -16,6 +16,9 @@
   later turn's prompt equals an earlier turn's prompt + output + tool tokens.
   A request ends at its target length (``max_tokens``; ``ignore_eos``).
 
+:func:`vllm_block_hashes` gives vLLM's block hashes of a prompt (what the
+routers see of a request).
+
 Importing this module silences the start-up warnings of vLLM and torch that
 every simulator process printed and that say nothing about a simulation
 (:data:`START_UP_NOISE`); it imports no vLLM itself, so it can do so first.
@@ -35,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from serving_hook.events import hash_to_int64
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
@@ -270,6 +275,43 @@ def make_request(
         block_hasher=block_hasher(block_size),
         priority=priority,
     )
+
+
+def vllm_block_hashes(
+    prompt_token_ids: Sequence[int],
+    block_size: int = 16,
+    hash_algo: str = "sha256",
+    cache_salt: Optional[str] = None,
+) -> list[int]:
+    """vLLM's block hashes of a prompt's full blocks, as signed int64 (the ``KVAwareRouter`` contract).
+
+    Chains vLLM's own ``hash_block_tokens`` from a ``NONE_HASH`` computed the
+    way vLLM's ``init_none_hash`` does (``hash_algo`` of
+    ``resolve_none_hash_seed``: ``PYTHONHASHSEED`` if set, else the fixed
+    ``"vllm-none-hash"`` for the cryptographic algorithms), without setting
+    vLLM's global. ``cache_salt`` goes into the first block's extra keys, as
+    vLLM does for a request's ``cache_salt``. Covers plain text requests only:
+    no LoRA, multimodal, prompt-embeds or speculative look-ahead keys (their
+    hashes differ), and ``block_size`` must be vLLM's hash block size. The
+    non-cryptographic ``xxhash`` algorithms without ``PYTHONHASHSEED`` use a
+    random per-process seed in vLLM and are refused.
+    """
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, resolve_none_hash_seed
+
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    if hash_algo.startswith("xxhash") and os.getenv("PYTHONHASHSEED") is None:
+        raise ValueError(f"{hash_algo} block hashes are seeded at random per process unless PYTHONHASHSEED is set")
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    parent = hash_fn(resolve_none_hash_seed(hash_fn))
+    tokens = [int(t) for t in prompt_token_ids]
+    out: list[int] = []
+    for b in range(len(tokens) // block_size):
+        extra = (("cache_salt", cache_salt),) if b == 0 and cache_salt else None
+        parent = hash_block_tokens(hash_fn, parent, tokens[b * block_size : (b + 1) * block_size], extra)
+        out.append(hash_to_int64(parent))
+    return out
 
 
 def output_token(request_id: str, position: int) -> int:
