@@ -15,35 +15,44 @@
   was given an explicit output token list, so a caller can arrange that a
   later turn's prompt equals an earlier turn's prompt + output + tool tokens.
   A request ends at its target length (``max_tokens``; ``ignore_eos``).
+* :class:`Engine` is one simulated replica's scheduler as :mod:`simulator.replica`
+  steps it: ``add`` / ``schedule`` / ``update`` (with the fake runner's tokens) /
+  ``abort``, timing the calls into vLLM.
+* :func:`prompt_block_hashes` and :func:`vllm_block_hashes` give vLLM's block
+  hashes of a request's prompt (what the routers see), :func:`vllm_envs_cached`
+  reads vLLM's environment once for a run.
 
-:func:`vllm_block_hashes` gives vLLM's block hashes of a prompt (what the
-routers see of a request).
-
-Importing this module silences the start-up warnings of vLLM and torch that
-every simulator process printed and that say nothing about a simulation
-(:data:`START_UP_NOISE`); it imports no vLLM itself, so it can do so first.
+Every call of the simulator into vLLM is in this module (its fake runner,
+:mod:`simulator.runner`, only reads the progress of vLLM's requests, as a model
+runner does). Importing this module silences the start-up warnings of vLLM and
+torch that every simulator process printed and that say nothing about a
+simulation (:data:`START_UP_NOISE`); it imports no vLLM itself, so it can do so
+first.
 
 Issue 4's simulator extends this module; keep its functions stable.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from serving_hook.events import hash_to_int64
+from serving_hook.events import hash_to_int64, hashes_to_int64
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
 MAX_MODEL_LEN = 16384
+EOS_TOKEN_ID = 2  # the tiny model's eos id; workload token ids are never below 3
 
 _NO_KERNELS = "Failed to import from vllm._C: ModuleNotFoundError(\"No module named 'vllm._C'\")"
 
@@ -82,7 +91,7 @@ _TINY_CONFIG = {
     "rms_norm_eps": 1e-6,
     "hidden_act": "silu",
     "bos_token_id": 1,
-    "eos_token_id": 2,
+    "eos_token_id": EOS_TOKEN_ID,
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
 }
@@ -277,6 +286,11 @@ def make_request(
     )
 
 
+def prompt_block_hashes(request: Any, n_blocks: int) -> list[int]:
+    """The vLLM block hashes of a request's first ``n_blocks`` blocks, as signed int64 (the routers' hash space)."""
+    return hashes_to_int64(request.block_hashes[:n_blocks])
+
+
 def vllm_block_hashes(
     prompt_token_ids: Sequence[int],
     block_size: int = 16,
@@ -314,6 +328,88 @@ def vllm_block_hashes(
     return out
 
 
+@functools.cache
+def _model_runner_output_cls() -> Any:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput
+
+
+def model_runner_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
+    """vLLM's ``ModelRunnerOutput`` of one step: request ``req_ids[i]`` sampled the tokens ``sampled[i]``."""
+    return _model_runner_output_cls()(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                      sampled_token_ids=sampled)
+
+
+class Engine:
+    """One simulated replica's scheduler as the simulator steps it, and the wall time spent inside it.
+
+    ``scheduler_s`` sums the calls into vLLM (``add_request``, ``schedule``, ``update_from_output``,
+    ``finish_requests``), the kvpilot hook's work inside them included.
+    """
+
+    __slots__ = ("has_requests", "requests", "sched", "scheduler_s")
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.requests = sched.requests  # vLLM's dict: request id -> Request, whose progress the fake runner reads
+        self.has_requests: Callable[[], bool] = sched.has_requests  # whether any request runs or waits
+        self.scheduler_s = 0.0
+
+    def add(self, request: Any) -> None:
+        t0 = time.perf_counter()
+        self.sched.add_request(request)
+        self.scheduler_s += time.perf_counter() - t0
+
+    def schedule(self) -> tuple[Any, dict[str, int]]:
+        """One ``schedule()``: vLLM's scheduler output, and the tokens it scheduled per request id."""
+        t0 = time.perf_counter()
+        out = self.sched.schedule()
+        self.scheduler_s += time.perf_counter() - t0
+        return out, out.num_scheduled_tokens
+
+    def update(self, scheduled: Any, req_ids: list[str], sampled: list[list[int]]) -> list[str]:
+        """End the step ``scheduled`` with the tokens the runner sampled; the ids of the requests it finished."""
+        mro = model_runner_output(req_ids, sampled)
+        t0 = time.perf_counter()
+        outs = self.sched.update_from_output(scheduled, mro)
+        self.scheduler_s += time.perf_counter() - t0
+        return [o.request_id for eco in outs.values() for o in eco.outputs if o.finish_reason is not None]
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort requests (vLLM ``FINISHED_ABORTED``), one id at a time in the order given."""
+        from vllm.v1.request import RequestStatus
+
+        t0 = time.perf_counter()
+        for rid in request_ids:
+            self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        self.scheduler_s += time.perf_counter() - t0
+
+    def waiting(self) -> int:
+        return len(self.sched.waiting)
+
+    def load(self) -> int:
+        """Running plus waiting requests."""
+        return len(self.sched.running) + len(self.sched.waiting)
+
+
+@contextlib.contextmanager
+def vllm_envs_cached() -> Iterator[None]:
+    """vLLM's environment variables read once, as vLLM's EngineCore does after start-up; restored afterwards.
+
+    Unless cached, every ``vllm.envs.X`` read looks up ``os.environ`` (``maybe_convert_block_hash`` reads one
+    per hashed block). The cache is lifted at the end, so that a later run in this process sees changes."""
+    import vllm.envs as envs
+
+    was_cached = hasattr(envs.__getattr__, "cache_clear")
+    envs.enable_envs_cache()
+    try:
+        yield
+    finally:
+        if not was_cached:
+            envs.disable_envs_cache()
+
+
 def output_token(request_id: str, position: int) -> int:
     """The deterministic token a request emits at output ``position``."""
     return 3 + zlib.crc32(f"{request_id}:{position}".encode()) % (VOCAB_SIZE - 3)
@@ -345,8 +441,6 @@ class FakeRunner:
     last_outputs: Any = None
 
     def model_output(self, scheduler, out):
-        from vllm.v1.outputs import ModelRunnerOutput
-
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
         requests = scheduler.requests
@@ -364,11 +458,7 @@ class FakeRunner:
             script = self.scripted.get(rid)
             tok = script[pos] if script is not None and pos < len(script) else output_token(rid, pos)
             sampled.append([tok])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        return model_runner_output(req_ids, sampled)
 
     def step(self, scheduler):
         """One engine step: ``schedule()`` then ``update_from_output()``."""

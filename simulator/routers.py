@@ -269,10 +269,10 @@ class KVAwareRouter(Router):
     request into token ids (:mod:`simulator.tokens`) and hashes them with
     :func:`simulator.engine.vllm_block_hashes`, or takes ``hash_to_int64`` of
     the vLLM ``Request.block_hashes`` it builds (``simulator.engine.make_request``,
-    :func:`simulator.engine.prompt_block_hashes`), which are equal. The fraction's denominator is ``len(block_hashes)``, so
-    pass full blocks only (``num_prompt_tokens // block_size`` hashes, as
-    ``serving_hook`` logs them); ``prompt_tokens`` and ``block_size`` are not
-    used.
+    :func:`simulator.engine.prompt_block_hashes`), which are equal. The
+    fraction's denominator is ``len(block_hashes)``, so pass full blocks only
+    (``num_prompt_tokens // block_size`` hashes, as ``serving_hook`` logs
+    them); ``prompt_tokens`` and ``block_size`` are not used.
     """
 
     PREFIX_SCORES = ("fraction", "min-max")
