@@ -30,21 +30,25 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from simulator.workload import PreparedWorkload
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
 POLICIES = ("vllm-default", "oracle", "lrb-online")
 
 
-def kv_blocks_for(workload: pa.Table, share: float) -> dict:
+def kv_blocks_for(workload: PreparedWorkload, share: float) -> dict:
     """The KV size: ``share`` of the unique workload blocks in vLLM blocks + null, or the largest request's need."""
     from data.stats import workload_stats
     from simulator.sizing import NULL_BLOCKS, min_blocks_for
     from simulator.tokens import VLLM_BLOCK_SIZE
 
-    unique = workload_stats(workload)["unique_blocks"]
-    bs = int(workload.column("block_size")[0].as_py())
+    unique = workload_stats(workload.table)["unique_blocks"]
+    bs = workload.tokens.block_size
     target = int(share * unique * bs / VLLM_BLOCK_SIZE) + NULL_BLOCKS
     need = min_blocks_for(workload)
     return {"kv_blocks": max(target, need), "kv_target_blocks": target, "unique_blocks": unique,
@@ -83,11 +87,11 @@ def row_path(out_dir: Path, start: int, requests: int | None, share: float, poli
     return out_dir / f"mooncake-{start}-{requests or 'all'}-{share:g}-{policy}.json"
 
 
-def replay(workload: pa.Table, name: str, kv: int, lrb_options: dict | None) -> dict:
+def replay(workload: PreparedWorkload, name: str, kv: int, lrb_options: dict | None) -> dict:
     """One policy's replay: hit rate, times and (lrb-online) the learner's counters."""
     from simulator.simulation import run_simulation
 
-    policy = make_policy(name, workload, lrb_options)
+    policy = make_policy(name, workload.table, lrb_options)
     t0, c0 = time.perf_counter(), time.process_time()
     res = run_simulation(workload, policy, kv_blocks=kv, progress=False)
     s = res.summary
@@ -103,8 +107,9 @@ def replay(workload: pa.Table, name: str, kv: int, lrb_options: dict | None) -> 
 def run(requests: int | None, share: float, policies: tuple[str, ...] = POLICIES, lrb_options: dict | None = None,
         start: int = 0, out_dir: Path | None = None, rerun: bool = False) -> dict:
     from data.importers import import_mooncake
+    from simulator.workload import prepare_workload
 
-    workload = window(import_mooncake(TRACE).table, start, requests)
+    workload = prepare_workload(window(import_mooncake(TRACE).table, start, requests))
     kv = kv_blocks_for(workload, share)
     out: dict = {"start": start, "requests": workload.num_rows, "kv_share": share, **kv, "rows": []}
     for name in POLICIES:

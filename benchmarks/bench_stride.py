@@ -45,7 +45,7 @@ def _run(workload, policy: str, kv: float, k: int) -> dict:
     from simulator.simulation import Simulation
 
     t0, c0 = time.perf_counter(), time.process_time()
-    sim = Simulation(workload, policy, kv_fraction=kv, decode_stride=k, progress=False, validate=False)
+    sim = Simulation(workload, policy, kv_fraction=kv, decode_stride=k, progress=False)
     s = sim.run().summary
     row = {key: s[key] for key in KEYS}
     row["end_to_end_s"] = time.perf_counter() - t0
@@ -70,9 +70,10 @@ def main() -> None:
     results.mkdir(parents=True, exist_ok=True)
     if not args.report:
         from data.synth import SynthConfig, generate
+        from simulator.workload import prepare_workload
 
         engine.make_vllm_config()  # imports and the first ModelConfig, outside the timings
-        workload = generate(dataclasses.replace(SynthConfig()))
+        workload = prepare_workload(generate(dataclasses.replace(SynthConfig())))
         # Cheap runs first, so that a partial run already compares strides.
         for k in sorted(strides, reverse=True):
             for kv in kvs:

@@ -15,26 +15,67 @@
   was given an explicit output token list, so a caller can arrange that a
   later turn's prompt equals an earlier turn's prompt + output + tool tokens.
   A request ends at its target length (``max_tokens``; ``ignore_eos``).
+* :class:`Engine` is one simulated replica's scheduler as :mod:`simulator.replica`
+  steps it: ``add`` / ``schedule`` / ``update`` (with the fake runner's tokens) /
+  ``abort``, timing the calls into vLLM.
+* :func:`prompt_block_hashes` and :func:`vllm_block_hashes` give vLLM's block
+  hashes of a request's prompt (what the routers see), :func:`vllm_envs_cached`
+  reads vLLM's environment once for a run.
+
+Every call of the simulator into vLLM is in this module (its fake runner,
+:mod:`simulator.runner`, only reads the progress of vLLM's requests, as a model
+runner does). Importing this module silences the start-up warnings of vLLM and
+torch that every simulator process printed and that say nothing about a
+simulation (:data:`START_UP_NOISE`); it imports no vLLM itself, so it can do so
+first.
 
 Issue 4's simulator extends this module; keep its functions stable.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from serving_hook.events import hash_to_int64, hashes_to_int64
+
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
 MAX_MODEL_LEN = 16384
+EOS_TOKEN_ID = 2  # the tiny model's eos id; workload token ids are never below 3
+
+_NO_KERNELS = "Failed to import from vllm._C: ModuleNotFoundError(\"No module named 'vllm._C'\")"
+
+#: Start-up warnings dropped, by logger: the start of each message. The simulated engine is a GPU one run on
+#: the CPU without a model, so none of them applies:
+#:
+#: * vLLM's CPU platform advises 32-token blocks (the simulated engine keeps GPU vLLM's 16 on purpose, and the
+#:   CPU runs no attention kernel; printed once per engine, it flooded every run) and resets the SSM cache
+#:   dtype of a mamba backend the tiny Llama has none of; it (or, with no target device set, vLLM's generic
+#:   platform) misses the CPU kernels (``vllm._C``), which nothing here calls. Only the missing module is
+#:   dropped: any other failure to load them is still shown.
+#: * torch, imported by vLLM, warns of deprecations inside its own modules, and of no CUDA runtime (none is used).
+START_UP_NOISE: dict[str, tuple[str, ...]] = {
+    "vllm.platforms.cpu": (
+        "CPU backend prefers block_size",
+        "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'.",
+        _NO_KERNELS,
+    ),
+    "vllm.platforms.interface": (_NO_KERNELS,),  # without VLLM_TARGET_DEVICE=cpu
+    "torch._opaque_base": ("torch._opaque_base is deprecated",),
+    "torch._library.opaque_object": ("register_opaque_type is deprecated", "typ='value' is deprecated"),
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+}
 
 _TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -50,7 +91,7 @@ _TINY_CONFIG = {
     "rms_norm_eps": 1e-6,
     "hidden_act": "silu",
     "bos_token_id": 1,
-    "eos_token_id": 2,
+    "eos_token_id": EOS_TOKEN_ID,
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
 }
@@ -74,12 +115,26 @@ def tiny_model_dir(root: Optional[os.PathLike] = None) -> str:
     return str(d)
 
 
-class _GpuBlockSizeIsDeliberate(logging.Filter):
-    """Drops vLLM's CPU-platform advice to use blocks of 32 tokens: the simulated engine is a GPU one, with GPU
-    vLLM's 16-token blocks, and the CPU runs no attention kernel. Printed once per engine, it flooded every run."""
+class StartUpNoise(logging.Filter):
+    """Drops one logger's records whose message starts with one of ``messages`` (see :data:`START_UP_NOISE`)."""
+
+    def __init__(self, messages: tuple[str, ...]) -> None:
+        super().__init__()
+        self.messages = messages
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("CPU backend prefers block_size")
+        return not record.getMessage().startswith(self.messages)
+
+
+def _silence_start_up_noise() -> None:
+    """Install the :class:`StartUpNoise` filters, once per process, before vLLM (and torch) are imported."""
+    for name, messages in START_UP_NOISE.items():
+        log = logging.getLogger(name)
+        if not any(isinstance(f, StartUpNoise) for f in log.filters):
+            log.addFilter(StartUpNoise(messages))
+
+
+_silence_start_up_noise()
 
 
 def make_vllm_config(
@@ -136,9 +191,6 @@ def make_vllm_config(
         enable_prefix_caching=enable_prefix_caching,
     )
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if enable_kv_cache_events else None
-    cpu_log = logging.getLogger("vllm.platforms.cpu")
-    if not any(isinstance(f, _GpuBlockSizeIsDeliberate) for f in cpu_log.filters):
-        cpu_log.addFilter(_GpuBlockSizeIsDeliberate())
     cfg = VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
@@ -234,6 +286,130 @@ def make_request(
     )
 
 
+def prompt_block_hashes(request: Any, n_blocks: int) -> list[int]:
+    """The vLLM block hashes of a request's first ``n_blocks`` blocks, as signed int64 (the routers' hash space)."""
+    return hashes_to_int64(request.block_hashes[:n_blocks])
+
+
+def vllm_block_hashes(
+    prompt_token_ids: Sequence[int],
+    block_size: int = 16,
+    hash_algo: str = "sha256",
+    cache_salt: Optional[str] = None,
+) -> list[int]:
+    """vLLM's block hashes of a prompt's full blocks, as signed int64 (the ``KVAwareRouter`` contract).
+
+    Chains vLLM's own ``hash_block_tokens`` from a ``NONE_HASH`` computed the
+    way vLLM's ``init_none_hash`` does (``hash_algo`` of
+    ``resolve_none_hash_seed``: ``PYTHONHASHSEED`` if set, else the fixed
+    ``"vllm-none-hash"`` for the cryptographic algorithms), without setting
+    vLLM's global. ``cache_salt`` goes into the first block's extra keys, as
+    vLLM does for a request's ``cache_salt``. Covers plain text requests only:
+    no LoRA, multimodal, prompt-embeds or speculative look-ahead keys (their
+    hashes differ), and ``block_size`` must be vLLM's hash block size. The
+    non-cryptographic ``xxhash`` algorithms without ``PYTHONHASHSEED`` use a
+    random per-process seed in vLLM and are refused.
+    """
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, resolve_none_hash_seed
+
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    if hash_algo.startswith("xxhash") and os.getenv("PYTHONHASHSEED") is None:
+        raise ValueError(f"{hash_algo} block hashes are seeded at random per process unless PYTHONHASHSEED is set")
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    parent = hash_fn(resolve_none_hash_seed(hash_fn))
+    tokens = [int(t) for t in prompt_token_ids]
+    out: list[int] = []
+    for b in range(len(tokens) // block_size):
+        extra = (("cache_salt", cache_salt),) if b == 0 and cache_salt else None
+        parent = hash_block_tokens(hash_fn, parent, tokens[b * block_size : (b + 1) * block_size], extra)
+        out.append(hash_to_int64(parent))
+    return out
+
+
+@functools.cache
+def _model_runner_output_cls() -> Any:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput
+
+
+def model_runner_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
+    """vLLM's ``ModelRunnerOutput`` of one step: request ``req_ids[i]`` sampled the tokens ``sampled[i]``."""
+    return _model_runner_output_cls()(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                      sampled_token_ids=sampled)
+
+
+class Engine:
+    """One simulated replica's scheduler as the simulator steps it, and the wall time spent inside it.
+
+    ``scheduler_s`` sums the calls into vLLM (``add_request``, ``schedule``, ``update_from_output``,
+    ``finish_requests``), the kvpilot hook's work inside them included.
+    """
+
+    __slots__ = ("has_requests", "requests", "sched", "scheduler_s")
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.requests = sched.requests  # vLLM's dict: request id -> Request, whose progress the fake runner reads
+        self.has_requests: Callable[[], bool] = sched.has_requests  # whether any request runs or waits
+        self.scheduler_s = 0.0
+
+    def add(self, request: Any) -> None:
+        t0 = time.perf_counter()
+        self.sched.add_request(request)
+        self.scheduler_s += time.perf_counter() - t0
+
+    def schedule(self) -> tuple[Any, dict[str, int]]:
+        """One ``schedule()``: vLLM's scheduler output, and the tokens it scheduled per request id."""
+        t0 = time.perf_counter()
+        out = self.sched.schedule()
+        self.scheduler_s += time.perf_counter() - t0
+        return out, out.num_scheduled_tokens
+
+    def update(self, scheduled: Any, req_ids: list[str], sampled: list[list[int]]) -> list[str]:
+        """End the step ``scheduled`` with the tokens the runner sampled; the ids of the requests it finished."""
+        mro = model_runner_output(req_ids, sampled)
+        t0 = time.perf_counter()
+        outs = self.sched.update_from_output(scheduled, mro)
+        self.scheduler_s += time.perf_counter() - t0
+        return [o.request_id for eco in outs.values() for o in eco.outputs if o.finish_reason is not None]
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort requests (vLLM ``FINISHED_ABORTED``), one id at a time in the order given."""
+        from vllm.v1.request import RequestStatus
+
+        t0 = time.perf_counter()
+        for rid in request_ids:
+            self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        self.scheduler_s += time.perf_counter() - t0
+
+    def waiting(self) -> int:
+        return len(self.sched.waiting)
+
+    def load(self) -> int:
+        """Running plus waiting requests."""
+        return len(self.sched.running) + len(self.sched.waiting)
+
+
+@contextlib.contextmanager
+def vllm_envs_cached() -> Iterator[None]:
+    """vLLM's environment variables read once, as vLLM's EngineCore does after start-up; restored afterwards.
+
+    Unless cached, every ``vllm.envs.X`` read looks up ``os.environ`` (``maybe_convert_block_hash`` reads one
+    per hashed block). The cache is lifted at the end, so that a later run in this process sees changes."""
+    import vllm.envs as envs
+
+    was_cached = hasattr(envs.__getattr__, "cache_clear")
+    envs.enable_envs_cache()
+    try:
+        yield
+    finally:
+        if not was_cached:
+            envs.disable_envs_cache()
+
+
 def output_token(request_id: str, position: int) -> int:
     """The deterministic token a request emits at output ``position``."""
     return 3 + zlib.crc32(f"{request_id}:{position}".encode()) % (VOCAB_SIZE - 3)
@@ -265,8 +441,6 @@ class FakeRunner:
     last_outputs: Any = None
 
     def model_output(self, scheduler, out):
-        from vllm.v1.outputs import ModelRunnerOutput
-
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
         requests = scheduler.requests
@@ -284,11 +458,7 @@ class FakeRunner:
             script = self.scripted.get(rid)
             tok = script[pos] if script is not None and pos < len(script) else output_token(rid, pos)
             sampled.append([tok])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        return model_runner_output(req_ids, sampled)
 
     def step(self, scheduler):
         """One engine step: ``schedule()`` then ``update_from_output()``."""

@@ -27,14 +27,17 @@ Definitions (times in simulated seconds):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
-from simulator.tokens import WorkloadTokens, unlimited_cached_tokens
+from simulator.tokens import unlimited_cached_tokens
+
+if TYPE_CHECKING:
+    from simulator.workload import PreparedWorkload
 
 
 @dataclass(frozen=True)
@@ -67,18 +70,21 @@ def _np(table: pa.Table, column: str) -> np.ndarray:
 
 
 def summarize(
-    workload: pa.Table,
+    workload: PreparedWorkload,
     requests: pa.Table,
     steps: pa.Table,
     trajectories: Sequence[TrajectoryRecord],
     rl_steps: Sequence[StepRecord],
     *,
     batch_capacity: int | None = None,
-    tokens: WorkloadTokens | None = None,
+    aliases: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The run's metrics (see the module docstring) from its workload, telemetry and driver records."""
-    tokens = tokens or WorkloadTokens(workload)
-    rows = np.array([tokens.row(rid) for rid in requests.column("request_id").to_pylist()], np.int64)
+    """The run's metrics (see the module docstring) from its workload, telemetry and driver records.
+
+    ``aliases``: request ids the run gave workload rows beside their own (:meth:`PreparedWorkload.rows`).
+    """
+    tokens = workload.tokens
+    rows = workload.rows(requests.column("request_id").to_pylist(), aliases)
     prompt, cached, output = (_np(requests, c).astype(np.int64) for c in ("prompt_tokens", "cached_tokens",
                                                                            "output_tokens"))
     computed = _np(requests, "computed_tokens").astype(np.int64)
@@ -97,7 +103,7 @@ def summarize(
     groups = _group_completion(workload, trajectories, {s.step: s.start_s for s in ordered})
     bubbles = [_tail_bubble(steps, s, batch_capacity, np.union1d(_np(steps, "replica"), _np(requests, "replica")))
                for s in ordered]
-    kinds = np.array(workload.column("kind").to_pylist(), dtype=object)[rows]
+    kinds = np.array(workload.kind, dtype=object)[rows]
     return {
         "requests": requests.num_rows,
         "turns": int(np.count_nonzero(kinds == "rollout")),
@@ -125,10 +131,10 @@ def summarize(
 
 
 def _group_completion(
-    workload: pa.Table, trajectories: Sequence[TrajectoryRecord], step_start: dict[int, float]
+    workload: PreparedWorkload, trajectories: Sequence[TrajectoryRecord], step_start: dict[int, float]
 ) -> dict[str, float]:
     """Per group id: its last trajectory's end minus its RL step's start."""
-    group_of = dict(zip(workload.column("session_id").to_pylist(), workload.column("group_id").to_pylist()))
+    group_of = dict(zip(workload.session_id, workload.group_id))
     out: dict[str, float] = {}
     for t in trajectories:
         group = group_of[t.session_id]

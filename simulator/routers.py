@@ -32,7 +32,6 @@ __all__ = [
     "LeastLoadedRouter",
     "CacheAwareRouter",
     "KVAwareRouter",
-    "vllm_block_hashes",
     "ROUTERS",
     "make_router",
 ]
@@ -268,12 +267,12 @@ class KVAwareRouter(Router):
     workload table's ``block_hashes`` nor :func:`simulator.tokens.block_keys`
     (the simulator's own prefix keys): the simulator expands a workload
     request into token ids (:mod:`simulator.tokens`) and hashes them with
-    :func:`vllm_block_hashes`, or takes ``hash_to_int64`` of the vLLM
-    ``Request.block_hashes`` it builds (``simulator.engine.make_request``),
-    which are equal. The fraction's denominator is ``len(block_hashes)``, so
-    pass full blocks only (``num_prompt_tokens // block_size`` hashes, as
-    ``serving_hook`` logs them); ``prompt_tokens`` and ``block_size`` are not
-    used.
+    :func:`simulator.engine.vllm_block_hashes`, or takes ``hash_to_int64`` of
+    the vLLM ``Request.block_hashes`` it builds (``simulator.engine.make_request``,
+    :func:`simulator.engine.prompt_block_hashes`), which are equal. The
+    fraction's denominator is ``len(block_hashes)``, so pass full blocks only
+    (``num_prompt_tokens // block_size`` hashes, as ``serving_hook`` logs
+    them); ``prompt_tokens`` and ``block_size`` are not used.
     """
 
     PREFIX_SCORES = ("fraction", "min-max")
@@ -365,48 +364,6 @@ class KVAwareRouter(Router):
         chosen = min(replicas, key=lambda r: (-score[r.index], r.load, r.index))
         self.on_routed(request, chosen.index)
         return chosen.index
-
-
-def vllm_block_hashes(
-    prompt_token_ids: Sequence[int],
-    block_size: int = 16,
-    hash_algo: str = "sha256",
-    cache_salt: str | None = None,
-) -> list[int]:
-    """vLLM's block hashes of a prompt's full blocks, as signed int64 (the :class:`KVAwareRouter` contract).
-
-    Chains vLLM's own ``hash_block_tokens`` from a ``NONE_HASH`` computed the
-    way vLLM's ``init_none_hash`` does (``hash_algo`` of
-    ``resolve_none_hash_seed``: ``PYTHONHASHSEED`` if set, else the fixed
-    ``"vllm-none-hash"`` for the cryptographic algorithms), without setting
-    vLLM's global. ``cache_salt`` goes into the first block's extra keys, as
-    vLLM does for a request's ``cache_salt``. Covers plain text requests only:
-    no LoRA, multimodal, prompt-embeds or speculative look-ahead keys (their
-    hashes differ), and ``block_size`` must be vLLM's hash block size. The
-    non-cryptographic ``xxhash`` algorithms without ``PYTHONHASHSEED`` use a
-    random per-process seed in vLLM and are refused. vLLM is imported here,
-    not at module import.
-    """
-    import os
-
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import hash_block_tokens, resolve_none_hash_seed
-
-    from serving_hook.events import hash_to_int64
-
-    if block_size < 1:
-        raise ValueError("block_size must be >= 1")
-    if hash_algo.startswith("xxhash") and os.getenv("PYTHONHASHSEED") is None:
-        raise ValueError(f"{hash_algo} block hashes are seeded at random per process unless PYTHONHASHSEED is set")
-    hash_fn = get_hash_fn_by_name(hash_algo)
-    parent = hash_fn(resolve_none_hash_seed(hash_fn))
-    tokens = [int(t) for t in prompt_token_ids]
-    out: list[int] = []
-    for b in range(len(tokens) // block_size):
-        extra = (("cache_salt", cache_salt),) if b == 0 and cache_salt else None
-        parent = hash_block_tokens(hash_fn, parent, tokens[b * block_size : (b + 1) * block_size], extra)
-        out.append(hash_to_int64(parent))
-    return out
 
 
 ROUTERS: dict[str, Callable[..., Router]] = {

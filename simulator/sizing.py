@@ -13,11 +13,14 @@ vLLM reserves as its null block.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 
 from simulator.tokens import VLLM_BLOCK_SIZE, WorkloadTokens
+
+if TYPE_CHECKING:
+    from simulator.workload import PreparedWorkload
 
 NULL_BLOCKS = 1  # vLLM's block pool keeps block 0 as the null block
 
@@ -29,24 +32,25 @@ def blocks_needed(tokens: WorkloadTokens, streams: np.ndarray, block_size: int =
     return int(np.unique(keys).size + (full - in_prompts).sum())  # blocks past the prompts are the stream's own
 
 
-def blocks_for_fraction(workload: pa.Table, fraction: float, vllm_block_size: int = VLLM_BLOCK_SIZE) -> int:
-    """vLLM ``num_blocks`` for a replica holding ``fraction`` of the largest step's (or the trace's) need."""
+def workload_need(workload: PreparedWorkload) -> int:
+    """Distinct vLLM blocks of the largest step (or the whole trace) at full length, nothing evicted."""
+    tokens = workload.tokens
+    streams = np.arange(len(tokens.stream_names))
+    if workload.trace:
+        return blocks_needed(tokens, streams)
+    step_of_stream = np.zeros(streams.size, np.int64)
+    step_of_stream[tokens.stream] = workload.step
+    return max((blocks_needed(tokens, streams[step_of_stream == s]) for s in np.unique(step_of_stream)), default=0)
+
+
+def blocks_for_fraction(workload: PreparedWorkload, fraction: float) -> int:
+    """vLLM ``num_blocks`` for a replica holding ``fraction`` of the largest step's (or the trace's) need
+    (:attr:`PreparedWorkload.kv_need`, computed once per workload)."""
     if not fraction > 0:
         raise ValueError(f"kv fraction must be > 0, got {fraction}")
-    tokens = WorkloadTokens(workload)
-    streams = np.arange(len(tokens.stream_names))
-    if workload.column("arrival_s").null_count == 0:
-        need = blocks_needed(tokens, streams, vllm_block_size)
-    else:
-        step_of_stream = np.zeros(streams.size, np.int64)
-        step_of_stream[tokens.stream] = workload.column("step").to_numpy()
-        need = max((blocks_needed(tokens, streams[step_of_stream == s], vllm_block_size)
-                    for s in np.unique(step_of_stream)), default=0)
-    return math.ceil(fraction * need) + NULL_BLOCKS
+    return math.ceil(fraction * workload.kv_need) + NULL_BLOCKS
 
 
-def min_blocks_for(workload: pa.Table, vllm_block_size: int = VLLM_BLOCK_SIZE) -> int:
+def min_blocks_for(workload: PreparedWorkload, vllm_block_size: int = VLLM_BLOCK_SIZE) -> int:
     """vLLM ``num_blocks`` the largest single request needs at full length (prompt + output)."""
-    full = workload.column("prompt_tokens").to_numpy().astype(np.int64) + workload.column("output_tokens").to_numpy()
-    largest = int(full.max()) if full.size else 0
-    return -(-largest // vllm_block_size) + NULL_BLOCKS
+    return -(-workload.largest_request // vllm_block_size) + NULL_BLOCKS

@@ -122,25 +122,21 @@ def block_keys(ids: np.ndarray, lengths: np.ndarray | None = None, block_size: i
 
 
 class WorkloadTokens:
-    """Token ids of every request of a WORKLOAD table, generated on demand from its hash chains."""
+    """Token ids of every request of a validated WORKLOAD table, generated on demand from its hash chains.
+
+    The table's block size is constant and its chains have one hash per block (:mod:`data.validate`); a stream
+    whose requests disagree on a full block raises ``ValueError``.
+    """
 
     def __init__(self, table: pa.Table, vocab_size: int = VOCAB_SIZE) -> None:
         self.table = table
         self.vocab_size = vocab_size
         n = table.num_rows
-        sizes = pc.unique(table.column("block_size")).to_pylist()
-        if len(sizes) > 1:
-            raise ValueError(f"block_size must be constant in a workload, got {sorted(sizes)}")
-        self.block_size = int(sizes[0]) if sizes else VLLM_BLOCK_SIZE
+        self.block_size = table.column("block_size")[0].as_py() if n else VLLM_BLOCK_SIZE
         self.prompt = table.column("prompt_tokens").to_numpy().astype(np.int64)
         self.output = table.column("output_tokens").to_numpy().astype(np.int64)
         chains = table.column("block_hashes")
         lengths = pc.list_value_length(chains).fill_null(0).to_numpy().astype(np.int64)
-        bad = np.flatnonzero(lengths != -(-self.prompt // self.block_size))
-        if bad.size:
-            r = int(bad[0])
-            raise ValueError(f"request {table.column('request_id')[r]}: {lengths[r]} block hashes for "
-                             f"{self.prompt[r]} prompt tokens of block size {self.block_size}")
         self._offsets = np.cumsum(lengths) - lengths
         # one spare slot at the end keeps gathers for positions past every prompt in bounds
         self._keys = np.append(_key(pc.list_flatten(chains).to_numpy()), np.uint64(0))
@@ -163,7 +159,6 @@ class WorkloadTokens:
         np.maximum.at(self.stream_length, self.stream, self.prompt + self.output)
         self.stream_prompt = np.zeros(n_streams, np.int64)  # its longest prompt
         np.maximum.at(self.stream_prompt, self.stream, self.prompt)
-        self._row = {rid: i for i, rid in enumerate(table.column("request_id").to_pylist())}
         self._check_streams()
 
     def _check_streams(self) -> None:
@@ -179,10 +174,6 @@ class WorkloadTokens:
             raise ValueError(f"request {self.table.column('request_id')[r]} (stream "
                              f"{self.stream_names[self.stream[r]]}) is not a prefix of its stream's longest "
                              f"request: block {j[at]} differs")
-
-    def row(self, request_id: str) -> int:
-        """Table row of a request id."""
-        return self._row[request_id]
 
     def prompt_ids(self, row: int) -> np.ndarray:
         """Prompt token ids of a request (int32)."""

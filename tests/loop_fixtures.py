@@ -24,12 +24,12 @@ def tiny_workload(path: Path, seed: int, steps: int = 1, prompts: int = 8) -> Pa
 
 def logged_run(root: Path) -> Path:
     """A tiny training workload simulated with the exploring ``logging`` policy (its workload beside it)."""
-    from data.io import read_workload
     from simulator.simulation import run_simulation
+    from simulator.workload import load_workload
 
     wl = tiny_workload(root / "train.parquet", seed=0, steps=3, prompts=8)
     run = root / "logging"
-    run_simulation(read_workload(wl), "logging", kv_fraction=KV, out_dir=run, progress=False, validate=False,
+    run_simulation(load_workload(wl), "logging", kv_fraction=KV, out_dir=run, progress=False,
                    decode_stride=HELDOUT_DECODE_STRIDE)
     shutil.copy(wl, run / "workload.parquet")
     return run

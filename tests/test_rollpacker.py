@@ -50,8 +50,8 @@ def test_tail_batching_cuts_and_runs_long_rounds(vllm_engine: Any) -> None:
     sim = Simulation(_workload(), "rollpacker", policy_options={"eta": 2.0}, kv_fraction=1.0, progress=False)
     result = sim.run()
     # each step cuts exactly the two long prompts, which run as a long round right after it
-    assert sim.cut_prompts == {0: ["s0c", "s0d"], 1: ["s1c", "s1d"]}
-    assert sim.long_rounds == [(2, ["s0c", "s0d"]), (3, ["s1c", "s1d"])]
+    assert sim.driver.cut_prompts == {0: ["s0c", "s0d"], 1: ["s1c", "s1d"]}
+    assert sim.driver.long_rounds == [(2, ["s0c", "s0d"]), (3, ["s1c", "s1d"])]
     order = [s.step for s in sorted(result.rl_steps, key=lambda s: s.start_s)]
     assert order == [0, 2, 1, 3]
     kept = {}
@@ -84,7 +84,7 @@ def test_long_round_ignores_the_cut_attempts_late_finish(vllm_engine: Any) -> No
     sim = Simulation(_workload(1, lengths, verify_s=0.001), "rollpacker", policy_options={"eta": 2.0},
                      kv_fraction=1.0, decode_stride=8, progress=False)
     result = sim.run()
-    assert sim.long_rounds == [(1, ["s0c", "s0d"])]
+    assert sim.driver.long_rounds == [(1, ["s0c", "s0d"])]
     req = result.requests.to_pydict()
     finish = dict(zip(req["request_id"], req["finish_s"]))
     assert finish["s0c-0"] is not None  # the cut attempt did finish in the engine (not aborted in time)
@@ -100,7 +100,7 @@ def test_tail_batching_queue_waits_until_full_then_flushes(vllm_engine: Any) -> 
     sim = Simulation(_workload(), "rollpacker", policy_options={"eta": 2.0, "long_round_prompts": 3},
                      kv_fraction=1.0, progress=False)
     result = sim.run()
-    assert sim.long_rounds == [(2, ["s0c", "s0d", "s1c"]), (3, ["s1d"])]
+    assert sim.driver.long_rounds == [(2, ["s0c", "s0d", "s1c"]), (3, ["s1d"])]
     order = [s.step for s in sorted(result.rl_steps, key=lambda s: s.start_s)]
     assert order == [0, 1, 2, 3]
 

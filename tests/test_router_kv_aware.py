@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.routers import KVAwareRouter, ReplicaLoad, RouteRequest, make_router, vllm_block_hashes
+from simulator.engine import vllm_block_hashes
+from simulator.routers import KVAwareRouter, ReplicaLoad, RouteRequest, make_router
 
 BS = 16
 

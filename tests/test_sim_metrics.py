@@ -9,12 +9,13 @@ import pytest
 
 from data.schemas import REQUESTS, STEPS, WORKLOAD
 from simulator.metrics import StepRecord, TrajectoryRecord, render_summary, summarize
+from simulator.workload import PreparedWorkload, prepare_workload
 
 REQUESTS_SCHEMA = REQUESTS.schema if "computed_tokens" in REQUESTS.schema.names else REQUESTS.schema.append(
     pa.field("computed_tokens", pa.int32(), nullable=False))
 
 
-def _workload() -> pa.Table:
+def _workload() -> PreparedWorkload:
     """Group g (step 0): session s, turns (40 prompt, 30 out, 10 tool) and (80, 5); session t (40, 20).
     Group h (step 1): session u (20, 4)."""
     base = {"kind": "rollout", "prompt_id": "p", "group_size": 2, "sample_index": 0, "domain": "math",
@@ -26,7 +27,9 @@ def _workload() -> pa.Table:
         ("r2", 0, "g", "s", 1, 80, 5, [1, 2, 10, 11, 12]),
         ("r3", 1, "h", "u", 0, 20, 4, [7, 8]),
     ]
-    return pa.Table.from_pylist([{**base, **dict(zip(names, r))} for r in rows], schema=WORKLOAD.schema)
+    tool = {"finish_reason": "tool_call", "tool": "python", "tool_latency_s": 0.5, "tool_tokens": 10}
+    return prepare_workload(pa.Table.from_pylist(
+        [{**base, **dict(zip(names, r)), **(tool if r[0] == "r0" else {})} for r in rows], schema=WORKLOAD.schema))
 
 
 def _requests() -> pa.Table:

@@ -26,7 +26,8 @@ from simulator.simulation import (
     run_simulation,
 )
 from simulator.sizing import blocks_for_fraction, min_blocks_for
-from simulator.tokens import WorkloadTokens, unlimited_cached_tokens
+from simulator.tokens import unlimited_cached_tokens
+from simulator.workload import prepare_workload
 
 V = 16  # vLLM block size
 
@@ -131,8 +132,9 @@ def random_runs(vllm_engine: Any) -> list[tuple[pa.Table, Simulation, Any]]:
         cfg = small_config(int(rng.integers(0, 1000)), prompts=int(rng.integers(4, 9)), group=int(rng.integers(2, 6)),
                            steps=int(rng.integers(1, 3)), shares=shares)
         workload = generate(cfg)
-        kv = max(blocks_for_fraction(workload, float(rng.uniform(0.08, 0.2))), 2 * min_blocks_for(workload))
-        sim = Simulation(workload, "vllm-default", kv_blocks=kv, progress=False)
+        prepared = prepare_workload(workload)
+        kv = max(blocks_for_fraction(prepared, float(rng.uniform(0.08, 0.2))), 2 * min_blocks_for(prepared))
+        sim = Simulation(prepared, "vllm-default", kv_blocks=kv, progress=False)
         runs.append((workload, sim, sim.run()))
     return runs
 
@@ -171,13 +173,13 @@ def test_multi_replica_routers_conserve(vllm_engine: Any) -> None:
 
 def _hit_checks(workload: pa.Table, result: Any) -> tuple[float, float, float]:
     """(measured fraction, stats with outputs, stats plain); asserts the exact per-request equality."""
-    wt = WorkloadTokens(workload)
+    prepared = prepare_workload(workload)
     req = result.requests
-    rows = np.array([wt.row(r) for r in _col(req, "request_id")])
-    expected = unlimited_cached_tokens(wt, include_outputs=True)
+    rows = prepared.rows(_col(req, "request_id"))
+    expected = unlimited_cached_tokens(prepared.tokens, include_outputs=True)
     np.testing.assert_array_equal(req.column("cached_tokens").to_numpy(), expected[rows])
     measured = result.summary["prefix_hit_rate"]
-    assert measured == pytest.approx(expected.sum() / wt.prompt.sum(), abs=1e-12)
+    assert measured == pytest.approx(expected.sum() / prepared.tokens.prompt.sum(), abs=1e-12)
     assert result.summary["recomputed_tokens"] == 0 and result.summary["preemptions"] == 0
     stats = workload_stats(workload)
     return measured, stats["unlimited_cache_hit_fraction_with_outputs"], stats["unlimited_cache_hit_fraction"]
@@ -428,18 +430,18 @@ def test_vllm_env_reads_are_cached_only_during_a_run() -> None:
     """vLLM's env variables are cached while the loop runs (as EngineCore does) and uncached afterwards."""
     import vllm.envs as envs
 
-    from simulator.simulation import _vllm_envs_cached
+    from simulator.engine import vllm_envs_cached
 
     def cached() -> bool:
         return hasattr(envs.__getattr__, "cache_clear")
 
     assert not cached()
-    with _vllm_envs_cached():
+    with vllm_envs_cached():
         assert cached()
     assert not cached()  # a later run, or a test, sees changes to os.environ again
     envs.enable_envs_cache()
     try:
-        with _vllm_envs_cached():
+        with vllm_envs_cached():
             assert cached()
         assert cached()  # cached by someone else before: left as it was
     finally:
@@ -452,12 +454,12 @@ def test_cached_env_reads_change_no_result(vllm_engine: Any, policy: str, monkey
     """A run with vLLM's env variables cached gives exactly the numbers of one that reads them every time."""
     import contextlib
 
-    import simulator.simulation as simulation
+    from simulator import engine
 
-    workload = generate(small_config(9, prompts=8, group=4, steps=1))
-    kw: dict[str, Any] = {"kv_fraction": 0.2, "progress": False, "validate": False, "decode_stride": 8}
+    workload = prepare_workload(generate(small_config(9, prompts=8, group=4, steps=1)))
+    kw: dict[str, Any] = {"kv_fraction": 0.2, "progress": False, "decode_stride": 8}
     cached = run_simulation(workload, policy, **kw).summary
-    monkeypatch.setattr(simulation, "_vllm_envs_cached", contextlib.nullcontext)
+    monkeypatch.setattr(engine, "vllm_envs_cached", contextlib.nullcontext)
     uncached = run_simulation(workload, policy, **kw).summary
     for key in ("makespan_s", "preemptions", "recomputed_tokens", "prefix_hit_rate", "engine_steps",
                 "group_completion_s"):
@@ -465,16 +467,29 @@ def test_cached_env_reads_change_no_result(vllm_engine: Any, policy: str, monkey
     assert cached["preemptions"] > 0
 
 
-def test_cpu_block_size_advice_is_dropped_and_nothing_else() -> None:
-    """vLLM's CPU platform advises 32-token blocks once per engine; the simulated GPU engine keeps 16 on purpose."""
+def test_start_up_noise_is_dropped_and_nothing_else() -> None:
+    """The start-up warnings every simulator process printed are dropped at their loggers (installed when
+    simulator.engine is imported, before vLLM); other messages of the same loggers still show."""
     import logging
 
-    from simulator.engine import _GpuBlockSizeIsDeliberate
+    import simulator.engine  # noqa: F401 - installs the filters
 
-    def record(msg: str) -> logging.LogRecord:
-        return logging.LogRecord("vllm.platforms.cpu", logging.WARNING, __file__, 1, msg, None, None)
+    def shown(logger: str, msg: str, *args: object) -> bool:
+        return logging.getLogger(logger).filter(logging.LogRecord(logger, logging.WARNING, __file__, 1, msg, args,
+                                                                  None))
 
-    f = _GpuBlockSizeIsDeliberate()
-    assert not f.filter(record("CPU backend prefers block_size is multiples of 32, otherwise the performance is not "
-                               "optimized."))
-    assert f.filter(record("Triton is not installed. triton-cpu is expected on x86 CPUs."))
+    cpu = "vllm.platforms.cpu"
+    assert not shown(cpu, "CPU backend prefers block_size is multiples of 32, otherwise the performance is not "
+                          "optimized.")
+    assert not shown(cpu, "Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'.", "none")
+    no_kernels = repr(ModuleNotFoundError("No module named 'vllm._C'"))
+    assert not shown(cpu, "Failed to import from vllm._C: %s", no_kernels)
+    assert not shown("vllm.platforms.interface", "Failed to import from vllm._C: %s", no_kernels)
+    assert not shown("torch._opaque_base", "torch._opaque_base is deprecated, use torch._custom_class_base instead")
+    assert not shown("torch._library.opaque_object", "typ='value' is deprecated, use typ='constant' instead")
+    assert not shown("torch._library.opaque_object", "register_opaque_type is deprecated, use register_custom_class")
+    assert not shown("torch.utils.cpp_extension", "No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local")
+    assert shown(cpu, "Triton is not installed. triton-cpu is expected on x86 CPUs.")
+    assert shown(cpu, "Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'.", "gdn")
+    assert shown(cpu, "Failed to import from vllm._C: %s", repr(ImportError("undefined symbol: foo")))
+    assert shown("torch._library.opaque_object", "typ='reference' is deprecated, use typ='symbolic' instead")

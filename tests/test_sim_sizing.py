@@ -9,26 +9,29 @@ import pytest
 
 from data.schemas import WORKLOAD
 from simulator.sizing import blocks_for_fraction, min_blocks_for
+from simulator.workload import PreparedWorkload, prepare_workload
 
 
-def _table(rows: list[dict[str, Any]]) -> pa.Table:
+def _table(rows: list[dict[str, Any]]) -> PreparedWorkload:
     base = {"kind": "rollout", "step": 0, "prompt_id": "p", "group_id": "g", "group_size": 2, "sample_index": 0,
             "turn": 0, "domain": "math", "paradigm": "math_verifier", "max_tokens": 100, "finish_reason": "stop",
             "block_size": 16}
-    return pa.Table.from_pylist([{**base, "request_id": f"r{i}", **r} for i, r in enumerate(rows)],
-                                schema=WORKLOAD.schema)
+    return prepare_workload(pa.Table.from_pylist([{**base, "request_id": f"r{i}", **r} for i, r in enumerate(rows)],
+                                                 schema=WORKLOAD.schema))
 
 
 STEP0 = [
     # session s: turn 0 (40 prompt + 30 out, 10 tool tokens), turn 1 (80 + 5): its stream is 85 tokens long,
     # 5 full blocks + 1 tail. Sibling t (40 + 20): 60 tokens, 3 full blocks + 1 tail; its first 2 blocks are
     # s's (shared prompt), its third mixes t's own output in. Distinct: 5 + 1 + (3 - 2) + 1 = 8.
-    {"session_id": "s", "prompt_tokens": 40, "output_tokens": 30, "block_hashes": [1, 2, 3], "tool_tokens": 10},
+    {"session_id": "s", "prompt_tokens": 40, "output_tokens": 30, "block_hashes": [1, 2, 3], "tool_tokens": 10,
+     "finish_reason": "tool_call", "tool": "python", "tool_latency_s": 0.5},
     {"session_id": "t", "prompt_tokens": 40, "output_tokens": 20, "block_hashes": [1, 2, 3]},
     {"session_id": "s", "turn": 1, "prompt_tokens": 80, "output_tokens": 5, "block_hashes": [1, 2, 10, 11, 12]},
 ]
 # step 1: one request of 16 + 16 tokens, 2 full blocks
-STEP1 = [{"session_id": "v", "step": 1, "prompt_tokens": 16, "output_tokens": 16, "block_hashes": [20]}]
+STEP1 = [{"session_id": "v", "step": 1, "group_id": "h", "prompt_tokens": 16, "output_tokens": 16,
+          "block_hashes": [20]}]
 
 
 @pytest.mark.parametrize("fraction, expected", [(1.0, 8 + 1), (0.5, 4 + 1), (0.3, 3 + 1), (2.0, 16 + 1)])

@@ -231,7 +231,7 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
               kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: int,
               max_num_batched_tokens: int, progress: bool, decode_stride: int = 1) -> dict:
     """Read, check and simulate; user errors exit with status 2 before anything runs."""
-    from data.io import read_workload
+    from simulator.workload import load_workload
 
     options = {}
     if policy_options:
@@ -244,16 +244,16 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
     if replicas < 1:
         raise _fail(f"--replicas must be >= 1, got {replicas}")
     try:
-        table = read_workload(workload)
-    except (DataValidationError, ValueError, OSError) as err:
+        prepared = load_workload(workload)
+    except (DataValidationError, ValueError, OSError) as err:  # SimulationError is a ValueError
         raise _fail(str(err)) from None
     from simulator.simulation import SimulationError, run_simulation
 
     try:
         result = run_simulation(
-            table, policy, policy_options=options, replicas=replicas, router=router, kv_blocks=kv_blocks,
+            prepared, policy, policy_options=options, replicas=replicas, router=router, kv_blocks=kv_blocks,
             kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, progress=progress, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, validate=False, decode_stride=decode_stride,
+            max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
         )
     except SimulationError as err:
         raise _fail(str(err)) from None

@@ -76,12 +76,12 @@ def _synth(cfg: SynthConfig, path: Path) -> Path:
 
 
 def _simulate(workload: Path, policy: str, out_dir: Path, cfg: DemoConfig) -> dict[str, Any]:
-    from data.io import read_workload
     from simulator.simulation import run_simulation
+    from simulator.workload import load_workload
 
     shutil.rmtree(out_dir, ignore_errors=True)  # the demo's own output of an earlier run
-    result = run_simulation(read_workload(workload), policy, kv_fraction=cfg.kv_fraction, out_dir=out_dir,
-                            progress=True, validate=False, **cfg.sim_options)
+    result = run_simulation(load_workload(workload), policy, kv_fraction=cfg.kv_fraction, out_dir=out_dir,
+                            progress=True, **cfg.sim_options)
     return dict(result.summary)
 
 

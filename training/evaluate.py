@@ -3,11 +3,11 @@
 :func:`evaluate` runs every :class:`Case` (policy x KV fraction x replica count)
 with :func:`simulator.simulation.run_simulation`, each into
 ``out_dir/runs/<policy>-kv<f>-r<R>``, in this process or in ``jobs`` worker
-processes (spawn context; each worker imports vLLM once, reads the workload
+processes (spawn context; each worker imports vLLM once, reads and prepares the workload
 once and runs several cases, handed out longest expected first: :func:`expected_cost`). A case that fails is a row with an ``error``,
 not a failed evaluation. ``vllm-default`` is always run, for the ratios.
 Cases run at the simulator's decode stride :data:`DEFAULT_DECODE_STRIDE`
-(``decode_stride``; 1 is the exact path, see :mod:`simulator.simulation`).
+(``decode_stride``; 1 is the exact path, see :mod:`simulator.runner`).
 Each finished case leaves ``runs/<case>/summary.json``,
 ``trajectories.json`` and its telemetry (``requests`` and ``steps``; ``decisions`` and ``kv_events`` too with
 ``full_telemetry``); with ``resume`` a case that an earlier evaluation into
@@ -153,14 +153,14 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(workload_path: str) -> None:
-    """Worker start-up: vLLM imported and the workload read once per process."""
+    """Worker start-up: vLLM imported and the workload read and prepared once per process."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from data.io import read_workload
     from simulator import engine
+    from simulator.workload import load_workload
 
     engine.make_vllm_config()  # the first ModelConfig's cost, once
-    _WORKER["workload"] = read_workload(workload_path)
+    _WORKER["workload"] = load_workload(workload_path)
 
 
 def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-robin", preset: str = "H200-7B",
@@ -168,6 +168,7 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-r
              policy_options: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[float]]:
     """Simulate one case; returns its row (``error`` set instead of raising) and its trajectory durations.
 
+    ``workload``: a :class:`simulator.workload.PreparedWorkload` (validated once, shared by the cases).
     ``policy_options`` maps a policy name to its keyword options (e.g. ``{"learned": {"model": POLICY_DIR}}``).
     """
     from simulator.simulation import run_simulation
@@ -185,7 +186,7 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-r
             opts["policy_options"] = {**opts.get("policy_options", {}), **policy_options[case.policy]}
         result = run_simulation(workload, case.policy, replicas=case.replicas, router=router,
                                 kv_fraction=case.kv_fraction, preset=preset, out_dir=run_dir, progress=False,
-                                validate=False, **opts)
+                                **opts)
     except Exception as e:  # noqa: BLE001 - reported in the table, not a crash of the evaluation
         row["error"] = f"{type(e).__name__}: {e}"
         return row, []
@@ -252,10 +253,10 @@ def evaluate(
         raise EvaluationError(f"decode_stride must be an integer >= 1, got {decode_stride!r}")
     sim_options = {"decode_stride": decode_stride, "decision_log": full_telemetry, "kv_event_log": full_telemetry,
                    **(sim_options or {})}
-    from data.io import read_workload
+    from simulator.workload import load_workload
 
     try:
-        workload = read_workload(workload_path)
+        workload = load_workload(workload_path)
     except Exception as e:  # noqa: BLE001 - any unreadable workload is a bad request
         raise EvaluationError(f"cannot read workload {workload_path}: {e}") from None
     out = Path(out_dir)

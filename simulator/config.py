@@ -1,0 +1,162 @@
+"""A simulation's configuration: every option of a run, its defaults, and its checks before anything runs.
+
+:class:`SimConfig` holds what :func:`simulator.simulation.run_simulation` takes
+beside the workload; a bad value raises :class:`SimulationError` when the
+configuration is made. What depends on the workload too (the policy, which a
+hindsight oracle builds from it; the KV size against its largest request) is
+checked by the methods that resolve it, still before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from policy.interface import Policy
+from simulator.cost_model import CostModel
+from simulator.routers import Router, make_router
+from simulator.sizing import blocks_for_fraction, min_blocks_for
+from simulator.tokens import VLLM_BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from simulator.workload import PreparedWorkload
+
+__all__ = ["SIM_DECISION_BUDGET_S", "Overprovision", "PolicySpec", "SimConfig", "SimulationError"]
+
+#: A policy: a catalog name, a zero-argument factory, or (one replica) an instance.
+PolicySpec = str | Callable[[], Policy] | Policy
+
+#: The hook's per-step policy budget in simulation. The serving default (5 ms of
+#: wall time) would make runs depend on this machine's load and GC pauses; a
+#: simulation measures decisions in simulated time, and benchmarks/bench_hook.py
+#: measures their wall-clock cost.
+SIM_DECISION_BUDGET_S = 1.0
+
+
+class SimulationError(ValueError):
+    """A bad simulation configuration or workload (raised before simulating) or a stalled run."""
+
+
+@dataclass(frozen=True)
+class Overprovision:
+    """Stop each RL step at a quota of done trajectories and abort the rest (RollPacker / APRIL style).
+
+    The workload itself holds the launched (over-provisioned) prompts; the quota is
+    ``keep`` trajectories per step, or ``ceil(keep_fraction * launched)``.
+    """
+
+    keep_fraction: float = 1.0
+    keep: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep is not None and self.keep < 1:
+            raise SimulationError(f"over-provisioning: keep must be >= 1, got {self.keep}")
+        if not 0.0 < self.keep_fraction <= 1.0:
+            raise SimulationError(f"over-provisioning: keep_fraction must be in (0, 1], got {self.keep_fraction}")
+
+    def quota(self, launched: int) -> int:
+        if self.keep is not None:
+            return min(self.keep, launched)
+        return max(1, min(launched, math.ceil(self.keep_fraction * launched - 1e-9)))
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True, eq=False)
+class SimConfig:
+    """Every option of a run (see :func:`simulator.simulation.run_simulation`), checked when made."""
+
+    policy: PolicySpec = "vllm-default"
+    policy_options: dict[str, Any] | None = None
+    replicas: int = 1
+    #: A router name (:data:`simulator.routers.ROUTERS`, a fresh one per run) or an instance.
+    router: str | Router = "round-robin"
+    #: vLLM blocks per replica (its null block included), or ``kv_fraction`` of the workload's need
+    #: (:func:`simulator.sizing.blocks_for_fraction`); neither: the preset's GPU capacity.
+    kv_blocks: int | None = None
+    kv_fraction: float | None = None
+    preset: str = "H200-7B"
+    out_dir: str | Path | None = None
+    overprovision: Overprovision | None = None
+    progress: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    #: A session's later turns and its scoring requests go to the replica of its first turn.
+    sticky_sessions: bool = True
+    decision_budget_s: float | None = SIM_DECISION_BUDGET_S
+    #: Simulated length of an engine step that schedules nothing (so that TTLs run out).
+    idle_step_s: float = 0.004
+    #: Idle steps in a row, with nothing else pending, after which a replica is stalled (an error).
+    stall_steps: int = 100_000
+    #: Sampled tokens per request per simulated step (:mod:`simulator.runner`).
+    decode_stride: int = 1
+    #: Log the ``decisions`` table (every candidate's features at every decision): training needs it,
+    #: an evaluation that only compares summaries does not.
+    decision_log: bool = True
+    #: Log the ``kv_events`` table (every block stored or removed); the routers get the events either way.
+    kv_event_log: bool = True
+    #: The preset's step-cost model.
+    cost: CostModel = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not _positive_int(self.replicas):
+            raise SimulationError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+        try:
+            object.__setattr__(self, "cost", CostModel.preset(self.preset))
+        except ValueError as e:
+            raise SimulationError(str(e)) from None
+        if self.kv_blocks is not None and self.kv_fraction is not None:
+            raise SimulationError("give at most one of kv_blocks and kv_fraction")
+        if self.kv_fraction is not None and not self.kv_fraction > 0:
+            raise SimulationError(f"kv fraction must be > 0, got {self.kv_fraction}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise SimulationError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not _positive_int(self.decode_stride):
+            raise SimulationError(f"decode_stride must be an integer >= 1, got {self.decode_stride!r}")
+        if self.out_dir is not None:
+            object.__setattr__(self, "out_dir", Path(self.out_dir))
+        self.make_router()  # an unknown name fails now
+
+    @property
+    def router_name(self) -> str:
+        return self.router if isinstance(self.router, str) else type(self.router).__name__
+
+    def make_router(self) -> Router:
+        """The run's router: a fresh one by name, or the instance given."""
+        if not isinstance(self.router, str):
+            return self.router
+        try:
+            return make_router(self.router)
+        except ValueError as e:
+            raise SimulationError(str(e)) from None
+
+    def policy_factory(self, workload: PreparedWorkload) -> Callable[[], Policy]:
+        """A factory of fresh policies (one per replica), built through the serving hook; checked now."""
+        from serving_hook.config import HookConfigError, policy_factory
+
+        try:
+            return policy_factory(self.policy, self.policy_options, replicas=self.replicas, workload=workload.table)
+        except HookConfigError as e:
+            raise SimulationError(str(e)) from None
+
+    def kv_blocks_for(self, workload: PreparedWorkload) -> int:
+        """vLLM ``num_blocks`` per replica for ``workload``; too few for its largest request is an error."""
+        need = min_blocks_for(workload)
+        if self.kv_fraction is not None:
+            kv_blocks = blocks_for_fraction(workload, self.kv_fraction)
+        elif self.kv_blocks is None:
+            kv_blocks = self.cost.max_kv_blocks(VLLM_BLOCK_SIZE)
+        else:
+            kv_blocks = self.kv_blocks
+        if kv_blocks < need:
+            raise SimulationError(
+                f"KV cache of {kv_blocks} blocks is smaller than the largest request, which needs {need} blocks "
+                f"of {VLLM_BLOCK_SIZE} tokens (prompt + output, plus vLLM's null block)"
+                + (f"; raise --kv-fraction above {self.kv_fraction * need / kv_blocks:.3g}" if self.kv_fraction
+                   else ""))
+        return int(kv_blocks)

@@ -1,0 +1,261 @@
+"""The replicas: kvpilot-hooked vLLM schedulers, each with its own clock, stepped on the event clock.
+
+Each replica is :class:`serving_hook.KVPilotScheduler` with the run's policy,
+built by :mod:`simulator.engine` on the CPU, and request metadata reaches the
+hook as ``kvpilot_*`` ``extra_args``, as in production.
+
+Time
+----
+Each replica has its own clock (:attr:`Replica.now`), which is the hook's
+``kvpilot_clock``: an engine step starts at the replica's clock with
+``schedule()``, lasts the fake runner's price of what it scheduled
+(:mod:`simulator.runner`), and ends with ``update_from_output()`` at the later
+time, so telemetry and policies see simulated time and each ``steps`` row
+covers ``[time_s, time_s + duration_s]``. Requests that arrive during a step
+are added at its end (vLLM's engine core adds requests between steps); an idle
+replica starts a step at the arrival time, after every other event of that
+instant (:mod:`simulator.clock`). A step that schedules nothing (every waiting
+request held back or blocked) still takes ``idle_step_s``, so TTLs run out; a
+replica that makes no progress for ``stall_steps`` such steps while nothing
+else can happen (no event pending but other stalled replicas' steps) is an
+error.
+
+Routing
+-------
+With ``sticky_sessions`` (default) a session's later turns and its scoring
+requests go to the replica of its first turn (told to the router through
+``on_routed``); otherwise every request is routed. A router sees a request's
+vLLM block hashes (its prompt's full blocks, as signed int64) and each
+replica's KV events (``Router.on_kv_event``, from the hook's event listener at
+every step's end), so the ``kv-aware`` router's index is built from the
+replicas' own events, as llm-d builds it from vLLM's event stream.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from policy.interface import Policy
+from simulator import engine
+from simulator.clock import KICK, STEP_END, EventClock
+from simulator.config import SimConfig, SimulationError
+from simulator.routers import ReplicaLoad, Router, RouteRequest
+from simulator.runner import ScriptedRunner
+from simulator.tokens import VLLM_BLOCK_SIZE
+from simulator.workload import PreparedWorkload
+
+__all__ = ["Fleet", "Replica", "build_replicas"]
+
+
+class Replica:
+    """One simulated engine: the hooked scheduler, its clock, and the step in flight."""
+
+    __slots__ = (
+        "aborts",
+        "busy",
+        "engine",
+        "idle_steps",
+        "in_flight",
+        "index",
+        "kicked",
+        "now",
+        "pending",
+        "sched",
+        "steps",
+    )
+
+    def __init__(self, index: int, sched: Any) -> None:
+        self.index = index
+        self.sched = sched  # the kvpilot hook's scheduler (its kvpilot_* attributes)
+        self.engine = engine.Engine(sched)
+        self.now = 0.0
+        self.busy = False
+        self.kicked = False
+        self.pending: list[tuple[str, Any]] = []  # (id, request) that arrived during a step, added at its end
+        self.aborts: set[str] = set()  # request ids to abort at the next step boundary
+        self.in_flight: tuple[Any, list[str], list[list[int]]] | None = None  # scheduled step, its sampled tokens
+        self.idle_steps = 0
+        self.steps = 0
+
+    def clock(self) -> float:
+        """The replica's simulated time (the hook's ``kvpilot_clock``)."""
+        return self.now
+
+
+def build_replicas(config: SimConfig, workload: PreparedWorkload, kv_blocks: int,
+                   policy_factory: Callable[[], Policy], router: Router, writer: Any) -> list[Replica]:
+    """The run's replicas, each a hooked scheduler of ``kv_blocks`` blocks with a fresh policy, sharing ``writer``."""
+    from serving_hook import KVPilotScheduler, with_policy
+    from serving_hook.config import HookConfig
+
+    max_model_len = max(workload.largest_request + VLLM_BLOCK_SIZE, 1024)  # the longest context a request reaches
+    reps = []
+    for i in range(config.replicas):
+        kw: dict[str, Any] = {"replica": i}
+        if config.decision_budget_s is not None:
+            kw["decision_budget_s"] = config.decision_budget_s
+        cls = with_policy(KVPilotScheduler, policy_factory, HookConfig(**kw), name=f"SimReplica{i}",
+                          shared_writer=writer)
+        cfg = engine.make_vllm_config(
+            num_blocks=kv_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens * config.decode_stride,  # see simulator.runner
+            max_model_len=max_model_len,
+        )
+        sched = engine.make_scheduler(cls, num_blocks=kv_blocks, vllm_config=cfg)
+        rep = Replica(i, sched)
+        sched.kvpilot_clock = rep.clock
+        sched.kvpilot_decode_stride = config.decode_stride
+        if config.replicas > 1:
+            sched.kvpilot_set_kv_event_listener(functools.partial(router.on_kv_event, i))
+        reps.append(rep)
+    return reps
+
+
+class Fleet:
+    """The replicas behind the router: routing, engine steps on the event clock, aborts.
+
+    :attr:`on_finished` (set by the run, to its driver's) hears of each request an engine finished, at its
+    step's end.
+    """
+
+    def __init__(self, replicas: list[Replica], router: Router, clock: EventClock, runner: ScriptedRunner,
+                 config: SimConfig) -> None:
+        self.replicas = replicas
+        self.router = router
+        self.clock = clock
+        self.runner = runner
+        self.sticky = config.sticky_sessions
+        self.idle_step_s = config.idle_step_s
+        self.stall_steps = config.stall_steps
+        self.on_finished: Callable[[str, float], None] | None = None  # (request id, time)
+        self.engine_steps = 0
+        self._replica_of: dict[str, Replica] = {}  # request id -> the replica it runs on, until it ends
+        self._stream_replica: dict[str, int] = {}  # sticky sessions: stream -> its replica
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request_id: str, request: Any, routed_id: str, prompt_tokens: int, session_id: str,
+               stream: str, t: float) -> None:
+        """Request ``request`` (vLLM's) arrives at ``t``: route it and add it, now or at its replica's step end.
+
+        The router sees it as ``routed_id`` of ``session_id``; ``stream`` (its trajectory) pins sticky sessions.
+        """
+        rep = self._route(request, routed_id, prompt_tokens, session_id, stream)
+        self._replica_of[request_id] = rep
+        if rep.busy:
+            rep.pending.append((request_id, request))
+        else:
+            rep.now = max(rep.now, t)
+            rep.engine.add(request)
+            self._kick(rep, t)
+
+    def _route(self, request: Any, routed_id: str, prompt_tokens: int, session_id: str, stream: str) -> Replica:
+        """The replica for a request; its block hashes go to the router (the hash space of the replicas' KV
+        events, see :class:`simulator.routers.KVAwareRouter`)."""
+        reps = self.replicas
+        if len(reps) == 1:
+            return reps[0]
+        hashes = engine.prompt_block_hashes(request, prompt_tokens // VLLM_BLOCK_SIZE)
+        req = RouteRequest(routed_id, hashes, prompt_tokens, VLLM_BLOCK_SIZE, session_id)
+        if self.sticky:
+            pinned = self._stream_replica.get(stream)
+            if pinned is not None:
+                self.router.on_routed(req, pinned)
+                return reps[pinned]
+        loads = [ReplicaLoad(r.index, r.engine.load() + len(r.pending)) for r in reps]
+        chosen = self.router.route(req, loads)
+        self._stream_replica.setdefault(stream, chosen)
+        return reps[chosen]
+
+    def abort(self, request_id: str, t: float) -> None:
+        """Abort a request: now if its replica is between steps, else at its step's end."""
+        rep = self._replica_of.get(request_id)
+        if rep is None:
+            return
+        rep.aborts.add(request_id)
+        if not rep.busy:
+            rep.now = max(rep.now, t)
+            self._apply_aborts(rep)
+
+    def _apply_aborts(self, rep: Replica) -> None:
+        ids, rep.aborts = rep.aborts, set()
+        rep.pending = [p for p in rep.pending if p[0] not in ids]
+        # One id at a time, in a fixed order: vLLM frees the blocks of a set of ids in the set's order, which
+        # depends on the process's string hash seed, and the free order decides later evictions.
+        rep.engine.abort(sorted(ids))
+        for rid in ids:
+            self.runner.forget(rid)
+            self._replica_of.pop(rid, None)
+
+    # ------------------------------------------------------------------ engine steps
+    def _kick(self, rep: Replica, t: float) -> None:
+        if not rep.busy and not rep.kicked:
+            rep.kicked = True
+            self.clock.push(t, KICK, rep)
+
+    def kicked(self, rep: Replica, t: float) -> None:
+        """A kick's time has come: an idle replica starts its next step."""
+        rep.kicked = False
+        if not rep.busy:
+            self.start_step(rep, t)
+
+    def start_step(self, rep: Replica, t: float) -> None:
+        rep.now = t
+        eng = rep.engine
+        if rep.aborts:
+            self._apply_aborts(rep)
+        if rep.pending:
+            pending, rep.pending = rep.pending, []
+            for _, req in pending:
+                eng.add(req)
+        if not eng.has_requests():
+            return
+        scheduled, tokens = eng.schedule()
+        req_ids, sampled, dt = self.runner.output(eng.requests, tokens)
+        rep.in_flight = (scheduled, req_ids, sampled)
+        if req_ids:
+            rep.idle_steps = 0
+        else:
+            dt = self.idle_step_s
+            rep.idle_steps += 1
+            if rep.idle_steps >= self.stall_steps and all(  # nothing but other stalled replicas' idle steps left
+                    kind in (STEP_END, KICK) and arg.idle_steps >= self.stall_steps
+                    for kind, arg in self.clock.pending()):
+                raise SimulationError(
+                    f"replica {rep.index} stalled: {eng.waiting()} request(s) waiting, none schedulable for "
+                    f"{rep.idle_steps} steps and nothing else pending (KV cache too small, or a policy holds "
+                    "everything back)")
+        rep.busy = True
+        rep.steps += 1
+        self.engine_steps += 1
+        self.clock.push(t + dt, STEP_END, rep)
+
+    def end_step(self, rep: Replica, t: float) -> None:
+        rep.now = t
+        scheduled, req_ids, sampled = rep.in_flight
+        finished = rep.engine.update(scheduled, req_ids, sampled)
+        rep.in_flight = None
+        rep.busy = False
+        for rid in finished:
+            self.runner.forget(rid)
+            self._replica_of.pop(rid, None)
+            self.on_finished(rid, t)
+        if rep.aborts:
+            self._apply_aborts(rep)
+        if rep.pending or rep.engine.has_requests():
+            self._kick(rep, t)
+
+    # ------------------------------------------------------------------ the end
+    @property
+    def scheduler_s(self) -> float:
+        """Wall time inside the schedulers, all replicas."""
+        return sum(r.engine.scheduler_s for r in self.replicas)
+
+    def close(self) -> float:
+        """Close the hooks; returns their own share of :attr:`scheduler_s`."""
+        hook = sum(r.sched.kvpilot_stats.hook_time_s for r in self.replicas)
+        for r in self.replicas:
+            r.sched.kvpilot_close()
+        return hook
