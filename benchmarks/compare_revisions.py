@@ -2,8 +2,9 @@
 
 For refactors that must not change behaviour: the working tree (or ``--tree DIR``) against a git revision
 (``--base REV``, checked out into a temporary worktree), both with this interpreter's packages, on one
-workload generated once by the base tree. Every summary key but the wall-clock timings must be equal,
-case by case; a difference prints the case, the key and both values, and the exit status is 1.
+workload generated once by the base tree. Every summary key the base reports, but the wall-clock timings,
+must be equal case by case; a difference prints the case, the key and both values, and the exit status is 1.
+Keys only the new tree reports (new metrics) are listed, not compared.
 
     python -m benchmarks.compare_revisions --base 8f6f79e
 """
@@ -56,18 +57,21 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def compare(base_rows: dict[str, dict[str, Any]], new_rows: dict[str, dict[str, Any]]) -> list[str]:
-    """Every difference between two evaluations' rows, timings excluded, as readable lines."""
+def compare(base_rows: dict[str, dict[str, Any]], new_rows: dict[str, dict[str, Any]]) -> tuple[list[str], set[str]]:
+    """Every difference between two evaluations' rows, timings excluded, as readable lines; and the keys only
+    the new rows have (new metrics, not changed results)."""
     diffs = []
+    added: set[str] = set()
     for case in sorted(set(base_rows) | set(new_rows)):
         a, b = base_rows.get(case), new_rows.get(case)
         if a is None or b is None:
             diffs.append(f"{case}: only in {'new' if a is None else 'base'}")
             continue
-        for key in sorted((set(a) | set(b)) - TIMING_KEYS):
+        added |= set(b) - set(a)
+        for key in sorted(set(a) - TIMING_KEYS):
             if not _same(a.get(key), b.get(key)):
                 diffs.append(f"{case}: {key}: base {a.get(key)!r} != new {b.get(key)!r}")
-    return diffs
+    return diffs, added
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-fractions", default="0.2,0.6")
     ap.add_argument("--replicas", default="1,2")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--new-args", default="",
+                    help="extra evaluate options for the new tree only, e.g. '--keep-cache-across-steps' to switch "
+                         "off a behaviour the base did not have")
     ap.add_argument("--keep", type=Path,
                     help="keep both evaluations under this folder; a base evaluation already there is reused")
     a = ap.parse_args(argv)
@@ -102,16 +109,19 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"evaluating {name} ({tree}) ...", flush=True)
                 shutil.rmtree(out, ignore_errors=True)
-                _run(tree, [*grid, "-o", str(out)], work / f"{name}.log")
+                extra = a.new_args.split() if name == "new" else []
+                _run(tree, [*grid, *extra, "-o", str(out)], work / f"{name}.log")
             results[name] = _rows(out / "summary.json")
     finally:
         if not a.keep:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False)
-    diffs = compare(results["base"], results["new"])
+    diffs, added = compare(results["base"], results["new"])
     n = len(results["new"])
     errors = [c for c, r in results["new"].items() if r.get("error")]
     for line in diffs:
         print(line)
+    if added:
+        print(f"keys only the new tree reports (not compared): {', '.join(sorted(added))}")
     print(f"{n} cases, {len(errors)} failed, {len(diffs)} differences against {a.base}")
     return 1 if diffs or errors or n == 0 else 0
 

@@ -64,6 +64,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from simulator.cost_model import CostModel, prefill_attention_pairs
+from simulator.workload import PreparedWorkload
 
 __all__ = ["StepBound", "Bound", "makespan_bound", "workload_bound", "render_bound", "VLLM_BLOCK_TOKENS"]
 
@@ -105,11 +106,12 @@ class Bound:
         return asdict(self) | {"mean_s": self.mean_s, "total_s": self.total_s}
 
 
-def makespan_bound(workload: pa.Table, cost: CostModel, kv_blocks: int, *, replicas: int = 1, preset: str = "",
-                   decode_stride: int = 1, max_num_seqs: int = 256) -> Bound:
-    """The lower bound of every RL step of ``workload`` (a validated WORKLOAD table); see the module docstring."""
+def makespan_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, *, replicas: int = 1,
+                   preset: str = "", decode_stride: int = 1, max_num_seqs: int = 256) -> Bound:
+    """The lower bound of every RL step of a (validated, prepared) workload; see the module docstring."""
     if replicas < 1 or kv_blocks < 2 or decode_stride < 1:
         raise ValueError("replicas must be >= 1, kv_blocks >= 2 and decode_stride >= 1")
+    workload = prepared.table
     col = lambda name: workload.column(name).to_numpy(zero_copy_only=False)  # noqa: E731
     p = col("prompt_tokens").astype(np.int64)
     out = col("output_tokens").astype(np.int64)
@@ -138,7 +140,7 @@ def makespan_bound(workload: pa.Table, cost: CostModel, kv_blocks: int, *, repli
     return Bound(steps, replicas, int(kv_blocks), preset, decode_stride)
 
 
-def workload_bound(workload: pa.Table, *, preset: str = "H200-7B", kv_blocks: int | None = None,
+def workload_bound(workload: PreparedWorkload, *, preset: str = "H200-7B", kv_blocks: int | None = None,
                    kv_fraction: float | None = None, replicas: int = 1, decode_stride: int = 1,
                    max_num_seqs: int = 256) -> Bound:
     """:func:`makespan_bound` with the KV size given as the simulator takes it: ``kv_blocks`` per replica, or

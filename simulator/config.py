@@ -100,6 +100,10 @@ class SimConfig:
     decision_log: bool = True
     #: Log the ``kv_events`` table (every block stored or removed); the routers get the events either way.
     kv_event_log: bool = True
+    #: RL workloads reset every replica's prefix cache at each RL step boundary (new weights: RL frameworks
+    #: call vLLM's ``reset_prefix_cache`` at weight sync); True keeps it (a study of cross-step reuse).
+    #: A trace replay never resets.
+    keep_cache_across_steps: bool = False
     #: The preset's step-cost model.
     cost: CostModel = field(init=False, repr=False)
 

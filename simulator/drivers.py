@@ -97,8 +97,13 @@ class StepDriver:
     :meth:`finished` (the fleet's ``on_finished``)."""
 
     def __init__(self, workload: PreparedWorkload, fleet: Fleet, clock: EventClock, runner: ScriptedRunner,
-                 overprovision: Overprovision | None, progress: Any = None) -> None:
+                 overprovision: Overprovision | None, progress: Any = None, *, reset_at_weight_sync: bool = True
+                 ) -> None:
         self.workload = w = workload
+        #: New weights at every RL step: the replicas' prefix caches are reset before each step (or round) after
+        #: the first, as RL frameworks do at weight sync, so no KV crosses a step.
+        self.reset_at_weight_sync = reset_at_weight_sync
+        self._launched = False
         self.fleet = fleet
         self.clock = clock
         self.runner = runner
@@ -269,7 +274,10 @@ class StepDriver:
         self.launch(trajs, t)
 
     def launch(self, trajs: list[Trajectory], t: float) -> None:
-        """Start these trajectories at ``t``: each one's first turn."""
+        """Start these trajectories at ``t`` (an RL step or round, with the new weights): each one's first turn."""
+        if self._launched and self.reset_at_weight_sync:
+            self.fleet.reset_prefix_caches()
+        self._launched = True
         for traj in trajs:
             traj.start = t
             traj.next_turn = 1

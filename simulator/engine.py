@@ -385,6 +385,13 @@ class Engine:
             self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
         self.scheduler_s += time.perf_counter() - t0
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache()`` (what RL frameworks call at weight sync); False if blocks are in use."""
+        t0 = time.perf_counter()
+        ok = self.sched.reset_prefix_cache()
+        self.scheduler_s += time.perf_counter() - t0
+        return bool(ok)
+
     def waiting(self) -> int:
         return len(self.sched.waiting)
 

@@ -174,4 +174,10 @@ def render_summary(summary: dict[str, Any]) -> str:
          f"mean {s['group_completion_mean_s']:.2f} s ({len(s['group_completion_s'])} groups)"),
         f"tail bubble {s['tail_bubble_s']:.2f} s/step",
     ]
+    if s.get("bound_s") is not None:
+        lines.append(f"lower bound {s['bound_s']:.2f} s/step ({s['bound_total_s']:.2f} s in all): the run is "
+                     f"{s['makespan_over_bound']:.3f}x the bound")
+    if s.get("gpu_decode_s") is not None:
+        causes = ("decode", "prefill_new", "recompute_preemption", "recompute_eviction", "idle")
+        lines.append("GPU seconds: " + "  ".join(f"{c.replace('_', ' ')} {s[f'gpu_{c}_s']:.1f}" for c in causes))
     return "\n".join(lines)

@@ -62,6 +62,7 @@ class Replica:
         "kicked",
         "now",
         "pending",
+        "reset_pending",
         "sched",
         "steps",
     )
@@ -78,6 +79,7 @@ class Replica:
         self.in_flight: tuple[Any, list[str], list[list[int]]] | None = None  # scheduled step, its sampled tokens
         self.idle_steps = 0
         self.steps = 0
+        self.reset_pending = False  # a weight sync's prefix-cache reset, for when its last requests are gone
 
     def clock(self) -> float:
         """The replica's simulated time (the hook's ``kvpilot_clock``)."""
@@ -132,6 +134,7 @@ class Fleet:
         self.stall_steps = config.stall_steps
         self.on_finished: Callable[[str, float], None] | None = None  # (request id, time)
         self.engine_steps = 0
+        self.cache_resets = 0  # prefix-cache resets done (weight syncs x replicas)
         self._replica_of: dict[str, Replica] = {}  # request id -> the replica it runs on, until it ends
         self._stream_replica: dict[str, int] = {}  # sticky sessions: stream -> its replica
 
@@ -189,6 +192,22 @@ class Fleet:
             self.runner.forget(rid)
             self._replica_of.pop(rid, None)
 
+    def reset_prefix_caches(self) -> None:
+        """Weight sync: every replica drops its prefix cache (vLLM's ``reset_prefix_cache``), now if it is idle
+        and empty, else as soon as its last requests of the old weights (aborted ones) are gone."""
+        for rep in self.replicas:
+            if rep.busy or rep.engine.has_requests():
+                rep.reset_pending = True
+            else:
+                self._reset(rep)
+
+    def _reset(self, rep: Replica) -> None:
+        rep.reset_pending = False
+        if not rep.engine.reset_prefix_cache():
+            raise SimulationError(f"replica {rep.index}: vLLM refused to reset its prefix cache with no request "
+                                  "left (blocks still in use)")
+        self.cache_resets += 1
+
     # ------------------------------------------------------------------ engine steps
     def _kick(self, rep: Replica, t: float) -> None:
         if not rep.busy and not rep.kicked:
@@ -206,6 +225,8 @@ class Fleet:
         eng = rep.engine
         if rep.aborts:
             self._apply_aborts(rep)
+        if rep.reset_pending and not eng.has_requests():
+            self._reset(rep)
         if rep.pending:
             pending, rep.pending = rep.pending, []
             for _, req in pending:

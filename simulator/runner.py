@@ -13,7 +13,13 @@ production. A request still inside a partial prefill chunk samples nothing.
 
 Cost: each step lasts the cost model's
 :meth:`~simulator.cost_model.CostModel.step_time` of what it scheduled (prefill
-tokens and their attention pairs, decode sequences and their context).
+tokens and their attention pairs, decode sequences and their context). The run's
+GPU time is split by cause (:meth:`ScriptedRunner.breakdown`, the summary's
+``gpu_s``): each step's decode iterations priced alone are decode; what its
+prefill chunks add to them is prefill, split into new tokens, recompute after
+preemption and recompute after eviction by their token counts; the rest of
+replicas x the run is idle (waiting on tools, verifiers or arrivals, or held
+back with nothing runnable).
 
 Decode stride
 -------------
@@ -82,6 +88,10 @@ class ScriptedRunner:
         self.cost = cost
         self.stride = stride
         self.scripts: dict[str, list[int]] = {}  # request id -> the tokens it samples, in order
+        #: Where the GPU time went: the steps' decode iterations alone, and what their prefill added to them.
+        self.decode_s = 0.0
+        self.prefill_s = 0.0
+        self.prefill_tokens = 0  # tokens computed by prefill (recomputation included)
 
     def script(self, request_id: str, row: int) -> None:
         """Script request ``request_id`` (workload row ``row``): its output ids, ending with an EOS unless it runs
@@ -148,8 +158,12 @@ class ScriptedRunner:
                 pairs += pairs_of(n, before)
                 late += 1
                 late_base += computed - 1
+        cost = self.cost
         if not strided:
-            return req_ids, sampled, self.cost.step_time(prefill, pairs, decode, context)
+            dt = cost.step_time(prefill, pairs, decode, context)
+            decode_s = cost.step_time(0, 0, decode, context) if prefill else dt
+            self._account(dt, decode_s, prefill)
+            return req_ids, sampled, dt
         seqs = [0] * k
         ctx = [0] * k
         s = b = 0
@@ -160,4 +174,23 @@ class ScriptedRunner:
             ctx[j - 1] = b + j * s
         seqs[0] -= late
         ctx[0] -= late_base + late
-        return req_ids, sampled, self.cost.strided_step_time(prefill, pairs, seqs, ctx)
+        dt = cost.strided_step_time(prefill, pairs, seqs, ctx)
+        self._account(dt, cost.strided_step_time(0, 0, seqs, ctx) if prefill else dt, prefill)
+        return req_ids, sampled, dt
+
+    def _account(self, step_s: float, decode_s: float, prefill_tokens: int) -> None:
+        """A step's time split: its decode iterations alone, and the rest (what its prefill chunks added)."""
+        self.decode_s += decode_s
+        self.prefill_s += step_s - decode_s
+        self.prefill_tokens += prefill_tokens
+
+    def breakdown(self, recomputed_preemption: int, recomputed_eviction: int, gpu_s: float) -> dict[str, float]:
+        """GPU seconds by cause: decode, prefill of new tokens, recompute after preemption and after eviction (the
+        prefill time split by the tokens' shares), and idle (``gpu_s``, replicas x the run, less the rest)."""
+        total = self.prefill_tokens
+        share = (lambda n: self.prefill_s * min(n, total) / total) if total else (lambda n: 0.0)  # noqa: E731
+        preempt = share(recomputed_preemption)
+        evict = min(share(recomputed_eviction), self.prefill_s - preempt)
+        return {"decode": self.decode_s, "prefill_new": self.prefill_s - preempt - evict,
+                "recompute_preemption": preempt, "recompute_eviction": evict,
+                "idle": max(0.0, gpu_s - self.decode_s - self.prefill_s)}

@@ -34,6 +34,7 @@ from typing import Any
 import pyarrow as pa
 
 from simulator import engine
+from simulator.bound import makespan_bound
 from simulator.clock import ARRIVE, KICK, RELEASE, STEP_END, VERIFIED, EventClock
 from simulator.config import Overprovision, PolicySpec, SimConfig, SimulationError
 from simulator.drivers import StepDriver
@@ -87,6 +88,7 @@ class Simulation:
         self.router = config.make_router()
         self.kv_blocks = config.kv_blocks_for(w)
         self.driver: StepDriver | None = None  # the run's, once it ran
+        self.runner: ScriptedRunner | None = None
         self.setup_s = time.perf_counter() - t0
 
     def run(self) -> SimResult:
@@ -141,7 +143,12 @@ class Simulation:
             # policy ``registry``: the registry version served at the end (replica 0) and swaps after start-up
             model_version=replicas[0].sched.kvpilot_stats.model_version,
             model_swaps=sum(rep.sched.kvpilot_stats.model_swaps for rep in replicas),
+            prefix_cache_resets=fleet.cache_resets,
         )
+        summary.update(self.bound_summary(summary["simulated_s"]))
+        breakdown = self.runner.breakdown(summary["recomputed_tokens_preemption"],
+                                          summary["recomputed_tokens_eviction"], config.replicas * summary["simulated_s"])
+        summary.update({f"gpu_{cause}_s": seconds for cause, seconds in breakdown.items()})
         result.summary, result.requests, result.steps = summary, requests, steps
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -151,11 +158,19 @@ class Simulation:
             result.out_dir = out_dir
         return result
 
+    def bound_summary(self, simulated_s: float) -> dict[str, Any]:
+        """The run's physics lower bound (:mod:`simulator.bound`) and where the run stands against it."""
+        c = self.config
+        b = makespan_bound(self.workload, c.cost, self.kv_blocks, replicas=c.replicas, preset=c.preset,
+                           decode_stride=c.decode_stride, max_num_seqs=c.max_num_seqs)
+        return {"bound_s": b.mean_s, "bound_total_s": b.total_s, "bound_per_step_s": [s.bound_s for s in b.steps],
+                "makespan_over_bound": simulated_s / b.total_s if b.total_s > 0 else None}
+
     def _loop(self, replicas: list[Replica]) -> tuple[SimResult, Fleet]:
         """Wire the run's clock, runner, fleet and driver, and run every event."""
         w, config = self.workload, self.config
         clock = EventClock()
-        runner = ScriptedRunner(w, config.cost, config.decode_stride)
+        self.runner = runner = ScriptedRunner(w, config.cost, config.decode_stride)
         fleet = Fleet(replicas, self.router, clock, runner, config)
         bar = None
         if config.progress:
@@ -164,9 +179,11 @@ class Simulation:
             bar = tqdm(total=w.num_rows, file=sys.stderr, unit="req", desc="simulating", mininterval=0.5,
                        dynamic_ncols=True)
         if self.tail is not None:
-            driver = TailBatchingDriver(w, fleet, clock, runner, None, bar, spec=self.tail)
+            driver = TailBatchingDriver(w, fleet, clock, runner, None, bar, spec=self.tail,
+                                        reset_at_weight_sync=not config.keep_cache_across_steps)
         else:
-            driver = StepDriver(w, fleet, clock, runner, config.overprovision, bar)
+            driver = StepDriver(w, fleet, clock, runner, config.overprovision, bar,
+                                reset_at_weight_sync=not config.keep_cache_across_steps)
         self.driver = driver
         fleet.on_finished = driver.finished
         driver.start()

@@ -17,6 +17,7 @@ from simulator.bound import makespan_bound, render_bound
 from simulator.cost_model import CostModel
 from simulator.simulation import run_simulation
 from simulator.sizing import blocks_for_fraction, min_blocks_for
+from simulator.workload import prepare_workload
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -65,7 +66,7 @@ def _case(seed: int) -> tuple[SynthConfig, int, int]:
 @pytest.mark.parametrize("seed", range(20))
 def test_no_simulated_step_ends_before_its_bound(seed: int) -> None:
     cfg, replicas, stride = _case(seed)
-    workload = generate(cfg)
+    workload = prepare_workload(generate(cfg))
     for fraction in (0.1, 1.0) if seed >= BUSY_SEEDS else (0.3, 1.0):
         kv_blocks = max(blocks_for_fraction(workload, fraction), min_blocks_for(workload) + 2)
         bound = makespan_bound(workload, COST, kv_blocks, replicas=replicas, decode_stride=stride)
@@ -87,7 +88,8 @@ def test_no_simulated_step_ends_before_its_bound(seed: int) -> None:
 def test_a_session_alone_takes_about_its_bound(domain: str) -> None:
     """One request (or one multi-turn session) with nothing else running: within 5% of the simulated makespan."""
     one = dataclasses.replace(_pool(random.Random(0))[domain], share=1.0, score_fraction=0.0)
-    workload = generate(SynthConfig(seed=5, steps=1, prompts_per_step=1, group_size=1, domains={domain: one}))
+    workload = prepare_workload(generate(SynthConfig(seed=5, steps=1, prompts_per_step=1, group_size=1,
+                                                     domains={domain: one})))
     kv_blocks = COST.max_kv_blocks(16)
     bound = makespan_bound(workload, COST, kv_blocks)
     res = run_simulation(workload, "vllm-default", kv_blocks=kv_blocks, progress=False)
@@ -98,7 +100,7 @@ def test_a_session_alone_takes_about_its_bound(domain: str) -> None:
 
 
 def test_more_kv_or_more_replicas_never_raise_the_bound() -> None:
-    workload = generate(dataclasses.replace(SynthConfig.preset("short"), prompts_per_step=8))
+    workload = prepare_workload(generate(dataclasses.replace(SynthConfig.preset("short"), prompts_per_step=8)))
     small = blocks_for_fraction(workload, 0.1)
     tight = makespan_bound(workload, COST, small)
     assert makespan_bound(workload, COST, 4 * small).total_s <= tight.total_s

@@ -182,10 +182,13 @@ def simulate(
     ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+    keep_cache: Annotated[bool, typer.Option(
+        "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
+        "every step, as RL frameworks do at weight sync).")] = False,
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
     summary = _simulate(workload, out_dir, policy, policy_options, replicas, router, kv_blocks, kv_fraction, preset,
-                        max_num_seqs, max_num_batched_tokens, progress, decode_stride)
+                        max_num_seqs, max_num_batched_tokens, progress, decode_stride, keep_cache)
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -213,13 +216,13 @@ def bound(
     as_json: Annotated[bool, typer.Option("--json", help="Print the bound as one JSON object.")] = False,
 ) -> None:
     """A lower bound of each RL step's makespan that no schedule beats under the same cost model."""
-    from data.io import read_workload
     from simulator.bound import render_bound, workload_bound
+    from simulator.workload import load_workload
 
     if kv_blocks is not None and kv_fraction is not None:
         raise _fail("give at most one of --kv-blocks and --kv-fraction")
     try:
-        table = read_workload(workload)
+        table = load_workload(workload)
         result = workload_bound(table, preset=preset, kv_blocks=kv_blocks, kv_fraction=kv_fraction,
                                 replicas=replicas, decode_stride=decode_stride)
     except (DataValidationError, ValueError, OSError) as err:
@@ -229,7 +232,7 @@ def bound(
 
 def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Optional[str], replicas: int, router: str,
               kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: int,
-              max_num_batched_tokens: int, progress: bool, decode_stride: int = 1) -> dict:
+              max_num_batched_tokens: int, progress: bool, decode_stride: int = 1, keep_cache: bool = False) -> dict:
     """Read, check and simulate; user errors exit with status 2 before anything runs."""
     from simulator.workload import load_workload
 
@@ -254,10 +257,15 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
             prepared, policy, policy_options=options, replicas=replicas, router=router, kv_blocks=kv_blocks,
             kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, progress=progress, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
+            keep_cache_across_steps=keep_cache,
         )
     except SimulationError as err:
         raise _fail(str(err)) from None
     return result.summary
+
+
+def _fmt_gap(gap: Optional[float]) -> str:
+    return "-" if gap is None else f"{gap:.2f}"
 
 
 def _number_list(text: str, kind: type, option: str) -> list:
@@ -303,6 +311,9 @@ def evaluate_cmd(
     full_telemetry: Annotated[bool, typer.Option(
         "--full-telemetry", help="Also write each run's decisions and kv_events telemetry (for training, OPE or "
         "cache analysis; slower). Without it a run writes the requests and steps tables the summary reads.")] = False,
+    keep_cache: Annotated[bool, typer.Option(
+        "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
+        "every step, as RL frameworks do at weight sync).")] = False,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import EvaluationError, build_cases, evaluate, resolve_policies
@@ -329,7 +340,9 @@ def evaluate_cmd(
     try:
         result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
                           jobs=jobs, progress=progress, decode_stride=decode_stride, resume=resume,
-                          full_telemetry=full_telemetry, policy_options={"learned": {"model": str(model)}} if model is not None else None)
+                          full_telemetry=full_telemetry,
+                          sim_options={"keep_cache_across_steps": True} if keep_cache else None,
+                          policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None
     failed = [r for r in result.rows if r.get("error")]
@@ -337,6 +350,7 @@ def evaluate_cmd(
         ratio, whole = r.get("makespan_ratio_vs_default"), r.get("simulated_ratio_vs_default")
         status = f"error: {r['error']}" if r.get("error") else (
             f"makespan {r['makespan_s']:.2f} s/step  x{ratio:.3f} vs default (whole run x{whole:.3f})  "
+            f"x{r['makespan_over_bound']:.3f} bound  gap closed {_fmt_gap(r.get('gap_closed'))}  "
             f"hit {r['prefix_hit_rate']:.3f}  recomputed {r['recomputed_tokens']}"
             if ratio is not None and whole is not None else f"makespan {r['makespan_s']:.2f} s/step")
         typer.echo(f"{r['policy']:<16} kv {r['kv_fraction']:<5g} r{r['replicas']}  {status}")

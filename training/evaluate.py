@@ -72,7 +72,7 @@ RATIOS = {
     "simulated_ratio_vs_default": "simulated_s",
 }
 #: Summary keys that are lists or dicts (kept in summary.json, left out of the tables).
-_NON_SCALAR = ("makespan_per_step_s", "group_completion_s", "tail_bubble_per_step_s")
+_NON_SCALAR = ("makespan_per_step_s", "group_completion_s", "tail_bubble_per_step_s", "bound_per_step_s")
 
 
 class EvaluationError(ValueError):
