@@ -61,7 +61,7 @@ _NO_KERNELS = "Failed to import from vllm._C: ModuleNotFoundError(\"No module na
 #:
 #: * vLLM's CPU platform advises 32-token blocks (the simulated engine keeps GPU vLLM's 16 on purpose, and the
 #:   CPU runs no attention kernel; printed once per engine, it flooded every run) and resets the SSM cache
-#:   dtype of a mamba backend the tiny Llama has none of; it (or, with no target device set, vLLM's generic
+#:   dtype of a mamba backend the tiny Llama has none of, and wants triton-cpu for kernels it never runs; it (or, with no target device set, vLLM's generic
 #:   platform) misses the CPU kernels (``vllm._C``), which nothing here calls. Only the missing module is
 #:   dropped: any other failure to load them is still shown.
 #: * torch, imported by vLLM, warns of deprecations inside its own modules, and of no CUDA runtime (none is used).
@@ -69,6 +69,7 @@ START_UP_NOISE: dict[str, tuple[str, ...]] = {
     "vllm.platforms.cpu": (
         "CPU backend prefers block_size",
         "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'.",
+        "Triton is not installed. triton-cpu is expected on x86 CPUs.",  # no kernel runs
         _NO_KERNELS,
     ),
     "vllm.platforms.interface": (_NO_KERNELS,),  # without VLLM_TARGET_DEVICE=cpu

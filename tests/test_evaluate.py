@@ -94,7 +94,8 @@ def test_evaluate_grid(vllm_engine: Any, workload_path: Path, tmp_path: Path) ->
         (p, k, 1) for p in [DEFAULT, *POLICIES] for k in (0.3, 0.6, 1e-4)}
     keys = {"policy", "kv_fraction", "replicas", "error", "makespan_s", "prefix_hit_rate", "recomputed_tokens",
             "tokens_per_s", "trajectory_p99_s", "tail_bubble_s", "makespan_per_step_s", "group_completion_s",
-            "makespan_ratio_vs_default", "recompute_ratio_vs_default", "hit_rate_ratio_vs_default"}
+            "makespan_ratio_vs_default", "recompute_ratio_vs_default", "hit_rate_ratio_vs_default",
+            "bound_s", "bound_total_s", "makespan_over_bound", "gap_closed", "gpu_decode_s", "gpu_idle_s"}
     default = {r["kv_fraction"]: r for r in rows if r["policy"] == DEFAULT}
     for r in rows:
         assert keys <= set(r), keys - set(r)
@@ -106,7 +107,13 @@ def test_evaluate_grid(vllm_engine: Any, workload_path: Path, tmp_path: Path) ->
         assert math.isclose(r["hit_rate_ratio_vs_default"],
                             r["prefix_hit_rate"] / default[r["kv_fraction"]]["prefix_hit_rate"])
         if r["policy"] == DEFAULT:
-            assert r["makespan_ratio_vs_default"] == 1.0
+            assert r["makespan_ratio_vs_default"] == 1.0 and r["gap_closed"] == 0.0
+        d = default[r["kv_fraction"]]
+        assert r["bound_total_s"] == d["bound_total_s"]  # one bound per workload, KV size and replica count
+        assert math.isclose(r["gap_closed"], (d["simulated_s"] - r["simulated_s"]) /
+                            (d["simulated_s"] - d["bound_total_s"]))
+        if r["policy"] != "rollpacker":  # tail batching moves work across RL steps (simulator/bound.py)
+            assert r["makespan_over_bound"] >= 1.0
         assert (out / "runs" / f"{r['policy']}-kv{r['kv_fraction']:g}-r1" / "summary.json").is_file()
     with (out / "summary.csv").open() as fh:
         table = list(csv.DictReader(fh))
@@ -114,10 +121,24 @@ def test_evaluate_grid(vllm_engine: Any, workload_path: Path, tmp_path: Path) ->
     assert "makespan_per_step_s" not in table[0]
     md = (out / "summary.md").read_text()
     assert md.count("\n| ") == 10 and "smaller than the largest request" in md
+    assert "| makespan_over_bound | gap_closed |" in md
     for name in ("makespan.png", "hit_rate.png", "recompute.png", "trajectory_ecdf.png"):
         w, h = _png_size(out / name)
         assert w > 400 and h > 300
     assert all(len(v) > 0 for k, v in result.trajectory_s.items() if "kv0.3" in k or "kv0.6" in k)
+
+
+@pytest.mark.vllm
+def test_cli_gpu_capacity_beside_a_fraction(vllm_engine: Any, workload_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "evalgpu"
+    res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(out), "--policies",
+                                   "vllm-default", "--kv-fractions", "gpu,0.5", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    rows = {r["kv_fraction"]: r for r in json.loads((out / "summary.json").read_text())}
+    assert set(rows) == {None, 0.5} and rows[None]["kv_blocks"] > rows[0.5]["kv_blocks"]
+    assert (out / "runs" / "vllm-default-kvgpu-r1" / "summary.json").is_file()
+    assert "| vllm-default | gpu | 1 |" in (out / "summary.md").read_text()
+    assert "kv gpu" in res.output and "gap closed" in res.output
 
 
 @pytest.mark.vllm

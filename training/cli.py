@@ -152,6 +152,14 @@ def workload_validate(path: Annotated[Path, typer.Argument(help="Workload Parque
     console.print(f"{path}: valid, {table.num_rows:,} requests")
 
 
+#: Options that simulate and bound share.
+KvBlocks = Annotated[Optional[int], typer.Option("--kv-blocks", help="KV blocks (16 tokens) per replica.")]
+KvFraction = Annotated[Optional[float], typer.Option(
+    "--kv-fraction", help="KV per replica as a fraction of what the largest step needs at once.")]
+Replicas = Annotated[int, typer.Option("--replicas", help="Number of replicas.")]
+Preset = Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")]
+
+
 @app.command("simulate")
 def simulate(
     workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
@@ -160,18 +168,13 @@ def simulate(
     policy_options: Annotated[
         Optional[str], typer.Option("--policy-options", help="JSON object of keyword options for the policy.")
     ] = None,
-    replicas: Annotated[int, typer.Option("--replicas", help="Number of replicas.")] = 1,
+    replicas: Replicas = 1,
     router: Annotated[
         str, typer.Option("--router", help="round-robin, least-loaded, cache-aware or kv-aware (several replicas).")
     ] = "round-robin",
-    kv_blocks: Annotated[
-        Optional[int], typer.Option("--kv-blocks", help="KV blocks (16 tokens) per replica.")
-    ] = None,
-    kv_fraction: Annotated[
-        Optional[float],
-        typer.Option("--kv-fraction", help="KV per replica as a fraction of what the largest step needs at once."),
-    ] = None,
-    preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
+    kv_blocks: KvBlocks = None,
+    kv_fraction: KvFraction = None,
+    preset: Preset = "H200-7B",
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="vLLM max_num_seqs.")] = 256,
     max_num_batched_tokens: Annotated[
         int, typer.Option("--max-num-batched-tokens", help="vLLM max_num_batched_tokens (chunked prefill).")
@@ -201,15 +204,10 @@ def simulate(
 @app.command("bound")
 def bound(
     workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
-    kv_blocks: Annotated[
-        Optional[int], typer.Option("--kv-blocks", help="KV blocks (16 tokens) per replica.")
-    ] = None,
-    kv_fraction: Annotated[
-        Optional[float],
-        typer.Option("--kv-fraction", help="KV per replica as a fraction of what the largest step needs at once."),
-    ] = None,
-    replicas: Annotated[int, typer.Option("--replicas", help="Number of replicas.")] = 1,
-    preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
+    kv_blocks: KvBlocks = None,
+    kv_fraction: KvFraction = None,
+    replicas: Replicas = 1,
+    preset: Preset = "H200-7B",
     decode_stride: Annotated[
         int, typer.Option("--decode-stride", help="The simulator's decode stride the bound is for (1: exact).")
     ] = 1,
@@ -287,7 +285,8 @@ def evaluate_cmd(
                           "always added (ratios are to it).")
     ] = "all",
     kv_fractions: Annotated[
-        str, typer.Option("--kv-fractions", help="Comma-separated KV fractions per replica.")
+        str, typer.Option("--kv-fractions", help="Comma-separated KV fractions per replica; 'gpu': the preset "
+                          "GPU's own KV capacity.")
     ] = "0.1,0.2,0.4",
     replicas: Annotated[str, typer.Option("--replicas", help="Replica count(s), e.g. 1 or 1,2.")] = "1",
     router: Annotated[
@@ -318,7 +317,12 @@ def evaluate_cmd(
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import EvaluationError, build_cases, evaluate, resolve_policies
 
-    kvs = _number_list(kv_fractions, float, "--kv-fractions")
+    parts = [p.strip() for p in kv_fractions.split(",") if p.strip()]
+    kvs: list = [None] * ("gpu" in parts)
+    if [p for p in parts if p != "gpu"]:
+        kvs += _number_list(",".join(p for p in parts if p != "gpu"), float, "--kv-fractions")
+    if not kvs:
+        raise _fail("--kv-fractions is empty")
     reps = _number_list(replicas, int, "--replicas")
     if jobs < 1:
         raise _fail(f"--jobs must be >= 1, got {jobs}")
@@ -353,7 +357,8 @@ def evaluate_cmd(
             f"x{r['makespan_over_bound']:.3f} bound  gap closed {_fmt_gap(r.get('gap_closed'))}  "
             f"hit {r['prefix_hit_rate']:.3f}  recomputed {r['recomputed_tokens']}"
             if ratio is not None and whole is not None else f"makespan {r['makespan_s']:.2f} s/step")
-        typer.echo(f"{r['policy']:<16} kv {r['kv_fraction']:<5g} r{r['replicas']}  {status}")
+        kv = "gpu" if r["kv_fraction"] is None else f"{r['kv_fraction']:g}"
+        typer.echo(f"{r['policy']:<16} kv {kv:<5} r{r['replicas']}  {status}")
     console.print(f"{len(result.rows)} case(s), {len(failed)} failed, in {time.perf_counter() - t0:.1f} s; "
                   f"summary.md, summary.csv, summary.json and plots in {out_dir}", highlight=False)
 

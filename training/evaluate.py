@@ -84,12 +84,13 @@ class Case:
     """One simulation of the grid."""
 
     policy: str
-    kv_fraction: float
+    kv_fraction: float | None  # None: the preset GPU's own KV capacity
     replicas: int
 
     @property
     def name(self) -> str:
-        return f"{self.policy}-kv{self.kv_fraction:g}-r{self.replicas}"
+        kv = "gpu" if self.kv_fraction is None else f"{self.kv_fraction:g}"
+        return f"{self.policy}-kv{kv}-r{self.replicas}"
 
 
 @dataclass
@@ -125,11 +126,15 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     return out
 
 
-def build_cases(policies: Sequence[str], kv_fractions: Iterable[float], replicas: Iterable[int]) -> list[Case]:
-    kvs = sorted({float(k) for k in kv_fractions})
+def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None], replicas: Iterable[int]) -> list[Case]:
+    """The grid; a KV fraction of ``None`` is the preset GPU's own capacity (listed last)."""
+    given = set(kv_fractions)
+    kvs: list[float | None] = sorted({float(k) for k in given if k is not None})
     reps = sorted({int(r) for r in replicas})
-    if not kvs or any(not (k > 0 and math.isfinite(k)) for k in kvs):
-        raise EvaluationError(f"KV fractions must be positive numbers, got {kvs}")
+    if not given or any(not (k > 0 and math.isfinite(k)) for k in kvs):
+        raise EvaluationError(f"KV fractions must be positive numbers, got {sorted(given, key=str)}")
+    if None in given:
+        kvs.append(None)
     if not reps or any(r < 1 for r in reps):
         raise EvaluationError(f"replica counts must be >= 1, got {reps}")
     return [Case(p, k, r) for r in reps for k in kvs for p in policies]
@@ -146,7 +151,8 @@ _POLICY_COST = {"oracle": 1.6, "kvflow": 1.5, "lrb": 1.4, "marconi": 1.4, "lrb-o
 def expected_cost(case: Case) -> float:
     """A case's relative expected run time: a policy's costs (:data:`_POLICY_COST`), smaller KV caches (more steps
     and preemptions), and more replicas (each steps on its own; measured 1.3x for two). Only its order matters."""
-    return _POLICY_COST.get(case.policy, 1.1) * (1.0 + 0.02 / case.kv_fraction) * (1.0 + 0.3 * (case.replicas - 1))
+    kv = case.kv_fraction if case.kv_fraction is not None else 1.0
+    return _POLICY_COST.get(case.policy, 1.1) * (1.0 + 0.02 / kv) * (1.0 + 0.3 * (case.replicas - 1))
 
 
 _WORKER: dict[str, Any] = {}
@@ -406,7 +412,8 @@ def write_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str,
            "`gap_closed` the share of vllm-default's gap to that bound the policy closes."), "",
           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        md.append("| " + " | ".join(_fmt(r.get(k)).replace("|", "/").replace("\n", " ") for k in cols) + " |")
+        cells = [("gpu" if k == "kv_fraction" and r.get(k) is None else _fmt(r.get(k))) for k in cols]
+        md.append("| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |")
     files[2].write_text("\n".join(md) + "\n")
     files += plot_reports(rows, out, trajectory_s, cases)
     return files
@@ -450,12 +457,14 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
             for p in policies:
                 pts = sorted((x["kv_fraction"], x.get(key)) for x in rows
                              if x["policy"] == p and x["replicas"] == r and not x.get("error")
+                             and x["kv_fraction"] is not None
                              and x.get(key) is not None)
                 if pts:
                     ax.plot([a for a, _ in pts], [b for _, b in pts], label=p, **style[p])
             if key == "simulated_s":  # the physics lower bound under the same cost model
                 pts = sorted({(x["kv_fraction"], x["bound_total_s"]) for x in rows if x["replicas"] == r
-                              and not x.get("error") and x.get("bound_total_s") is not None})
+                              and not x.get("error") and x.get("bound_total_s") is not None
+                              and x["kv_fraction"] is not None})
                 if pts:
                     ax.plot([a for a, _ in pts], [b for _, b in pts], color="black", linestyle=":", linewidth=2.0,
                             label="lower bound")
@@ -466,7 +475,7 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
         _legend(fig, axes[0][-1], policies, style)
         files.append(_save(fig, out / fname))
     # ECDF of trajectory completion times at the smallest KV fraction, one panel per replica count
-    kv0 = min(c.kv_fraction for c in cases)
+    kv0 = min((c.kv_fraction for c in cases if c.kv_fraction is not None), default=None)
     fig, axes = plt.subplots(1, len(reps), figsize=(5.2 * len(reps) + 1.5, 4.2), squeeze=False)
     for ax, r in zip(axes[0], reps):
         for p in policies:
@@ -478,7 +487,8 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
                         markersize=style[p]["markersize"])
         ax.set_xlabel("trajectory completion time (s, simulated)")
         ax.set_ylabel("fraction of trajectories completed")
-        ax.set_title(f"Trajectory completion ECDF (KV {kv0:g}, {r} replica{'s' if r > 1 else ''})")
+        kv_label = "GPU capacity" if kv0 is None else f"{kv0:g}"
+        ax.set_title(f"Trajectory completion ECDF (KV {kv_label}, {r} replica{'s' if r > 1 else ''})")
         ax.grid(True, alpha=0.3)
     _legend(fig, axes[0][-1], policies, style)
     files.append(_save(fig, out / "trajectory_ecdf.png"))
