@@ -61,9 +61,9 @@ _NO_KERNELS = "Failed to import from vllm._C: ModuleNotFoundError(\"No module na
 #:
 #: * vLLM's CPU platform advises 32-token blocks (the simulated engine keeps GPU vLLM's 16 on purpose, and the
 #:   CPU runs no attention kernel; printed once per engine, it flooded every run) and resets the SSM cache
-#:   dtype of a mamba backend the tiny Llama has none of, and wants triton-cpu for kernels it never runs; it (or, with no target device set, vLLM's generic
-#:   platform) misses the CPU kernels (``vllm._C``), which nothing here calls. Only the missing module is
-#:   dropped: any other failure to load them is still shown.
+#:   dtype of a mamba backend the tiny Llama has none of, and wants triton-cpu for kernels it never runs;
+#:   it (or, with no target device set, vLLM's generic platform) misses the CPU kernels (``vllm._C``), which
+#:   nothing here calls. Only the missing module is dropped: any other failure to load them is still shown.
 #: * torch, imported by vLLM, warns of deprecations inside its own modules, and of no CUDA runtime (none is used).
 START_UP_NOISE: dict[str, tuple[str, ...]] = {
     "vllm.platforms.cpu": (
