@@ -73,6 +73,7 @@ START_UP_NOISE: dict[str, tuple[str, ...]] = {
         _NO_KERNELS,
     ),
     "vllm.platforms.interface": (_NO_KERNELS,),  # without VLLM_TARGET_DEVICE=cpu
+    "vllm.config.vllm": ("Model Runner V2 requires Triton",),  # no model runner runs
     "torch._opaque_base": ("torch._opaque_base is deprecated",),
     "torch._library.opaque_object": ("register_opaque_type is deprecated", "typ='value' is deprecated"),
     "torch.utils.cpp_extension": ("No CUDA runtime is found",),

@@ -63,6 +63,18 @@ def test_resolve_policies() -> None:
     assert len(cases) == 8
     with pytest.raises(EvaluationError):
         build_cases([DEFAULT], [0.0], [1])
+    assert [c.name for c in build_cases([DEFAULT], [None, 0.2], [1])] == ["vllm-default-kv0.2-r1",
+                                                                         "vllm-default-kvgpu-r1"]
+
+
+def test_the_registry_policy_is_known_in_a_fresh_process() -> None:
+    """The serving hook registers "registry"; evaluate resolves it without anything else imported first."""
+    import subprocess
+    import sys
+
+    code = "from training.evaluate import resolve_policies; print(resolve_policies('registry'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and "'registry'" in done.stdout, done.stderr[-2000:]
 
 
 def test_cli_unknown_policy_fails_before_running(workload_path: Path, tmp_path: Path) -> None:

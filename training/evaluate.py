@@ -105,6 +105,7 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     """Policy names from a comma list or a sequence (``all``: see :data:`NOT_IN_ALL`); vllm-default first.
 
     Unknown names raise :class:`EvaluationError` naming the known ones."""
+    import serving_hook  # noqa: F401 - registers the policy "registry" (the hook serving the MLflow champion)
     from policy.catalog import known_policies
 
     if isinstance(policies, str):
@@ -467,7 +468,7 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
                               and x["kv_fraction"] is not None})
                 if pts:
                     ax.plot([a for a, _ in pts], [b for _, b in pts], color="black", linestyle=":", linewidth=2.0,
-                            label="lower bound")
+                            marker="_", markersize=22, markeredgewidth=2.0, label="lower bound")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.set_title(f"{title} ({r} replica{'s' if r > 1 else ''})")
@@ -501,7 +502,8 @@ def _legend(fig: Any, ax: Any, policies: list[str], style: dict) -> None:
     handles = [Line2D([], [], color=style[p]["color"], marker=style[p]["marker"], linestyle=style[p]["linestyle"],
                       label=p) for p in policies]
     if any(line.get_label() == "lower bound" for line in ax.get_lines()):
-        handles.append(Line2D([], [], color="black", linestyle=":", linewidth=2.0, label="lower bound"))
+        handles.append(Line2D([], [], color="black", linestyle=":", linewidth=2.0, marker="_", markersize=12,
+                              markeredgewidth=2.0, label="lower bound"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8,
               title="policy")
 
