@@ -60,8 +60,20 @@ while ``end`` is within its context, else the request's own session (a scoring
 request's judge template). Keying by ``end`` keeps a partial block distinct from
 the full block it grows into. Hashes are splitmix64 mixes, as signed int64.
 
-Defaults: each step splits its prompts math 50% / code 25% / agentic 25%, and
-every agentic trajectory is scored. Calibrated to ``shared/traces/polytrace``
+Long-horizon agents: a domain may draw its turn count from a distribution
+(``turns``, a split lognormal rounded to whole turns, through the same group-shared
+score as ``turn_probs``) and cap its context (``max_context_tokens``: a session
+ends at its last turn whose prompt + output fits, as an agent's context window
+ends it). :func:`swe_domain` (a coding agent in a sandbox) uses both; its
+calibration is in its docstring.
+
+Presets (:data:`PRESETS`, ``kvpilot workload synth --preset``): ``default`` (this
+module's defaults), ``short`` (the mix before the swe domain, unchanged bit for bit)
+and ``agentic`` (swe 75% / agentic search 25%, 16 prompts per step).
+
+Defaults: each step splits its prompts math 50 / code 25 / agentic 25 / swe 5
+(relative shares), and every agentic trajectory is scored. The first three are
+calibrated to ``shared/traces/polytrace``
 (percentiles p10 / p50 / p90; "ICC" is the intra-class correlation of normal
 scores within groups):
 
@@ -256,7 +268,7 @@ def _short_domains() -> dict[str, DomainConfig]:
 def swe_domain(share: float) -> DomainConfig:
     """A coding agent in a sandbox (read files, run tests, edit): long sessions whose context grows to 32k-64k.
 
-    Calibration (public figures; see the module docstring): turns 29 / 56 / 85 at p50 / p90 / p99, at least
+    Calibration (public figures, as collected in the project's field notes): turns 29 / 56 / 85 at p50 / p90 / p99, at least
     5 and at most 99 in recorded coding-agent RL sessions (NVIDIA-NeMo/RL issue 3663; SWE RL caps trajectories
     at 100 steps, NeMo Gym / Nemotron SWE-RL), and turn counts shared within a GRPO group (the same task);
     context cap 64k (DeepSWE trains at 64k; Nemotron SWE-RL at 131k: raise ``max_context_tokens``); a few
@@ -484,7 +496,7 @@ def _scores(rng: np.random.Generator, shared: np.ndarray, weight: float, shape: 
 
 
 def _turn_counts(rng: np.random.Generator, dom: DomainConfig, tendency: np.ndarray) -> np.ndarray:
-    """Turns per session from ``turn_probs``, through a score sharing ``turns_icc`` with the group."""
+    """Turns per session from ``turns`` (or ``turn_probs``), through a score sharing ``turns_icc`` with the group."""
     if dom.turns is not None:
         counts = np.rint(dom.turns.from_scores(_scores(rng, tendency, dom.turns_icc, tendency.shape)))
         return np.clip(counts, 1, dom.max_turns).astype(np.int64)

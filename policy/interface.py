@@ -31,9 +31,9 @@ Returning ``None`` from any decision method means "vLLM's own behaviour".
 
 **Zero-cost default path.** A policy declares which levers it uses with the
 class flags :attr:`Policy.uses_admission`, :attr:`Policy.uses_preemption`,
-:attr:`Policy.uses_retention` and :attr:`Policy.uses_events`. The hook builds
-candidates and calls a method only for the levers a policy declares; with all
-four ``False`` (as :class:`policy.vllm_default.VllmDefaultPolicy` does) the hook
+:attr:`Policy.uses_retention`, :attr:`Policy.uses_eviction` and
+:attr:`Policy.uses_events`. The hook builds candidates and calls a method only for
+the levers a policy declares; with all five ``False`` (as :class:`policy.vllm_default.VllmDefaultPolicy` does) the hook
 adds nothing to vLLM's scheduler step but a few attribute reads.
 
 **Time budget.** :attr:`Policy.decision_budget_s` bounds the time of all the

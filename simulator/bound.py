@@ -13,9 +13,11 @@ its reward-model scoring requests are sent, each then parsed for its own ``verif
 trajectory ends when all of these are done. A request alone takes at least:
 
 * its prefill step, ``c(n, pairs(n, p - n), 0, 0)``, where ``n`` (at least 1: vLLM always computes the last
-  prompt token) is the tokens of its full blocks that no other request of the workload holds: nothing can
-  have cached them, so this request computes them (more if chunked or recomputed; a step that also runs
-  others only costs more, since ``c`` is monotone in every argument);
+  prompt token) is the tokens of its full blocks that no other request of the workload holds, less those the
+  previous request of its stream computed (its prompt and all but its last sampled token, whose KV a
+  session's next turn or scoring request can find cached): nothing else can have cached them, so this
+  request computes them (more if chunked or recomputed; a step that also runs others only costs more, since
+  ``c`` is monotone in every argument);
 * ``L - 1`` decode iterations, each at least the iteration of that sequence alone,
   ``c(0, 0, 1, ctx) = overhead + max(GEMMs of one token, weight read) + max(attention, KV read of ctx)``
   (a batch reads the weights once but every member waits for the whole iteration).
@@ -49,6 +51,9 @@ compute roofline; its attention is left out (a valid under-estimate).
 freely across replicas (any session on any replica, any request split), so it stays below every real
 placement. One replica is the same formula with ``R = 1``.
 
+Workloads hashed in blocks of other than vLLM's 16 tokens (imported traces) share sub-blocks their chains do
+not show; for them every prompt token counts as shareable and cacheable, a looser bound that stays valid.
+
 What it does not cover: policies that change which work an RL step holds (tail batching re-runs cut prompts
 in later long rounds, over-provisioning aborts trajectories) can end a step below its bound; compare their
 whole runs (``simulated_s`` against ``bound_total_s``) only as a guide.
@@ -64,12 +69,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from simulator.cost_model import CostModel, prefill_attention_pairs
+from simulator.sizing import blocks_for_fraction
+from simulator.tokens import VLLM_BLOCK_SIZE
 from simulator.workload import PreparedWorkload
 
-__all__ = ["StepBound", "Bound", "makespan_bound", "workload_bound", "render_bound", "VLLM_BLOCK_TOKENS"]
+__all__ = ["StepBound", "Bound", "makespan_bound", "workload_bound", "render_bound"]
 
-#: Tokens per vLLM KV block in the simulated engine (the KV capacity's unit).
-VLLM_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -83,24 +88,29 @@ class StepBound:
     decode_iterations: float  # the iteration floor N
     bound_s: float  # max(chain_s, busy_s / replicas)
     binding: str  # "chain" or "busy"
+    start_s: float = 0.0  # a trace replay's step: its first arrival, from the trace's first
 
 
 @dataclass(frozen=True)
 class Bound:
-    """The bound of a whole workload: per step, their mean (beside ``makespan_s``) and their sum."""
+    """The bound of a whole workload: per step, their mean (beside ``makespan_s``), and of the whole run (beside
+    ``simulated_s``): the steps' sum for RL steps, which run one after the other; for a trace replay, whose
+    steps are overlapping windows, the latest step's start plus its bound."""
 
     steps: list[StepBound]
     replicas: int
     kv_blocks: int
     preset: str
     decode_stride: int
+    trace: bool = False
     mean_s: float = field(init=False)
     total_s: float = field(init=False)
 
     def __post_init__(self) -> None:
-        total = float(sum(s.bound_s for s in self.steps))
-        object.__setattr__(self, "total_s", total)
-        object.__setattr__(self, "mean_s", total / len(self.steps) if self.steps else 0.0)
+        bounds = [s.bound_s for s in self.steps]
+        total = max((s.start_s + s.bound_s for s in self.steps), default=0.0) if self.trace else float(sum(bounds))
+        object.__setattr__(self, "total_s", float(total))
+        object.__setattr__(self, "mean_s", float(sum(bounds)) / len(bounds) if bounds else 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"mean_s": self.mean_s, "total_s": self.total_s}
@@ -116,8 +126,11 @@ def makespan_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, 
     p = col("prompt_tokens").astype(np.int64)
     out = col("output_tokens").astype(np.int64)
     step = col("step").astype(np.int64)
+    arrival = col("arrival_s").astype(float) if prepared.trace else None
     exclusive, shared_prompt, fresh = _block_tokens(workload, step)
-    service = _request_bounds(cost, p, out, exclusive)
+    # A block no other request holds may still be cached by the decode of the stream's previous request.
+    new = np.maximum(1, np.minimum(exclusive, p - _computed_by_predecessor(prepared, p, out)))
+    service = _request_bounds(cost, p, out, new)
     decode_ctx = (out - 1) * p + (out - 1) * out // 2  # sum over m = 2..L of (p + m - 1)
     held = (out - 1) * shared_prompt + (out - 1) * out / 2  # the same with each prompt block's share
     fed = _feeds_a_later_prompt(workload)
@@ -126,7 +139,7 @@ def makespan_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, 
     for s in np.unique(step):
         rows = step == s
         n_rows = int(rows.sum())
-        capacity = (kv_blocks - 1) * VLLM_BLOCK_TOKENS + (decode_stride - 1) * min(max_num_seqs, n_rows)
+        capacity = (kv_blocks - 1) * VLLM_BLOCK_SIZE + (decode_stride - 1) * min(max_num_seqs, n_rows)
         area = float(decode_ctx[rows].sum())
         decoded = float((out[rows] - 1).sum())
         iterations = max(float(held[rows].sum()) / capacity, float((out[rows] - 1).max()))
@@ -136,8 +149,10 @@ def makespan_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, 
                 + max(cost.attention_s(area), cost.kv_read_s(area)))
         c = float(chain[s])
         b = max(c, busy / replicas)
-        steps.append(StepBound(int(s), n_rows, c, busy, iterations, b, "chain" if c >= busy / replicas else "busy"))
-    return Bound(steps, replicas, int(kv_blocks), preset, decode_stride)
+        start = float(arrival[rows].min() - arrival.min()) if prepared.trace else 0.0
+        steps.append(StepBound(int(s), n_rows, c, busy, iterations, b, "chain" if c >= busy / replicas else "busy",
+                               start))
+    return Bound(steps, replicas, int(kv_blocks), preset, decode_stride, trace=prepared.trace)
 
 
 def workload_bound(workload: PreparedWorkload, *, preset: str = "H200-7B", kv_blocks: int | None = None,
@@ -146,15 +161,13 @@ def workload_bound(workload: PreparedWorkload, *, preset: str = "H200-7B", kv_bl
     """:func:`makespan_bound` with the KV size given as the simulator takes it: ``kv_blocks`` per replica, or
     ``kv_fraction`` of what the largest step needs (:func:`simulator.sizing.blocks_for_fraction`), or neither:
     the preset GPU's capacity."""
-    from simulator.sizing import blocks_for_fraction
-
     cost = CostModel.preset(preset)
     if kv_blocks is not None and kv_fraction is not None:
         raise ValueError("give at most one of kv_blocks and kv_fraction")
     if kv_fraction is not None:
         kv_blocks = blocks_for_fraction(workload, kv_fraction)
     elif kv_blocks is None:
-        kv_blocks = cost.max_kv_blocks(VLLM_BLOCK_TOKENS)
+        kv_blocks = cost.max_kv_blocks(VLLM_BLOCK_SIZE)
     return makespan_bound(workload, cost, kv_blocks, replicas=replicas, preset=preset, decode_stride=decode_stride,
                           max_num_seqs=max_num_seqs)
 
@@ -165,6 +178,12 @@ def _block_tokens(workload: pa.Table, step: np.ndarray) -> tuple[np.ndarray, np.
     full blocks that first appear in it (no earlier step held them)."""
     chains = workload.column("block_hashes").combine_chunks()
     size = workload.column("block_size").to_numpy().astype(np.int64)
+    if (size != VLLM_BLOCK_SIZE).any():
+        # Hash blocks larger than vLLM's (a trace's 512-token blocks) share 16-token sub-blocks that the chains
+        # do not show: count every prompt token as shareable and cacheable (a looser, still valid bound).
+        steps = np.unique(step)
+        zeros = np.zeros(workload.num_rows, np.int64)
+        return zeros, zeros.astype(float), {int(s): 0 for s in steps}
     lengths = pc.list_value_length(chains).fill_null(0).to_numpy().astype(np.int64)
     full = np.minimum(lengths, workload.column("prompt_tokens").to_numpy() // size)
     flat = pc.list_flatten(chains).to_numpy()
@@ -191,12 +210,25 @@ def _block_tokens(workload: pa.Table, step: np.ndarray) -> tuple[np.ndarray, np.
     return exclusive, shared_prompt, {int(s): int(t) for s, t in zip(steps, per_step)}
 
 
-def _request_bounds(cost: CostModel, p: np.ndarray, out: np.ndarray, exclusive: np.ndarray) -> np.ndarray:
-    """Per request, the least time it takes alone: its prefill step and its L - 1 decode iterations."""
+def _computed_by_predecessor(prepared: PreparedWorkload, p: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Per request, the tokens of full vLLM blocks the previous request of its stream computed (its prompt and all
+    but its last sampled token): a turn's predecessor is the turn before, a scoring request's the last turn."""
+    done = np.zeros(len(p), np.int64)
+    for session in prepared.sessions:
+        turns = session.turns
+        for prev, row in zip(turns, turns[1:]):
+            done[row] = p[prev] + out[prev] - 1
+        for row in session.scoring:
+            done[row] = p[turns[-1]] + out[turns[-1]] - 1
+    return done // VLLM_BLOCK_SIZE * VLLM_BLOCK_SIZE
+
+
+def _request_bounds(cost: CostModel, p: np.ndarray, out: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Per request, the least time it takes alone: its prefill step of ``new`` tokens, its L - 1 decode
+    iterations."""
     alone = cost.step_time(0, 0, 1, 0)  # one decode iteration of one sequence, less its KV read
     per_token = cost.step_time(0, 0, 1, 1) - alone  # ... and per context token read (linear in the context)
     decode_ctx = (out - 1) * p + (out - 1) * out // 2
-    new = np.maximum(1, np.minimum(exclusive, p))
     prefill = np.array([cost.step_time(int(n), prefill_attention_pairs(int(n), int(q - n)), 0, 0)
                         for n, q in zip(new.tolist(), p.tolist())])
     return prefill + (out - 1) * alone + decode_ctx * per_token

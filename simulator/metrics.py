@@ -9,7 +9,7 @@ Definitions (times in simulated seconds):
 * ``recomputed_tokens_preemption``: per request ``computed_tokens - (prompt - cached) - max(output - 1, 0)``,
   clipped at 0 (a request without preemption computes its uncached prompt and all but its last output token).
 * ``recomputed_tokens_eviction``: per request, the prompt tokens an unlimited prefix cache on the same replica
-  would have hit (:func:`simulator.tokens.unlimited_cached_tokens`, vLLM's convention: output blocks are
+  (and, when the run resets the caches at weight sync, in the same RL step) would have hit (:func:`simulator.tokens.unlimited_cached_tokens`, vLLM's convention: output blocks are
   cached too; requests replayed in causal order) minus ``cached_tokens``, clipped at 0.
   ``recomputed_tokens`` is their sum.
 * ``trajectory_p50_s`` / ``trajectory_p99_s``: percentiles of trajectory end - start (verification included).
@@ -78,10 +78,13 @@ def summarize(
     *,
     batch_capacity: int | None = None,
     aliases: Mapping[str, int] | None = None,
+    cache_per_step: bool = False,
 ) -> dict[str, Any]:
     """The run's metrics (see the module docstring) from its workload, telemetry and driver records.
 
     ``aliases``: request ids the run gave workload rows beside their own (:meth:`PreparedWorkload.rows`).
+    ``cache_per_step``: the run reset its prefix caches at every RL step (weight sync), so the unlimited cache
+    that eviction misses are measured against is one per replica and step: what a reset drops is no eviction.
     """
     tokens = workload.tokens
     rows = workload.rows(requests.column("request_id").to_pylist(), aliases)
@@ -93,7 +96,11 @@ def summarize(
     replica[rows] = _np(requests, "replica")
     order = tokens.causal_order()
     order = order[replica[order] >= 0]
-    unlimited = unlimited_cached_tokens(tokens, include_outputs=True, order=order, partition=replica)[rows]
+    partition = replica
+    if cache_per_step:
+        step = np.asarray(workload.step, np.int64)
+        partition = np.where(replica >= 0, replica * (int(step.max()) + 1) + step, -1)
+    unlimited = unlimited_cached_tokens(tokens, include_outputs=True, order=order, partition=partition)[rows]
     evict_extra = np.maximum(unlimited - cached, 0)
 
     ordered = sorted(rl_steps, key=lambda s: s.step)

@@ -147,8 +147,9 @@ class Fleet:
         """
         rep = self._route(request, routed_id, prompt_tokens, session_id, stream)
         self._replica_of[request_id] = rep
-        if rep.busy:
+        if rep.busy or rep.reset_pending:  # during a step, or before a weight sync's reset: at the next step
             rep.pending.append((request_id, request))
+            self._kick(rep, t)
         else:
             rep.now = max(rep.now, t)
             rep.engine.add(request)
@@ -194,9 +195,10 @@ class Fleet:
 
     def reset_prefix_caches(self) -> None:
         """Weight sync: every replica drops its prefix cache (vLLM's ``reset_prefix_cache``), now if it is idle
-        and empty, else as soon as its last requests of the old weights (aborted ones) are gone."""
+        and empty, else as soon as its last requests of the old weights (aborted ones) are gone; requests of the
+        new weights wait for it (:meth:`start_step` adds them after the reset)."""
         for rep in self.replicas:
-            if rep.busy or rep.engine.has_requests():
+            if rep.busy or rep.engine.load():
                 rep.reset_pending = True
             else:
                 self._reset(rep)
@@ -225,9 +227,9 @@ class Fleet:
         eng = rep.engine
         if rep.aborts:
             self._apply_aborts(rep)
-        if rep.reset_pending and not eng.has_requests():
+        if rep.reset_pending and not eng.load():  # vLLM's finished-but-unflushed ids hold no block
             self._reset(rep)
-        if rep.pending:
+        if rep.pending and not rep.reset_pending:
             pending, rep.pending = rep.pending, []
             for _, req in pending:
                 eng.add(req)

@@ -54,6 +54,7 @@ fewer scheduler calls (the cost of a run is almost all vLLM's own
   minutes); a request's last sampled batch (up to k tokens) is never computed,
   so a next turn's prompt can miss the one block holding it, and a preempted
   request's recompute is counted up to k - 1 tokens short.
+  (These figures were measured on the default mix before the swe domain and the weight-sync reset.)
   ``benchmarks/bench_stride.py`` measures the effect on makespan, preemptions,
   hit rate and policy ratios. ``simulate`` defaults to k = 1 (exact: a single
   run's numbers should not carry this approximation), ``evaluate`` to

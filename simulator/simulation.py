@@ -132,8 +132,9 @@ class Simulation:
         requests = read_telemetry(tel_dir, "requests")
         steps = read_telemetry(tel_dir, "steps")
         driver = self.driver
+        resets = not config.keep_cache_across_steps and not self.workload.trace
         summary = summarize(self.workload, requests, steps, result.trajectories, result.rl_steps,
-                            aliases=driver.aliases)
+                            aliases=driver.aliases, cache_per_step=resets)
         summary.update(
             policy=policy_name, router=config.router_name if config.replicas > 1 else None,
             replicas=config.replicas, kv_blocks=self.kv_blocks, kv_fraction=config.kv_fraction,
@@ -143,7 +144,9 @@ class Simulation:
             # policy ``registry``: the registry version served at the end (replica 0) and swaps after start-up
             model_version=replicas[0].sched.kvpilot_stats.model_version,
             model_swaps=sum(rep.sched.kvpilot_stats.model_swaps for rep in replicas),
-            prefix_cache_resets=fleet.cache_resets,
+            prefix_cache_resets=fleet.cache_resets, keep_cache_across_steps=config.keep_cache_across_steps,
+            # the KV per replica as a fraction of the largest step's need (= kv_fraction when that was given)
+            kv_share_of_need=(self.kv_blocks - 1) / self.workload.kv_need if self.workload.kv_need else None,
         )
         summary.update(self.bound_summary(summary["simulated_s"]))
         breakdown = self.runner.breakdown(summary["recomputed_tokens_preemption"],

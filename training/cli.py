@@ -262,8 +262,8 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
     return result.summary
 
 
-def _fmt_gap(gap: Optional[float]) -> str:
-    return "-" if gap is None else f"{gap:.2f}"
+def _fmt_gap(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _number_list(text: str, kind: type, option: str) -> list:
@@ -354,7 +354,7 @@ def evaluate_cmd(
         ratio, whole = r.get("makespan_ratio_vs_default"), r.get("simulated_ratio_vs_default")
         status = f"error: {r['error']}" if r.get("error") else (
             f"makespan {r['makespan_s']:.2f} s/step  x{ratio:.3f} vs default (whole run x{whole:.3f})  "
-            f"x{r['makespan_over_bound']:.3f} bound  gap closed {_fmt_gap(r.get('gap_closed'))}  "
+            f"x{_fmt_gap(r.get('makespan_over_bound'), 3)} bound  gap closed {_fmt_gap(r.get('gap_closed'))}  "
             f"hit {r['prefix_hit_rate']:.3f}  recomputed {r['recomputed_tokens']}"
             if ratio is not None and whole is not None else f"makespan {r['makespan_s']:.2f} s/step")
         kv = "gpu" if r["kv_fraction"] is None else f"{r['kv_fraction']:g}"

@@ -26,12 +26,17 @@ It writes, under ``out_dir``:
   one for tail batching, whose long rounds count as extra RL steps in the
   per-step mean ``makespan_s``); a ratio is
   ``None`` when either side failed or the default's value is 0 (1.0 when both
-  are 0);
+  are 0); beside them the run's lower bound (``bound_s``, ``bound_total_s``,
+  ``makespan_over_bound``: :mod:`simulator.bound`) and ``gap_closed``, the share
+  of vllm-default's gap to the bound the policy closes (:func:`gap_closed`). A KV
+  fraction of ``None`` (``--kv-fractions gpu``) is the preset GPU's own capacity:
+  its runs are ``runs/<policy>-kvgpu-r<R>``, its tables say ``gpu``;
 * ``summary.csv`` and ``summary.md``: the same rows, scalar metrics only;
 * ``makespan.png``, ``hit_rate.png``, ``recompute.png``: the metric against
-  the KV fraction, one line per policy, one panel per replica count; the
+  the KV fraction (the GPU's capacity at its share of the need,
+  ``kv_share_of_need``), one line per policy, one panel per replica count; the
   makespan is the whole workload's (``simulated_s``), so tail batching's long
-  rounds count;
+  rounds count, and the bound is drawn beside it;
 * ``trajectory_ecdf.png``: the ECDF of trajectory completion times (first turn
   released to verification done) per policy at the smallest KV fraction, one
   panel per replica count.
@@ -127,7 +132,8 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     return out
 
 
-def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None], replicas: Iterable[int]) -> list[Case]:
+def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None],
+                replicas: Iterable[int]) -> list[Case]:
     """The grid; a KV fraction of ``None`` is the preset GPU's own capacity (listed last)."""
     given = set(kv_fractions)
     kvs: list[float | None] = sorted({float(k) for k in given if k is not None})
@@ -207,16 +213,19 @@ def _row(row: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def finished_case(case: Case, out_dir: Path, decode_stride: int) -> tuple[dict[str, Any], list[float]] | None:
-    """A case an earlier evaluation into ``out_dir`` finished at this stride (summary and trajectories), or None."""
+def finished_case(case: Case, out_dir: Path, decode_stride: int, keep_cache_across_steps: bool = False
+                  ) -> tuple[dict[str, Any], list[float]] | None:
+    """A case an earlier evaluation into ``out_dir`` finished at this stride and cache rule (summary and
+    trajectories), or None."""
     run_dir = Path(out_dir) / "runs" / case.name
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
         durations = json.loads((run_dir / "trajectories.json").read_text())
     except (OSError, ValueError):
         return None
-    if summary.get("decode_stride", 1) != decode_stride:
-        return None
+    if summary.get("decode_stride", 1) != decode_stride or \
+            summary.get("keep_cache_across_steps") != keep_cache_across_steps:
+        return None  # another stride, or another cache rule at weight sync (or a run from before it existed)
     row = {"policy": case.policy, "kv_fraction": case.kv_fraction, "replicas": case.replicas, "error": None}
     return _row(row, summary), [float(d) for d in durations]
 
@@ -232,7 +241,7 @@ def evaluate(
     policies: str | Sequence[str],
     out_dir: str | Path,
     *,
-    kv_fractions: Sequence[float] = (0.1, 0.2, 0.4),
+    kv_fractions: Sequence[float | None] = (0.1, 0.2, 0.4),
     replicas: Sequence[int] = (1,),
     router: str = "round-robin",
     preset: str = "H200-7B",
@@ -282,7 +291,8 @@ def evaluate(
     try:
         todo = []
         for case in cases:
-            earlier = finished_case(case, out, decode_stride) if resume else None
+            earlier = finished_case(case, out, decode_stride, bool(sim_options.get("keep_cache_across_steps"))) \
+                if resume else None
             if earlier is not None:
                 done(case, earlier)
             else:
@@ -349,7 +359,7 @@ def _run_parallel(cases: list[Case], workload_path: str, out_dir: str, router: s
 def gap_closed(policy_s: Any, default_s: Any, bound_s: Any) -> float | None:
     """(default - policy) / (default - bound): the share of vLLM default's gap to the bound a policy closes
     (1: it reaches the bound; 0: no better than default; negative: worse). ``None`` without a gap."""
-    if policy_s is None or default_s is None or bound_s is None or not default_s - bound_s > 1e-12:
+    if policy_s is None or default_s is None or bound_s is None or not default_s - bound_s > 1e-9 * default_s:
         return None
     return (default_s - policy_s) / (default_s - bound_s)
 
@@ -405,7 +415,8 @@ def write_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str,
         w = csv.writer(fh)
         w.writerow(cols)
         for r in rows:
-            w.writerow(["" if r.get(k) is None else r.get(k) for k in cols])
+            w.writerow(["gpu" if k == "kv_fraction" and r.get(k) is None else "" if r.get(k) is None else r.get(k)
+                        for k in cols])
     md = ["# Policy evaluation", "",
           ("Ratios are to vllm-default at the same KV fraction and replicas (makespan, recompute and simulated "
            "time: lower is better; hit rate: higher is better). `makespan_over_bound` is the whole run's "
@@ -456,16 +467,16 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
         fig, axes = plt.subplots(1, len(reps), figsize=(5.2 * len(reps) + 1.5, 4.2), squeeze=False)
         for ax, r in zip(axes[0], reps):
             for p in policies:
-                pts = sorted((x["kv_fraction"], x.get(key)) for x in rows
+                pts = sorted((_kv_x(x), x.get(key)) for x in rows
                              if x["policy"] == p and x["replicas"] == r and not x.get("error")
-                             and x["kv_fraction"] is not None
+                             and _kv_x(x) is not None
                              and x.get(key) is not None)
                 if pts:
                     ax.plot([a for a, _ in pts], [b for _, b in pts], label=p, **style[p])
             if key == "simulated_s":  # the physics lower bound under the same cost model
-                pts = sorted({(x["kv_fraction"], x["bound_total_s"]) for x in rows if x["replicas"] == r
+                pts = sorted({(_kv_x(x), x["bound_total_s"]) for x in rows if x["replicas"] == r
                               and not x.get("error") and x.get("bound_total_s") is not None
-                              and x["kv_fraction"] is not None})
+                              and _kv_x(x) is not None})
                 if pts:
                     ax.plot([a for a, _ in pts], [b for _, b in pts], color="black", linestyle=":", linewidth=2.0,
                             marker="_", markersize=22, markeredgewidth=2.0, label="lower bound")
@@ -494,6 +505,11 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
     _legend(fig, axes[0][-1], policies, style)
     files.append(_save(fig, out / "trajectory_ecdf.png"))
     return files
+
+
+def _kv_x(row: dict[str, Any]) -> float | None:
+    """A row's place on the KV axis: its fraction, or for the GPU's own capacity the share of the need it is."""
+    return row["kv_fraction"] if row["kv_fraction"] is not None else row.get("kv_share_of_need")
 
 
 def _legend(fig: Any, ax: Any, policies: list[str], style: dict) -> None:
