@@ -48,4 +48,8 @@ def test_a_trace_replay_never_resets() -> None:
     half = workload.num_rows // 2
     rows = [{**r, "arrival_s": 0.0 if i < half else 1000.0} for i, r in enumerate(workload.to_pylist())]
     trace = pa.Table.from_pylist(rows, schema=WORKLOAD.schema)
-    assert run_simulation(trace, "vllm-default", progress=False).summary["prefix_cache_resets"] == 0
+    summary = run_simulation(trace, "vllm-default", progress=False).summary
+    assert summary["prefix_cache_resets"] == 0
+    # a trace's whole run is bounded by its latest window: that window's start (1000 s) plus its bound
+    assert summary["bound_total_s"] == pytest.approx(1000.0 + summary["bound_per_step_s"][1])
+    assert summary["makespan_over_bound"] >= 1.0
