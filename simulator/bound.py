@@ -69,7 +69,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from simulator.cost_model import CostModel, prefill_attention_pairs
-from simulator.sizing import blocks_for_fraction
+from simulator.sizing import blocks_for_fraction, min_blocks_for
 from simulator.tokens import VLLM_BLOCK_SIZE
 from simulator.workload import PreparedWorkload
 
@@ -168,6 +168,9 @@ def workload_bound(workload: PreparedWorkload, *, preset: str = "H200-7B", kv_bl
         kv_blocks = blocks_for_fraction(workload, kv_fraction)
     elif kv_blocks is None:
         kv_blocks = cost.max_kv_blocks(VLLM_BLOCK_SIZE)
+    need = min_blocks_for(workload)
+    if kv_blocks < need:  # the simulator refuses such a cache: no schedule exists to bound
+        raise ValueError(f"KV cache of {kv_blocks} blocks is smaller than the largest request, which needs {need}")
     return makespan_bound(workload, cost, kv_blocks, replicas=replicas, preset=preset, decode_stride=decode_stride,
                           max_num_seqs=max_num_seqs)
 

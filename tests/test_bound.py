@@ -109,3 +109,24 @@ def test_more_kv_or_more_replicas_never_raise_the_bound() -> None:
     assert all(s.chain_s == t.chain_s for s, t in zip(two.steps, tight.steps))
     with pytest.raises(ValueError, match="replicas must be >= 1"):
         makespan_bound(workload, COST, small, replicas=0)
+
+
+def test_cli_prints_the_bound_per_step_and_refuses_a_cache_too_small(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from data.io import write_workload
+    from training.cli import app
+
+    path = tmp_path / "w.parquet"
+    write_workload(generate(_case(3)[0]), path)
+    res = CliRunner().invoke(app, ["bound", "-w", str(path), "--kv-fraction", "0.5", "--replicas", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    assert got["replicas"] == 2 and len(got["steps"]) >= 1 and got["total_s"] > 0
+    assert got["total_s"] == pytest.approx(sum(s["bound_s"] for s in got["steps"]))
+    text = CliRunner().invoke(app, ["bound", "-w", str(path)])
+    assert text.exit_code == 0 and "binding" in text.output and "total" in text.output
+    bad = CliRunner().invoke(app, ["bound", "-w", str(path), "--kv-blocks", "2"])
+    assert bad.exit_code == 2 and "smaller than the largest request" in bad.output
