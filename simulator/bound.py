@@ -133,8 +133,8 @@ def makespan_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, 
     service = _request_bounds(cost, p, out, new)
     decode_ctx = (out - 1) * p + (out - 1) * out // 2  # sum over m = 2..L of (p + m - 1)
     held = (out - 1) * shared_prompt + (out - 1) * out / 2  # the same with each prompt block's share
-    fed = _feeds_a_later_prompt(workload)
-    chain = _chain_bounds(workload, service, step)
+    fed = _feeds_a_later_prompt(prepared)
+    chain = _chain_bounds(prepared, service, step)
     steps = []
     for s in np.unique(step):
         rows = step == s
@@ -237,49 +237,30 @@ def _request_bounds(cost: CostModel, p: np.ndarray, out: np.ndarray, new: np.nda
     return prefill + (out - 1) * alone + decode_ctx * per_token
 
 
-def _feeds_a_later_prompt(workload: pa.Table) -> np.ndarray:
-    """Rows whose output later prompts contain: turns that end in a tool call, and scored last turns."""
-    finish = workload.column("finish_reason").to_numpy(zero_copy_only=False)
-    scored = set(workload.column("scores_session_id").drop_null().to_pylist())
-    session = workload.column("session_id").to_pylist()
-    return (finish == "tool_call") | np.array([s in scored for s in session], bool)
+def _feeds_a_later_prompt(prepared: PreparedWorkload) -> np.ndarray:
+    """Rows whose output later prompts contain: a session's turns but its last, and the last one if scored."""
+    fed = np.zeros(prepared.num_rows, bool)
+    for session in prepared.sessions:
+        fed[list(session.turns[:-1] if not session.scoring else session.turns)] = True
+    return fed
 
 
-def _chain_bounds(workload: pa.Table, service: np.ndarray, step: np.ndarray) -> dict[int, float]:
+def _chain_bounds(prepared: PreparedWorkload, service: np.ndarray, step: np.ndarray) -> dict[int, float]:
     """Per step, the longest trajectory's critical path (or, replaying a trace, the latest arrival's)."""
-    n = workload.num_rows
-    verify = np.nan_to_num(workload.column("verify_latency_s").to_numpy(zero_copy_only=False).astype(float))
-    arrival = workload.column("arrival_s")
-    out: dict[int, float] = {}
-    if n and arrival.null_count == 0:
-        t = arrival.to_numpy().astype(float)
-        for s in np.unique(step):
+    verify = np.array([v or 0.0 for v in prepared.verify_latency_s])
+    out = {int(s): 0.0 for s in np.unique(step)}
+    if prepared.trace:
+        t = np.asarray(prepared.arrival_s, float)
+        for s in out:
             rows = step == s
-            out[int(s)] = float((t[rows] - t[rows].min() + service[rows] + verify[rows]).max())
+            out[s] = float((t[rows] - t[rows].min() + service[rows] + verify[rows]).max())
         return out
-    kind = workload.column("kind").to_numpy(zero_copy_only=False)
-    tool = np.nan_to_num(workload.column("tool_latency_s").to_numpy(zero_copy_only=False).astype(float))
-    session = workload.column("session_id").to_pylist()
-    scores = workload.column("scores_session_id").to_pylist()
-    turns: dict[str, float] = {}
-    last_verify: dict[str, float] = {}
-    tail: dict[str, float] = {}
-    step_of: dict[str, int] = {}
-    for i in range(n):
-        if kind[i] == "rollout":
-            sid = session[i]
-            turns[sid] = turns.get(sid, 0.0) + service[i] + tool[i]  # tool latency is null on the last turn
-            if verify[i] > 0:
-                last_verify[sid] = verify[i]
-            step_of[sid] = int(step[i])
-    for i in range(n):
-        if kind[i] != "rollout" and scores[i] is not None:
-            tail[scores[i]] = max(tail.get(scores[i], 0.0), service[i] + verify[i])
-    for sid, t in turns.items():
-        s = step_of[sid]
-        out[s] = max(out.get(s, 0.0), t + max(last_verify.get(sid, 0.0), tail.get(sid, 0.0)))
-    for s in np.unique(step):
-        out.setdefault(int(s), 0.0)
+    tool = np.array([v or 0.0 for v in prepared.tool_latency_s])  # after each turn but the last
+    for session in prepared.sessions:
+        turns, last = list(session.turns), session.turns[-1]
+        tail = max((service[r] + verify[r] for r in session.scoring), default=0.0)
+        path = float(service[turns].sum() + tool[turns[:-1]].sum()) + max(verify[last], tail)
+        out[session.step] = max(out[session.step], path)
     return out
 
 
