@@ -236,6 +236,10 @@ class EngineState:
     max_num_running: int  # vLLM's max_num_seqs
     max_num_batched_tokens: int
     last_step_duration_s: float = 0.0
+    #: The CPU offload tier (vLLM's native KV offloading): its capacity in blocks (0: no tier) and the seconds
+    #: one block takes to load back into GPU memory over the host link.
+    num_offload_blocks: int = 0
+    offload_load_s_per_block: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

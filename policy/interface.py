@@ -93,6 +93,9 @@ class RetentionAction(str, enum.Enum):
     PROTECT = "protect"  # pin the blocks for ``ttl_s`` seconds
     DEMOTE = "demote"  # put the blocks first in line for eviction
     KEEP = "keep"  # leave them to vLLM's LRU
+    #: Let the GPU copy go first (free-list head) and serve the return from the CPU offload tier, which holds
+    #: every full block vLLM's native offloading stored. Without a tier it acts as KEEP (counted).
+    OFFLOAD = "offload"
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +207,9 @@ class Policy:
     uses_retention: bool = False
     uses_eviction: bool = False
     uses_events: bool = False
+    #: Needs the CPU offload tier: the simulator builds this policy's engines with vLLM's native KV
+    #: offloading (serving: ``--kv-offloading-size``); see :mod:`simulator.offload`.
+    uses_offload: bool = False
 
     #: Eviction lever: offer :meth:`evict` at most this many candidates, the
     #: least recently freed first (LRU order); ``None`` offers all of them.
