@@ -154,6 +154,10 @@ STEPS = TableSpec(
             _f("prefix_hits", pa.int64()),
             _f("preemptions", pa.int32()),
             _f("evictions", pa.int32()),
+            _f("held", pa.int32(), True),  # waiting requests the policy held back (admission that waits)
+            # blocks the CPU offload tier (vLLM's native KV offloading) loaded into / stored from GPU memory
+            _f("offload_loaded_blocks", pa.int32(), True),
+            _f("offload_stored_blocks", pa.int32(), True),
             _f("hook_fallback", pa.bool_()),  # this step fell back to vLLM's own behaviour
             _f("dropped_rows", pa.int64()),  # telemetry rows dropped so far (full queue)
         ]

@@ -701,6 +701,9 @@ for _column, _what in [
     ("prefix_hits", "count"),
     ("preemptions", "count"),
     ("evictions", "count"),
+    ("held", "count"),
+    ("offload_loaded_blocks", "count"),
+    ("offload_stored_blocks", "count"),
     ("dropped_rows", "count"),
 ]:
     _at_least("steps", _column, 0, _what)

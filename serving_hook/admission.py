@@ -5,7 +5,11 @@ inline in ``schedule()`` (L699): only when the running loop preempted nobody (L1
 ``self.kv_holding_waiting`` first, then ``self.waiting`` (L1062-L1065), and stops at the first request
 whose ``allocate_slots`` fails (L1435-L1463). Before calling ``super().schedule()`` the hook re-orders
 the ``FCFSRequestQueue`` (a deque) in place to the policy's order, and takes the held-back requests out
-of it; they are put back right after the step (``finally``), so they keep the policy's order. Requests in
+of it; they are put back right after the step (``finally``), so they keep the policy's order, and no request
+is lost. A policy may hold back every waiting request even with free blocks (to keep paused sessions' KV
+until their tools return), but not for ever: a request that has waited ``max_hold_s`` (the hook's
+starvation bound, ``KVPILOT_MAX_HOLD_S``) since its arrival is not held (counted in ``hold_overridden``).
+Requests in
 ``kv_holding_waiting`` are not candidates (vLLM always drains them first). With
 ``--scheduling-policy priority`` the queue is a heap and this lever is left to vLLM (logged once).
 """
@@ -14,8 +18,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from policy.interface import AdmissionDecision
+from policy.interface import AdmissionDecision, Policy
+from serving_hook.guard import Guard
 from serving_hook.lever import Lever
+from serving_hook.rows import Rows
+from serving_hook.translate import EngineView, Translator
 
 
 def _keeps_order(order: Any, cands: list) -> bool:
@@ -25,6 +32,11 @@ def _keeps_order(order: Any, cands: list) -> bool:
 
 class AdmissionLever(Lever):
     """Re-orders vLLM's FCFS waiting queue to the policy's order before each step, holding some back."""
+
+    def __init__(self, sched: EngineView, policy: Policy, guard: Guard, tr: Translator, rows: Rows,
+                 max_hold_s: float) -> None:
+        super().__init__(sched, policy, guard, tr, rows)
+        self.max_hold_s = max_hold_s
 
     def admit(self, now: float) -> tuple[list, Optional[list]]:
         """Ask the policy and re-order ``waiting``: ``(held-back requests, the full order)`` for :meth:`restore`.
@@ -57,6 +69,12 @@ class AdmissionLever(Lever):
                 ordered.extend(r for r in reqs if r.request_id not in seen)
         hold = dec.hold
         held = [r for r in ordered if r.request_id in hold] if hold else []
+        if held:
+            limit = now - self.max_hold_s
+            starved = [r for r in held if r.arrival_time <= limit]
+            if starved:
+                self.stats.hold_overridden += len(starved)
+                held = [r for r in held if r.arrival_time > limit]
         if self.rows.log_decisions:
             first = ordered[0].request_id if ordered else None
             idx = next((i for i, c in enumerate(cands) if c.request_id == first), -1)

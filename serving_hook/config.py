@@ -9,6 +9,11 @@ KVPILOT_TELEMETRY_DIR             write Parquet telemetry there (off when unset)
 KVPILOT_DECISION_BUDGET_MS        per-step budget for policy calls (5 ms)
 KVPILOT_MAX_PINNED_FRACTION       cap on blocks pinned for retention (0.25)
 KVPILOT_REPLICA                   replica id written in telemetry rows (0)
+KVPILOT_MAX_HOLD_S                longest a policy may hold a waiting request
+                                  back, counted from its arrival (30 s)
+KVPILOT_HOST_LINK_GBPS            host link a CPU offload tier loads over, GB/s
+                                  (51.2: PCIe Gen5 x16 at 80 %), for policies'
+                                  transfer prices
 KVPILOT_MODEL_URI                 policy ``registry``: the model it serves
                                   (``models:/kvpilot@champion``)
 KVPILOT_MODEL_POLL_S              policy ``registry``: seconds between polls
@@ -36,6 +41,8 @@ from policy.catalog import UnknownPolicyError, create_policy
 
 DEFAULT_MAX_PINNED_FRACTION = 0.25
 DEFAULT_MODEL_POLL_S = 60.0
+DEFAULT_MAX_HOLD_S = 30.0
+DEFAULT_HOST_LINK_GBPS = 51.2
 
 
 class HookConfigError(ValueError):
@@ -53,6 +60,13 @@ class HookConfig:
     #: Policy ``registry``: seconds between registry polls on a background thread (0: load once at start-up).
     #: Serving reads KVPILOT_MODEL_POLL_S (default 60); a ``HookConfig`` built in code (the simulator) polls never.
     model_poll_s: float = 0.0
+    #: The starvation bound of admission holds: a request waiting this long is admitted in vLLM's order
+    #: whatever the policy holds back (counted as ``hold_overridden``).
+    max_hold_s: float = DEFAULT_MAX_HOLD_S
+    #: Seconds one KV block takes to load from the CPU offload tier, for the policies' prices (``EngineState``);
+    #: ``None``: vLLM's block bytes over ``host_link_gbps``. The simulator sets it from its cost model.
+    offload_load_s_per_block: Optional[float] = None
+    host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or not self.policy.strip():
@@ -70,6 +84,15 @@ class HookConfig:
         p = self.model_poll_s
         if not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
             raise HookConfigError(f"kvpilot: the model poll interval must be >= 0 seconds, got {p!r}")
+        h = self.max_hold_s
+        if not isinstance(h, (int, float)) or not math.isfinite(h) or h < 0:
+            raise HookConfigError(f"kvpilot: the max hold time must be >= 0 seconds, got {h!r}")
+        o = self.offload_load_s_per_block
+        if o is not None and (not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0):
+            raise HookConfigError(f"kvpilot: the offload load time per block must be >= 0 seconds, got {o!r}")
+        g = self.host_link_gbps
+        if not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0:
+            raise HookConfigError(f"kvpilot: the host link bandwidth must be > 0 GB/s, got {g!r}")
 
 
 def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
@@ -116,6 +139,12 @@ def load_config(env: Optional[Mapping[str, str]] = None) -> HookConfig:
     poll_s = _float_env(env, "KVPILOT_MODEL_POLL_S", DEFAULT_MODEL_POLL_S)
     if not math.isfinite(poll_s) or poll_s < 0:
         raise HookConfigError(f"kvpilot: KVPILOT_MODEL_POLL_S must be >= 0, got {poll_s!r}")
+    hold_s = _float_env(env, "KVPILOT_MAX_HOLD_S", DEFAULT_MAX_HOLD_S)
+    if not math.isfinite(hold_s) or hold_s < 0:
+        raise HookConfigError(f"kvpilot: KVPILOT_MAX_HOLD_S must be >= 0, got {hold_s!r}")
+    gbps = _float_env(env, "KVPILOT_HOST_LINK_GBPS", DEFAULT_HOST_LINK_GBPS)
+    if not math.isfinite(gbps) or gbps <= 0:
+        raise HookConfigError(f"kvpilot: KVPILOT_HOST_LINK_GBPS must be > 0, got {gbps!r}")
     return HookConfig(
         policy=policy,
         policy_options=options,
@@ -124,6 +153,8 @@ def load_config(env: Optional[Mapping[str, str]] = None) -> HookConfig:
         max_pinned_fraction=frac,
         replica=replica,
         model_poll_s=poll_s,
+        max_hold_s=hold_s,
+        host_link_gbps=gbps,
     )
 
 

@@ -38,7 +38,10 @@ class HookStats:
     preemptions: int = 0
     policy_victims: int = 0  # preemptions whose victim the policy moved
     admission_reorders: int = 0
-    held: int = 0
+    held: int = 0  # requests held back, summed over steps
+    hold_overridden: int = 0  # holds the starvation bound (max_hold_s) refused
+    offloaded: int = 0  # prefixes the policy sent to the CPU tier (OFFLOAD)
+    offload_unavailable: int = 0  # OFFLOAD answers without a tier (applied as KEEP)
     protected: int = 0
     demoted_blocks: int = 0
     eviction_calls: int = 0  # evict() asked (at most once per step, only when LRU would evict)

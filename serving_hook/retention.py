@@ -4,7 +4,9 @@ How it reaches vLLM (line numbers: ``vllm/v1/core/sched/scheduler.py`` of vllm 0
 (L3064; finished requests only, not preemption) is overridden to note the request's hashed blocks before
 vLLM frees them to the free-list tail (:meth:`RetentionLever.note_freed`). At the start of the next
 ``schedule()`` (nothing allocates in between), the policy decides (:meth:`RetentionLever.before_step`):
-protect (pin with TTL via :class:`serving_hook.pins.BlockPoolAdapter`), demote (free-list head) or keep.
+protect (pin with TTL via :class:`serving_hook.pins.BlockPoolAdapter`), demote (free-list head), offload
+(with a CPU offload tier, :mod:`serving_hook.offload`: the tier already holds the blocks vLLM stored, so the
+GPU copy is demoted and the tier serves the return; without one, keep) or keep.
 Pins are released on expiry (checked at each ``schedule()``), on the policy's order, under pressure
 (before vLLM would preempt a running request, :meth:`RetentionLever.release_one`: see
 :mod:`serving_hook.preemption`), when nothing runs and the next waiting request does not fit (liveness),
@@ -43,6 +45,7 @@ class RetentionLever(Lever):
         self, sched: EngineView, policy: Policy, guard: Guard, tr: Translator, rows: Rows, max_pinned_blocks: int
     ) -> None:
         super().__init__(sched, policy, guard, tr, rows)
+        self.tier = tr.offload_blocks > 0  # a CPU offload tier holds what vLLM stored (serving_hook.offload)
         self.pins = BlockPoolAdapter(tr.pool, max_pinned_blocks)
         self.freed: list[Freed] = []  # freed since the last step, waiting for retain()
         self.pin_info: dict[str, PinInfo] = {}
@@ -153,7 +156,14 @@ class RetentionLever(Lever):
                         st.protected += 1
                 else:
                     pins.protect(pid, (), (), ret.ttl_s, now)  # renew
-            elif action is RetentionAction.DEMOTE:
+            elif action is RetentionAction.OFFLOAD and not self.tier:
+                st.offload_unavailable += 1  # no CPU tier: KEEP (a pin is released to vLLM's LRU)
+                if entry[0] == "pinned":
+                    pins.release_policy((pid,))
+                    pin_info.pop(pid, None)
+            elif action is RetentionAction.DEMOTE or action is RetentionAction.OFFLOAD:
+                if action is RetentionAction.OFFLOAD:
+                    st.offloaded += 1  # the tier holds its blocks: the GPU copy goes first
                 if entry[0] == "pinned":
                     pin = entry[1]
                     blocks = list(pin.blocks)

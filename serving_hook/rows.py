@@ -74,6 +74,9 @@ class Rows:
         pinned_blocks: int,
         kv_usage: float,
         evictions: int,
+        held: int = 0,
+        offload_loaded_blocks: int = 0,
+        offload_stored_blocks: int = 0,
     ) -> None:
         """Stamp this step's ``steps`` row; written at the step's end (:meth:`end_step`), when its duration is known.
 
@@ -103,6 +106,9 @@ class Rows:
                 "prefix_hits": hits,
                 "preemptions": self.preemptions,
                 "evictions": evictions,
+                "held": held,
+                "offload_loaded_blocks": offload_loaded_blocks,
+                "offload_stored_blocks": offload_stored_blocks,
                 "hook_fallback": self.guard.fallback,
                 "dropped_rows": self.writer.dropped,
             }

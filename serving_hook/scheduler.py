@@ -66,6 +66,7 @@ from serving_hook.config import HookConfig, build_policy, load_config
 from serving_hook.eviction import EvictionLever
 from serving_hook.guard import Guard, HookStats
 from serving_hook.model_source import RegistryPolicy
+from serving_hook.offload import OffloadTier, tier_of
 from serving_hook.preemption import PreemptionLever
 from serving_hook.retention import RetentionLever
 from serving_hook.rows import Rows, open_writer
@@ -89,6 +90,9 @@ class KVPilotMixin:
     _kvp_passthrough = True
     _kvp_rows: Optional[Rows] = None
     _kvp_retention: Optional[RetentionLever] = None
+    _kvp_tier: Optional[OffloadTier] = None
+    #: Requests the policy held back in the current step (telemetry's ``held``).
+    kvpilot_held = 0
     _kvp_registry: Optional[RegistryPolicy] = None
 
     #: Overrides for the simulator and tests (``with_policy`` sets them on a
@@ -140,6 +144,10 @@ class KVPilotMixin:
             )
         if (policy.uses_retention or policy.uses_eviction) and not caching:
             logger.warning("kvpilot: prefix caching is off; the retention and eviction levers are disabled")
+        tier = self._kvp_tier = tier_of(self, cfg.offload_load_s_per_block, cfg.host_link_gbps)
+        if policy.uses_offload and tier is None:
+            logger.warning("kvpilot: policy %s expects a CPU offload tier, but vLLM runs without native KV "
+                           "offloading (--kv-offloading-size); its OFFLOAD answers act as KEEP", policy.name)
         active = admission or preemption or retention or eviction or policy.uses_events
         #: Everything off: every override just calls vLLM.
         self._kvp_passthrough = not active and writer is None
@@ -153,10 +161,10 @@ class KVPilotMixin:
         pool = self.kv_cache_manager.block_pool
         install_eviction_counter(pool)
         self._kvp_pool = pool
-        tr = self._kvp_translate = Translator(self, guard, policy.uses_events)
+        tr = self._kvp_translate = Translator(self, guard, policy.uses_events, tier)
         parts = (self, policy, guard, tr, rows)
         # The levers the policy uses (None: left to vLLM); each module says how it reaches vLLM.
-        self._kvp_admission = AdmissionLever(*parts) if admission else None
+        self._kvp_admission = AdmissionLever(*parts, cfg.max_hold_s) if admission else None
         self._kvp_preemption = PreemptionLever(*parts) if preemption else None
         max_pinned = int(cfg.max_pinned_fraction * tr.num_blocks)
         self._kvp_retention = RetentionLever(*parts, max_pinned) if retention else None
@@ -197,11 +205,13 @@ class KVPilotMixin:
         admission = self._kvp_admission
         held: list = []
         desired: Optional[list] = None
+        self.kvpilot_held = 0
         try:
             if self._kvp_retention is not None:
                 self._kvp_retention.before_step(now)
             if admission is not None:
                 held, desired = admission.admit(now)
+                self.kvpilot_held = len(held)
         except Exception as e:
             guard.internal_error("pre-schedule", e)
         t1 = _perf()
@@ -360,6 +370,7 @@ class KVPilotMixin:
         if rows.writer is None:
             return
         pool = self._kvp_pool
+        loaded, stored = OffloadTier.step_blocks(out) if self._kvp_tier is not None else (0, 0)
         rows.step(
             now,
             out.num_scheduled_tokens,
@@ -373,6 +384,9 @@ class KVPilotMixin:
             pinned_blocks=self.kvpilot_pinned_blocks,
             kv_usage=pool.get_usage(),
             evictions=pool.kvpilot_evictions - ev0,
+            held=self.kvpilot_held,
+            offload_loaded_blocks=loaded,
+            offload_stored_blocks=stored,
         )
 
     def _kvp_between_steps(self) -> None:

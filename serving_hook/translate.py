@@ -96,8 +96,10 @@ def hashes64(held: Any) -> tuple:
 class Translator:
     """The hook's per-request bookkeeping, and the plain records built from it."""
 
-    def __init__(self, sched: EngineView, guard: Guard, events: bool) -> None:
+    def __init__(self, sched: EngineView, guard: Guard, events: bool, tier: Any = None) -> None:
         self.sched = sched
+        self.offload_blocks = tier.blocks if tier is not None else 0  # the CPU offload tier (OffloadTier)
+        self.offload_load_s = tier.load_s_per_block if tier is not None else 0.0
         self.guard = guard
         self.events = events  # the policy gets events (Policy.uses_events)
         pool = sched.kv_cache_manager.block_pool
@@ -129,6 +131,8 @@ class Translator:
             max_num_running=s.max_num_running_reqs,
             max_num_batched_tokens=s.max_num_scheduled_tokens,
             last_step_duration_s=self._last_duration,
+            num_offload_blocks=self.offload_blocks,
+            offload_load_s_per_block=self.offload_load_s,
         )
 
     def step_started(self, now: float) -> None:

@@ -54,6 +54,11 @@ placement. One replica is the same formula with ``R = 1``.
 Workloads hashed in blocks of other than vLLM's 16 tokens (imported traces) share sub-blocks their chains do
 not show; for them every prompt token counts as shareable and cacheable, a looser bound that stays valid.
 
+**CPU offload tier.** The bound charges no recompute and no transfer at all (every token's KV is computed
+once, and a paused session's KV is free to keep anywhere while it waits: the KV-area term counts only the
+token-iterations of running sequences), so it stays a lower bound for policies with the tier; their loads
+over PCIe are a cost the bound does not have.
+
 What it does not cover: policies that change which work an RL step holds (tail batching re-runs cut prompts
 in later long rounds, over-provisioning aborts trajectories) can end a step below its bound; compare their
 whole runs (``simulated_s`` against ``bound_total_s``) only as a guide.

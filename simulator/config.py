@@ -67,6 +67,10 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+#: GiB of host memory per replica for the CPU offload tier (see :attr:`SimConfig.offload_gib`).
+DEFAULT_OFFLOAD_GIB = 64.0
+
+
 @dataclass(frozen=True, eq=False)
 class SimConfig:
     """Every option of a run (see :func:`simulator.simulation.run_simulation`), checked when made."""
@@ -104,6 +108,10 @@ class SimConfig:
     #: call vLLM's ``reset_prefix_cache`` at weight sync); True keeps it (a study of cross-step reuse).
     #: A trace replay never resets.
     keep_cache_across_steps: bool = False
+    #: Host memory of the CPU offload tier per replica, GiB of the preset model's KV, for policies that use the
+    #: tier (``Policy.uses_offload``: vLLM's native KV offloading, :mod:`simulator.offload`); 0 turns it off.
+    #: Default: a quarter of a DGX H200's host memory per GPU (2 TB / 8 GPUs = 256 GB).
+    offload_gib: float = DEFAULT_OFFLOAD_GIB
     #: The preset's step-cost model.
     cost: CostModel = field(init=False, repr=False)
 
@@ -122,6 +130,9 @@ class SimConfig:
             raise SimulationError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not _positive_int(self.decode_stride):
             raise SimulationError(f"decode_stride must be an integer >= 1, got {self.decode_stride!r}")
+        g = self.offload_gib
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+            raise SimulationError(f"offload_gib must be a number of GiB >= 0, got {g!r}")
         if self.out_dir is not None:
             object.__setattr__(self, "out_dir", Path(self.out_dir))
         self.make_router()  # an unknown name fails now
@@ -147,6 +158,10 @@ class SimConfig:
             return policy_factory(self.policy, self.policy_options, replicas=self.replicas, workload=workload.table)
         except HookConfigError as e:
             raise SimulationError(str(e)) from None
+
+    def offload_blocks(self) -> int:
+        """Blocks of the preset model's KV that :attr:`offload_gib` holds."""
+        return int(self.offload_gib * 2**30 // self.cost.kv_block_bytes(VLLM_BLOCK_SIZE))
 
     def kv_blocks_for(self, workload: PreparedWorkload) -> int:
         """vLLM ``num_blocks`` per replica for ``workload``; too few for its largest request is an error."""

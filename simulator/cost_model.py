@@ -59,6 +59,10 @@ Constants and their sources:
   here for memory sizing.
 * H100 SXM: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, 80 GB (NVIDIA H100
   datasheet); nvidia-smi reports 81,559 MiB.
+* Host link (the CPU offload tier's transfers, :meth:`CostModel.host_transfer_s`): both GPUs reach host
+  memory over PCIe Gen5 x16, 128 GB/s bidirectional, so 64 GB/s per direction (H100 and H200 datasheets);
+  ``host_link_efficiency`` 0.8 (assumed: pinned-memory copies measure about 50-55 GB/s on Gen5 x16), so a
+  block of Qwen2.5-7B (16 tokens x 56 KiB) loads in about 18 us.
 * compute_efficiency 0.6: assumed model FLOPs utilisation of prefill and
   batched-decode GEMMs in vLLM (large BF16 GEMMs reach ~60-70% of peak on
   Hopper; attention and small batches less).
@@ -97,6 +101,7 @@ class GPU:
     peak_flops: float  # dense BF16 FLOP/s
     hbm_bandwidth: float  # bytes/s
     memory_bytes: int  # total device memory as CUDA reports it
+    host_link_bandwidth: float = 64e9  # bytes/s per direction between host memory and the GPU
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,7 @@ class CostModel:
     bandwidth_efficiency: float = 0.8
     step_overhead_s: float = 0.004
     reserved_bytes: int = 4 * 2**30
+    host_link_efficiency: float = 0.8
     # Per-step constants, precomputed so that step_time is a handful of float operations.
     _flops: float = field(init=False, repr=False)
     _bandwidth: float = field(init=False, repr=False)
@@ -164,6 +170,8 @@ class CostModel:
             raise ValueError("compute_efficiency and bandwidth_efficiency must be in (0, 1]")
         if self.step_overhead_s < 0:
             raise ValueError("step_overhead_s must be >= 0")
+        if not 0 < self.host_link_efficiency <= 1:
+            raise ValueError("host_link_efficiency must be in (0, 1]")
         m = self.model
         lm_head = m.hidden_size * m.vocab_size
         self._flops = self.gpu.peak_flops * self.compute_efficiency
@@ -204,6 +212,10 @@ class CostModel:
                 f"at gpu_memory_utilization={gpu_memory_utilization}"
             )
         return int(free // self.kv_block_bytes(block_size))
+
+    def host_transfer_s(self, num_bytes: int | float) -> float:
+        """Seconds to move ``num_bytes`` of KV between host memory and the GPU, one direction."""
+        return num_bytes / (self.gpu.host_link_bandwidth * self.host_link_efficiency)
 
     @property
     def weight_read_s(self) -> float:

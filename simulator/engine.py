@@ -18,6 +18,10 @@
 * :class:`Engine` is one simulated replica's scheduler as :mod:`simulator.replica`
   steps it: ``add`` / ``schedule`` / ``update`` (with the fake runner's tokens) /
   ``abort``, timing the calls into vLLM.
+* With ``offload_blocks`` > 0, :func:`make_vllm_config` turns on vLLM's native CPU KV offloading
+  (``--kv-offloading-size``, backend ``native``: the ``OffloadingConnector``) sized to that many blocks;
+  :func:`transfer_jobs` reads a step's transfer jobs from its scheduler output and :func:`connector_output`
+  builds the worker side's report of finished ones (:mod:`simulator.offload` plays that worker).
 * :func:`prompt_block_hashes` and :func:`vllm_block_hashes` give vLLM's block
   hashes of a request's prompt (what the routers see), :func:`vllm_envs_cached`
   reads vLLM's environment once for a run.
@@ -77,6 +81,8 @@ START_UP_NOISE: dict[str, tuple[str, ...]] = {
     "torch._opaque_base": ("torch._opaque_base is deprecated",),
     "torch._library.opaque_object": ("register_opaque_type is deprecated", "typ='value' is deprecated"),
     "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+    # once per replica built with the CPU offload tier
+    "vllm.distributed.kv_transfer.kv_connector.v1.base": ("Initializing KVConnectorBase_V1",),
 }
 
 _TINY_CONFIG = {
@@ -153,8 +159,13 @@ def make_vllm_config(
     scheduler_cls: Any = None,
     enable_kv_cache_events: bool = False,
     policy: str = "fcfs",
+    offload_blocks: int = 0,
 ):
-    """A CPU ``VllmConfig`` for the tiny model (cheap after the first call)."""
+    """A CPU ``VllmConfig`` for the tiny model (cheap after the first call).
+
+    ``offload_blocks`` > 0: vLLM's native CPU offloading with room for that many blocks (vLLM sizes the tier
+    in bytes; the tiny model's bytes per block convert it, so the tier holds exactly that many blocks).
+    """
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -191,6 +202,8 @@ def make_vllm_config(
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=enable_prefix_caching,
+        kv_offloading_size=offload_blocks * _offload_block_bytes(block_size) / 2**30 if offload_blocks else None,
+        kv_offloading_backend="native",
     )
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if enable_kv_cache_events else None
     cfg = VllmConfig(
@@ -204,15 +217,31 @@ def make_vllm_config(
     return cfg
 
 
-def make_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE):
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+_LAYERS = ("layer.0", "layer.1")
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=16, dtype=torch.float32)
+
+def _attention_spec(block_size: int):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=16, dtype=torch.float32)
+
+
+def _offload_block_bytes(block_size: int) -> int:
+    """What one block of the tiny model takes in vLLM's CPU tier (its layers' pages, page-aligned)."""
+    import mmap
+
+    raw = _attention_spec(block_size).page_size_bytes * len(_LAYERS)
+    return -(-raw // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def make_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0", "layer.1"], spec)],
+        kv_cache_groups=[KVCacheGroupSpec(list(_LAYERS), _attention_spec(block_size))],
     )
 
 
@@ -337,10 +366,40 @@ def _model_runner_output_cls() -> Any:
     return ModelRunnerOutput
 
 
-def model_runner_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
+def model_runner_output(req_ids: list[str], sampled: list[list[int]], kv_connector_output: Any = None) -> Any:
     """vLLM's ``ModelRunnerOutput`` of one step: request ``req_ids[i]`` sampled the tokens ``sampled[i]``."""
     return _model_runner_output_cls()(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                                      sampled_token_ids=sampled)
+                                      sampled_token_ids=sampled, kv_connector_output=kv_connector_output)
+
+
+#: One transfer job of vLLM's offloading connector: (job id, request id, blocks, is_load, sync).
+TransferJob = tuple[int, str, int, bool, bool]
+
+
+def transfer_jobs(scheduler_output: Any) -> tuple[list[TransferJob], frozenset]:
+    """The transfer jobs vLLM's ``OffloadingConnector`` scheduled this step (loads first), and the ids of the
+    earlier jobs the worker must finish before this step's forward pass (``jobs_to_flush``)."""
+    meta = scheduler_output.kv_connector_metadata
+    if meta is None:
+        return [], frozenset()
+    jobs = [(jid, j.req_id, len(j.dst_spec.block_ids), True, bool(j.sync)) for jid, j in meta.load_jobs.items()]
+    jobs += [(jid, j.req_id, len(j.src_spec.block_ids), False, False) for jid, j in meta.store_jobs.items()]
+    return jobs, frozenset(meta.jobs_to_flush or ())
+
+
+def connector_output(finished_loads: set[str], completed: list[tuple[int, bool, int, float]]) -> Any:
+    """The worker side's ``KVConnectorOutput``: the requests whose asynchronous load finished, and the
+    finished jobs as ``(job id, is_load, bytes, seconds)`` (None when there is nothing to report)."""
+    if not completed:
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from vllm.v1.outputs import KVConnectorOutput
+
+    meta = OffloadingWorkerMetadata()
+    for jid, is_load, nbytes, seconds in completed:
+        meta.mark_completed(jid)
+        (meta.transfer_stats.load if is_load else meta.transfer_stats.store).record(nbytes, seconds)
+    return KVConnectorOutput(finished_recving=finished_loads or None, kv_connector_worker_meta=meta)
 
 
 class Engine:
@@ -370,9 +429,11 @@ class Engine:
         self.scheduler_s += time.perf_counter() - t0
         return out, out.num_scheduled_tokens
 
-    def update(self, scheduled: Any, req_ids: list[str], sampled: list[list[int]]) -> list[str]:
-        """End the step ``scheduled`` with the tokens the runner sampled; the ids of the requests it finished."""
-        mro = model_runner_output(req_ids, sampled)
+    def update(self, scheduled: Any, req_ids: list[str], sampled: list[list[int]],
+               kv_connector_output: Any = None) -> list[str]:
+        """End the step ``scheduled`` with the tokens the runner sampled (and the offload worker's report); the
+        ids of the requests it finished."""
+        mro = model_runner_output(req_ids, sampled, kv_connector_output)
         t0 = time.perf_counter()
         outs = self.sched.update_from_output(scheduled, mro)
         self.scheduler_s += time.perf_counter() - t0
@@ -388,9 +449,10 @@ class Engine:
         self.scheduler_s += time.perf_counter() - t0
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM's ``reset_prefix_cache()`` (what RL frameworks call at weight sync); False if blocks are in use."""
+        """vLLM's ``reset_prefix_cache()`` (what RL frameworks call at weight sync; the CPU offload tier too, its
+        KV is of the old weights as well); False if blocks are in use."""
         t0 = time.perf_counter()
-        ok = self.sched.reset_prefix_cache()
+        ok = self.sched.reset_prefix_cache(reset_connector=self.sched.connector is not None)
         self.scheduler_s += time.perf_counter() - t0
         return bool(ok)
 

@@ -185,6 +185,11 @@ def render_summary(summary: dict[str, Any]) -> str:
         lines.append(f"lower bound {s['bound_s']:.2f} s/step ({s['bound_total_s']:.2f} s in all): the run is "
                      f"{s['makespan_over_bound']:.3f}x the bound")
     if s.get("gpu_decode_s") is not None:
-        causes = ("decode", "prefill_new", "recompute_preemption", "recompute_eviction", "idle")
-        lines.append("GPU seconds: " + "  ".join(f"{c.replace('_', ' ')} {s[f'gpu_{c}_s']:.1f}" for c in causes))
+        causes = ("decode", "prefill_new", "recompute_preemption", "recompute_eviction", "offload_wait", "idle")
+        lines.append("GPU seconds: " + "  ".join(f"{c.replace('_', ' ')} {s[f'gpu_{c}_s']:.1f}" for c in causes
+                                                 if f"gpu_{c}_s" in s))
+    if s.get("offload_blocks"):
+        lines.append(f"CPU offload tier {s['offload_gib']:g} GiB ({s['offload_blocks']} blocks): "
+                     f"loaded {s['offload_load_bytes'] / 2**30:.2f} GiB in {s['offload_loads']} jobs, "
+                     f"stored {s['offload_store_bytes'] / 2**30:.2f} GiB in {s['offload_stores']} jobs")
     return "\n".join(lines)

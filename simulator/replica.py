@@ -41,6 +41,7 @@ from policy.interface import Policy
 from simulator import engine
 from simulator.clock import KICK, STEP_END, EventClock
 from simulator.config import SimConfig, SimulationError
+from simulator.offload import OffloadWorker
 from simulator.routers import ReplicaLoad, Router, RouteRequest
 from simulator.runner import ScriptedRunner
 from simulator.tokens import VLLM_BLOCK_SIZE
@@ -61,14 +62,16 @@ class Replica:
         "index",
         "kicked",
         "now",
+        "offload",
         "pending",
         "reset_pending",
         "sched",
         "steps",
     )
 
-    def __init__(self, index: int, sched: Any) -> None:
+    def __init__(self, index: int, sched: Any, offload: OffloadWorker | None = None) -> None:
         self.index = index
+        self.offload = offload  # the CPU offload tier's host link (None: no tier)
         self.sched = sched  # the kvpilot hook's scheduler (its kvpilot_* attributes)
         self.engine = engine.Engine(sched)
         self.now = 0.0
@@ -87,15 +90,20 @@ class Replica:
 
 
 def build_replicas(config: SimConfig, workload: PreparedWorkload, kv_blocks: int,
-                   policy_factory: Callable[[], Policy], router: Router, writer: Any) -> list[Replica]:
-    """The run's replicas, each a hooked scheduler of ``kv_blocks`` blocks with a fresh policy, sharing ``writer``."""
+                   policy_factory: Callable[[], Policy], router: Router, writer: Any,
+                   offload_blocks: int = 0) -> list[Replica]:
+    """The run's replicas, each a hooked scheduler of ``kv_blocks`` blocks with a fresh policy, sharing ``writer``;
+    with ``offload_blocks`` > 0 each has a CPU offload tier of that many blocks (vLLM's native offloading)."""
     from serving_hook import KVPilotScheduler, with_policy
     from serving_hook.config import HookConfig
 
     max_model_len = max(workload.largest_request + VLLM_BLOCK_SIZE, 1024)  # the longest context a request reaches
+    block_bytes = config.cost.kv_block_bytes(VLLM_BLOCK_SIZE)
     reps = []
     for i in range(config.replicas):
         kw: dict[str, Any] = {"replica": i}
+        if offload_blocks:
+            kw["offload_load_s_per_block"] = config.cost.host_transfer_s(block_bytes)
         if config.decision_budget_s is not None:
             kw["decision_budget_s"] = config.decision_budget_s
         cls = with_policy(KVPilotScheduler, policy_factory, HookConfig(**kw), name=f"SimReplica{i}",
@@ -105,9 +113,10 @@ def build_replicas(config: SimConfig, workload: PreparedWorkload, kv_blocks: int
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens * config.decode_stride,  # see simulator.runner
             max_model_len=max_model_len,
+            offload_blocks=offload_blocks,
         )
         sched = engine.make_scheduler(cls, num_blocks=kv_blocks, vllm_config=cfg)
-        rep = Replica(i, sched)
+        rep = Replica(i, sched, OffloadWorker(config.cost, block_bytes) if offload_blocks else None)
         sched.kvpilot_clock = rep.clock
         sched.kvpilot_decode_stride = config.decode_stride
         if config.replicas > 1:
@@ -237,8 +246,13 @@ class Fleet:
             return
         scheduled, tokens = eng.schedule()
         req_ids, sampled, dt = self.runner.output(eng.requests, tokens)
+        blocked = rep.offload.submit(scheduled, t) if rep.offload is not None else 0.0
         rep.in_flight = (scheduled, req_ids, sampled)
         if req_ids:
+            rep.idle_steps = 0
+            dt += blocked
+        elif rep.offload is not None and rep.offload.busy:  # waiting on a transfer: not stalled
+            dt = max(self.idle_step_s, blocked)
             rep.idle_steps = 0
         else:
             dt = self.idle_step_s
@@ -258,7 +272,8 @@ class Fleet:
     def end_step(self, rep: Replica, t: float) -> None:
         rep.now = t
         scheduled, req_ids, sampled = rep.in_flight
-        finished = rep.engine.update(scheduled, req_ids, sampled)
+        kv_out = rep.offload.finished(t) if rep.offload is not None else None
+        finished = rep.engine.update(scheduled, req_ids, sampled, kv_out)
         rep.in_flight = None
         rep.busy = False
         for rid in finished:

@@ -185,13 +185,15 @@ class ScriptedRunner:
         self.prefill_s += step_s - decode_s
         self.prefill_tokens += prefill_tokens
 
-    def breakdown(self, recomputed_preemption: int, recomputed_eviction: int, gpu_s: float) -> dict[str, float]:
+    def breakdown(self, recomputed_preemption: int, recomputed_eviction: int, gpu_s: float,
+                  offload_wait_s: float = 0.0) -> dict[str, float]:
         """GPU seconds by cause: decode, prefill of new tokens, recompute after preemption and after eviction (the
-        prefill time split by the tokens' shares), and idle (``gpu_s``, replicas x the run, less the rest)."""
+        prefill time split by the tokens' shares), waits for the CPU offload tier's blocking transfers
+        (:mod:`simulator.offload`), and idle (``gpu_s``, replicas x the run, less the rest)."""
         total = self.prefill_tokens
         share = (lambda n: self.prefill_s * min(n, total) / total) if total else (lambda n: 0.0)  # noqa: E731
         preempt = share(recomputed_preemption)
         evict = min(share(recomputed_eviction), self.prefill_s - preempt)
         return {"decode": self.decode_s, "prefill_new": self.prefill_s - preempt - evict,
-                "recompute_preemption": preempt, "recompute_eviction": evict,
-                "idle": max(0.0, gpu_s - self.decode_s - self.prefill_s)}
+                "recompute_preemption": preempt, "recompute_eviction": evict, "offload_wait": offload_wait_s,
+                "idle": max(0.0, gpu_s - self.decode_s - self.prefill_s - offload_wait_s)}

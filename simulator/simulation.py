@@ -84,7 +84,10 @@ class Simulation:
         if config.overprovision is not None and w.trace:
             raise SimulationError("over-provisioning applies to RL steps, not to a trace replay")
         self.policy_factory = config.policy_factory(w)
-        self.tail = tail_batching_spec(self.policy_factory(), config, w)
+        probe = self.policy_factory()
+        self.tail = tail_batching_spec(probe, config, w)
+        #: Blocks of each replica's CPU offload tier: only for a policy that uses one (0: none).
+        self.offload_blocks = config.offload_blocks() if probe.uses_offload else 0
         self.router = config.make_router()
         self.kv_blocks = config.kv_blocks_for(w)
         self.driver: StepDriver | None = None  # the run's, once it ran
@@ -116,7 +119,8 @@ class Simulation:
         writer = TelemetryWriter(tel_dir, capacity=2_000_000, rows_per_file=200_000, flush_interval_s=30.0,
                                  metadata=meta, tables=tables)
         try:
-            replicas = build_replicas(config, self.workload, self.kv_blocks, self.policy_factory, self.router, writer)
+            replicas = build_replicas(config, self.workload, self.kv_blocks, self.policy_factory, self.router, writer,
+                                      offload_blocks=self.offload_blocks)
             policy_name = replicas[0].sched.kvpilot_policy.name
             # The block pools are millions of long-lived objects: keep them out of the collector's scans.
             gc.collect()
@@ -149,8 +153,10 @@ class Simulation:
             kv_share_of_need=(self.kv_blocks - 1) / self.workload.kv_need if self.workload.kv_need else None,
         )
         summary.update(self.bound_summary(summary["simulated_s"]))
+        summary.update(self.offload_summary(replicas))
         breakdown = self.runner.breakdown(summary["recomputed_tokens_preemption"],
-                                          summary["recomputed_tokens_eviction"], config.replicas * summary["simulated_s"])
+                                          summary["recomputed_tokens_eviction"], config.replicas * summary["simulated_s"],
+                                          summary["offload_wait_s"])
         summary.update({f"gpu_{cause}_s": seconds for cause, seconds in breakdown.items()})
         result.summary, result.requests, result.steps = summary, requests, steps
         if tmp is not None:
@@ -168,6 +174,23 @@ class Simulation:
                            decode_stride=c.decode_stride, max_num_seqs=c.max_num_seqs)
         return {"bound_s": b.mean_s, "bound_total_s": b.total_s, "bound_per_step_s": [s.bound_s for s in b.steps],
                 "makespan_over_bound": simulated_s / b.total_s if b.total_s > 0 else None}
+
+    def offload_summary(self, replicas: list[Replica]) -> dict[str, Any]:
+        """The CPU offload tier's size and transfers, all replicas (zeros without a tier)."""
+        workers = [r.offload for r in replicas if r.offload is not None]
+        need = self.workload.kv_need
+        return {
+            "offload_gib": self.config.offload_gib if workers else 0.0,
+            "offload_blocks": self.offload_blocks,
+            "offload_share_of_need": self.offload_blocks / need if workers and need else None,
+            "offload_loads": sum(w.loads for w in workers),
+            "offload_stores": sum(w.stores for w in workers),
+            "offload_loaded_blocks": sum(w.load_blocks for w in workers),
+            "offload_stored_blocks": sum(w.store_blocks for w in workers),
+            "offload_load_bytes": sum(w.load_bytes for w in workers),
+            "offload_store_bytes": sum(w.store_bytes for w in workers),
+            "offload_wait_s": sum(w.blocking_s for w in workers),
+        }
 
     def _loop(self, replicas: list[Replica]) -> tuple[SimResult, Fleet]:
         """Wire the run's clock, runner, fleet and driver, and run every event."""

@@ -76,6 +76,7 @@ def test_held_request_waits_and_comes_back(vllm_engine):
     engine = vllm_engine
     policy = ReversePolicy(hold={"r1"})
     s = engine.make_scheduler(_hook(policy), num_blocks=64, max_num_seqs=8)
+    s.kvpilot_clock = lambda: 5.0  # within the starvation bound of every arrival
     for i in range(3):
         s.add_request(engine.make_request(f"r{i}", engine.prompt_tokens(f"h{i}", 20), 4, arrival_time=float(i)))
     runner = engine.FakeRunner()
@@ -93,6 +94,7 @@ def test_held_requests_keep_policy_order(vllm_engine):
     engine = vllm_engine
     policy = ReversePolicy(hold={"r0", "r2", "r3"})
     s = engine.make_scheduler(_hook(policy), num_blocks=64, max_num_seqs=8)
+    s.kvpilot_clock = lambda: 5.0
     for i in range(4):
         s.add_request(engine.make_request(f"r{i}", engine.prompt_tokens(f"k{i}", 20), 4, arrival_time=float(i)))
     out = engine.FakeRunner().step(s)

@@ -18,6 +18,7 @@ from rich.console import Console
 
 from data.errors import DataValidationError
 from training import predictors_cli
+from simulator.config import DEFAULT_OFFLOAD_GIB
 from training.evaluate import DEFAULT_DECODE_STRIDE
 from training.policy_cli import register as register_train_policy
 from training.predictors_cli import predictors_app
@@ -158,6 +159,10 @@ KvFraction = Annotated[Optional[float], typer.Option(
     "--kv-fraction", help="KV per replica as a fraction of what the largest step needs at once.")]
 Replicas = Annotated[int, typer.Option("--replicas", help="Number of replicas.")]
 Preset = Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")]
+OffloadGib = Annotated[float, typer.Option(
+    "--offload-gib", help="Host memory (GiB) per replica of the CPU offload tier (vLLM's native KV offloading), "
+    "for policies that use it (vllm-offload, *-offload); 0 turns the tier off. Default: a quarter of a DGX "
+    "H200's host memory per GPU.")]
 
 
 @app.command("simulate")
@@ -188,10 +193,11 @@ def simulate(
     keep_cache: Annotated[bool, typer.Option(
         "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
         "every step, as RL frameworks do at weight sync).")] = False,
+    offload_gib: OffloadGib = DEFAULT_OFFLOAD_GIB,
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
     summary = _simulate(workload, out_dir, policy, policy_options, replicas, router, kv_blocks, kv_fraction, preset,
-                        max_num_seqs, max_num_batched_tokens, progress, decode_stride, keep_cache)
+                        max_num_seqs, max_num_batched_tokens, progress, decode_stride, keep_cache, offload_gib)
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -230,7 +236,8 @@ def bound(
 
 def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Optional[str], replicas: int, router: str,
               kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: int,
-              max_num_batched_tokens: int, progress: bool, decode_stride: int = 1, keep_cache: bool = False) -> dict:
+              max_num_batched_tokens: int, progress: bool, decode_stride: int = 1, keep_cache: bool = False,
+              offload_gib: float = DEFAULT_OFFLOAD_GIB) -> dict:
     """Read, check and simulate; user errors exit with status 2 before anything runs."""
     from simulator.workload import load_workload
 
@@ -255,7 +262,7 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
             prepared, policy, policy_options=options, replicas=replicas, router=router, kv_blocks=kv_blocks,
             kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, progress=progress, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
-            keep_cache_across_steps=keep_cache,
+            keep_cache_across_steps=keep_cache, offload_gib=offload_gib,
         )
     except SimulationError as err:
         raise _fail(str(err)) from None
@@ -313,6 +320,7 @@ def evaluate_cmd(
     keep_cache: Annotated[bool, typer.Option(
         "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
         "every step, as RL frameworks do at weight sync).")] = False,
+    offload_gib: OffloadGib = DEFAULT_OFFLOAD_GIB,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import EvaluationError, build_cases, evaluate, resolve_policies
@@ -345,7 +353,7 @@ def evaluate_cmd(
         result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
                           jobs=jobs, progress=progress, decode_stride=decode_stride, resume=resume,
                           full_telemetry=full_telemetry,
-                          sim_options={"keep_cache_across_steps": True} if keep_cache else None,
+                          sim_options={"keep_cache_across_steps": keep_cache, "offload_gib": offload_gib},
                           policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None
@@ -356,6 +364,8 @@ def evaluate_cmd(
             f"makespan {r['makespan_s']:.2f} s/step  x{ratio:.3f} vs default (whole run x{whole:.3f})  "
             f"x{_fmt_gap(r.get('makespan_over_bound'), 3)} bound  gap closed {_fmt_gap(r.get('gap_closed'))}  "
             f"hit {r['prefix_hit_rate']:.3f}  recomputed {r['recomputed_tokens']}"
+            + (f"  offload load {r['offload_load_bytes'] / 2**30:.1f} GiB store {r['offload_store_bytes'] / 2**30:.1f} GiB"
+               if r.get("offload_blocks") else "")
             if ratio is not None and whole is not None else f"makespan {r['makespan_s']:.2f} s/step")
         kv = "gpu" if r["kv_fraction"] is None else f"{r['kv_fraction']:g}"
         typer.echo(f"{r['policy']:<16} kv {kv:<5} r{r['replicas']}  {status}")

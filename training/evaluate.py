@@ -213,10 +213,10 @@ def _row(row: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def finished_case(case: Case, out_dir: Path, decode_stride: int, keep_cache_across_steps: bool = False
-                  ) -> tuple[dict[str, Any], list[float]] | None:
-    """A case an earlier evaluation into ``out_dir`` finished at this stride and cache rule (summary and
-    trajectories), or None."""
+def finished_case(case: Case, out_dir: Path, decode_stride: int, keep_cache_across_steps: bool = False,
+                  offload_gib: float | None = None) -> tuple[dict[str, Any], list[float]] | None:
+    """A case an earlier evaluation into ``out_dir`` finished at this stride, cache rule and CPU offload tier
+    (summary and trajectories), or None."""
     run_dir = Path(out_dir) / "runs" / case.name
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -226,6 +226,8 @@ def finished_case(case: Case, out_dir: Path, decode_stride: int, keep_cache_acro
     if summary.get("decode_stride", 1) != decode_stride or \
             summary.get("keep_cache_across_steps") != keep_cache_across_steps:
         return None  # another stride, or another cache rule at weight sync (or a run from before it existed)
+    if summary.get("offload_blocks") and offload_gib is not None and summary.get("offload_gib") != offload_gib:
+        return None  # a policy with a CPU tier, run with another tier size
     row = {"policy": case.policy, "kv_fraction": case.kv_fraction, "replicas": case.replicas, "error": None}
     return _row(row, summary), [float(d) for d in durations]
 
@@ -291,7 +293,8 @@ def evaluate(
     try:
         todo = []
         for case in cases:
-            earlier = finished_case(case, out, decode_stride, bool(sim_options.get("keep_cache_across_steps"))) \
+            earlier = finished_case(case, out, decode_stride, bool(sim_options.get("keep_cache_across_steps")),
+                                    sim_options.get("offload_gib")) \
                 if resume else None
             if earlier is not None:
                 done(case, earlier)

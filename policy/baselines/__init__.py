@@ -21,4 +21,7 @@ BASELINES: dict[str, str] = {
     "marconi": "policy.baselines.marconi:FlopsAwareEvictionPolicy",
     "lrb": "policy.baselines.lrb:SampledNextUseEvictionPolicy",
     "oracle": "policy.baselines.oracle:HindsightOraclePolicy",
+    "vllm-offload": "policy.baselines.offload_tier:VllmOffloadPolicy",
+    "continuum-offload": "policy.baselines.offload_tier:ContinuumOffloadPolicy",
+    "kvflow-offload": "policy.baselines.offload_tier:NextUseOffloadPolicy",
 }
