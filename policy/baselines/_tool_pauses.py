@@ -9,6 +9,7 @@
   expected (remaining) pause.
 * :class:`SessionPins` remembers the prefixes a policy pinned for paused sessions and releases them once
   the session's next turn is scheduled (it has then taken its own references to the blocks it hit).
+* :class:`PauseEventsMixin` feeds a policy's ``latencies`` and ``pins`` their events.
 * :func:`quantile`: an empirical quantile.
 
 Plain Python, no vLLM.
@@ -25,7 +26,7 @@ from typing import Optional
 from policy.baselines._eviction import check_count, check_number
 from policy.interface import CachedPrefix, Event, EventKind
 
-__all__ = ["MAX_SESSIONS", "quantile", "ToolStats", "ToolLatencies", "SessionPins"]
+__all__ = ["MAX_SESSIONS", "quantile", "ToolStats", "ToolLatencies", "SessionPins", "PauseEventsMixin"]
 
 #: Bound on per-session records (the oldest goes first), so a policy stays small without finish events.
 MAX_SESSIONS = 1 << 17
@@ -200,3 +201,18 @@ class SessionPins:
         for pid in [pid for pid in self._pins if pid not in live and pid not in decided]:
             self.forget(pid)
         return release
+
+
+class PauseEventsMixin:
+    """``on_event`` for a policy with ``latencies`` (:class:`ToolLatencies`) and ``pins`` (:class:`SessionPins`):
+    tool-call events teach the latencies, a ``SCHEDULED`` next turn releases its session's pins."""
+
+    latencies: ToolLatencies
+    pins: SessionPins
+
+    def on_event(self, event: Event) -> None:
+        if event.meta.session_id is None:
+            return
+        self.latencies.on_event(event)
+        if event.kind is EventKind.SCHEDULED:
+            self.pins.on_scheduled(event)

@@ -56,14 +56,12 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from policy.baselines._eviction import check_number
-from policy.baselines._tool_pauses import MAX_SESSIONS, SessionPins, ToolLatencies
+from policy.baselines._tool_pauses import MAX_SESSIONS, PauseEventsMixin, SessionPins, ToolLatencies
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
     CandidateRequest,
     EngineState,
-    Event,
-    EventKind,
     OwnerState,
     Policy,
     Retention,
@@ -72,7 +70,7 @@ from policy.interface import (
 )
 
 
-class ToolPauseTTLPolicy(Policy):
+class ToolPauseTTLPolicy(PauseEventsMixin, Policy):
     """Pin a tool-paused turn's prefix for a TTL from the tool's latency; keep programs' arrival order.
 
     ``latency_options`` (``ttl_quantile``, ``prior_ttl_s``, ``min_observations``, ``window``, ``min_ttl_s``,
@@ -145,10 +143,3 @@ class ToolPauseTTLPolicy(Policy):
             keys.append((t, c.arrival_s, i))
         keys.sort()
         return AdmissionDecision(order=[waiting[i].request_id for _, _, i in keys])
-
-    def on_event(self, event: Event) -> None:
-        if event.meta.session_id is None:
-            return
-        self.latencies.on_event(event)
-        if event.kind is EventKind.SCHEDULED:
-            self.pins.on_scheduled(event)
