@@ -20,7 +20,8 @@ import pyarrow as pa
 import pytest
 
 from data.schemas import WORKLOAD
-from policy.baselines.continuum import ToolPauseTTLPolicy, quantile
+from policy.baselines._tool_pauses import quantile
+from policy.baselines.continuum import ToolPauseTTLPolicy
 from policy.baselines.kvflow import NextUseEvictionPolicy
 from policy.baselines.lrb import SampledNextUseEvictionPolicy
 from policy.baselines.marconi import FlopsAwareEvictionPolicy
@@ -426,7 +427,7 @@ def test_continuum_pin_outlives_short_tool_call_and_is_released(vllm_engine):
     assert hit == 64  # the returning turn hit the pinned context
     assert s.kvpilot_pinned_blocks == 0
     assert s._kvp_retention.pins.num_released_policy == 1 and s._kvp_retention.pins.num_released_expired == 0
-    assert list(policy._lat["search"]) == [1.0]  # the tool latency was learned
+    assert list(policy.latencies._lat["search"]) == [1.0]  # the tool latency was learned
 
 
 @pytest.mark.vllm

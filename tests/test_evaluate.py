@@ -51,10 +51,12 @@ def test_resolve_policies() -> None:
     assert resolve_policies("sortedrl, rollpacker") == [DEFAULT, "sortedrl", "rollpacker"]
     every = resolve_policies("all")
     assert every == [DEFAULT] + [p for p in known_policies() if p != DEFAULT and p not in NOT_IN_ALL]
-    # exactly the thirteen; nothing that needs a trained model, only explores, or learns as it runs
+    # the thirteen and the tool-pause baselines; nothing that needs a trained model, only explores, or
+    # learns as it runs
     assert sorted(every) == sorted(["vllm-default", "vllm-priority", "sjf-predicted", "sortedrl", "rollpacker",
                                     "heddle", "rolloutpipe", "seer", "continuum", "kvflow", "marconi", "lrb",
-                                    "oracle"])
+                                    "oracle", "infercept", "infercept-offload", "working-set",
+                                    "working-set-offload"])
     assert resolve_policies("lrb-online") == [DEFAULT, "lrb-online"]  # still runnable by name
     with pytest.raises(EvaluationError, match="unknown policy 'nope'.*known policies: .*vllm-default"):
         resolve_policies("sortedrl,nope")

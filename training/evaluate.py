@@ -65,7 +65,8 @@ DEFAULT = "vllm-default"
 #: policies, whose tail moves with the step at which a long decode is admitted), for 0.71x the CPU of k = 16.
 DEFAULT_DECODE_STRIDE = 32
 
-#: Registered policies that ``--policies all`` leaves out, so that ``all`` is issue #5's thirteen baselines:
+#: Registered policies that ``--policies all`` leaves out, so that ``all`` is the baselines (issue #5's thirteen,
+#: InferCept and the working set, each with and without the CPU offload tier):
 #: those that need a trained model (``learned``: ``model=POLICY_DIR``; ``registry``: the MLflow champion),
 #: the exploring behaviour policy (``logging``), which is for collecting logs, not for comparison, and
 #: ``lrb-online`` (learned eviction that trains as it runs; still runnable by name).

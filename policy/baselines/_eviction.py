@@ -7,6 +7,7 @@
   freed first), then by id, so an order is deterministic.
 * :func:`tail_starts` (from :mod:`data.records`) finds where each candidate's own tail begins (past the
   blocks it shares with other candidates): the part the lever moves.
+* :func:`check_count` / :func:`check_number` validate integer and bounded numeric options.
 * :class:`ReuseEventsMixin` forwards events to a predictor's ``observe``.
 
 Plain Python, no vLLM.
@@ -23,7 +24,7 @@ from policy.interface import CachedPrefix, Event
 from policy.predictors import REUSE_PREDICTOR, ReusePredictor, resolve_predictor
 
 __all__ = [
-    "resolve_reuse_predictor", "furthest_first", "check_count",
+    "resolve_reuse_predictor", "furthest_first", "check_count", "check_number",
     "ReuseEventsMixin",
 ]
 
@@ -58,6 +59,15 @@ def check_count(name: str, value: Any, *, allow_none: bool = False) -> Optional[
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"option {name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def check_number(name: str, value: Any, *, lo: float = 0.0, allow_lo: bool = False, hi: float = math.inf) -> float:
+    """Validate a finite numeric option in ``(lo, hi]`` (``[lo, hi]`` with ``allow_lo``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"option {name} must be a finite number, got {value!r}")
+    if value < lo or (value == lo and not allow_lo) or value > hi:
+        raise ValueError(f"option {name} out of range: {value!r}")
+    return float(value)
 
 
 class ReuseEventsMixin:
