@@ -28,6 +28,19 @@ per step as the hook measures it (its work before, inside and after vLLM's
 and the ``super()`` call) is too small to see in a whole step, so it is also
 measured in isolation over a no-op base.
 
+A third table times the paused-session levers (issue 17): agent sessions whose turns end in a tool call
+(turns of 16-48 tokens; a turn's next one arrives 10 steps later with its context plus 16 tool tokens), on
+engines with vLLM's native CPU offload tier (the real ``OffloadingConnector``; its transfers reported by
+:class:`simulator.offload.OffloadWorker`), so every step has freed blocks to retain (InferCept's choice per
+paused session, re-evaluated) or new sessions to hold back (working-set admission):
+
+* ``stock``: vLLM's ``Scheduler`` with the tier;
+* ``infercept-offload`` and ``working-set-offload``: the hook with those baselines (admission, retention,
+  events and the tier).
+
+Their steps differ (the policies admit and keep different requests), so the ratio there is of medians,
+not paired by step.
+
 Run: ``python -m benchmarks.bench_hook [--steps 300] [--running 32 128 512]
 [--clock wall|cpu]``; ``--clock cpu`` times ``schedule()`` by the thread's CPU
 time, steadier on a shared machine (the hook's own time is always wall time).
@@ -42,6 +55,7 @@ import os
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -190,6 +204,118 @@ def table(engine, mode, what, steps, sizes):
         )
 
 
+SESSION_PAUSE_STEPS = 10
+SESSION_TURNS = 5
+
+
+def sessions_build(engine, cls, running):
+    """A scheduler with the CPU tier and ``running`` + WAITING agent sessions, and its turn driver."""
+    from simulator.cost_model import CostModel
+    from simulator.offload import OffloadWorker
+
+    cost = CostModel.preset("H200-7B")
+    n = running + WAITING
+    blocks = n * 24 + 64
+    cfg = engine.make_vllm_config(num_blocks=blocks, max_num_seqs=running, max_num_batched_tokens=max(8192, n * 4),
+                                  offload_blocks=4 * blocks)
+    s = engine.make_scheduler(cls, num_blocks=blocks, vllm_config=cfg)
+    worker = OffloadWorker(cost, cost.kv_block_bytes(16))
+    now = [0.0]
+    if hasattr(s, "kvpilot_clock"):
+        s.kvpilot_clock = lambda: now[0]
+    prompts: dict[str, list] = {}
+    returns: list = []  # (step, session, turn)
+
+    lengths: dict[str, int] = {}
+
+    def add(sid, turn):
+        rid = f"{sid}-t{turn}"
+        p = prompts[sid]
+        out = lengths[rid] = 16 + zlib.crc32(rid.encode()) % 33
+        meta = {"kvpilot_session_id": sid, "kvpilot_turn": turn, "kvpilot_tool": "bash", "kvpilot_domain": "swe",
+                "kvpilot_group_id": f"g{int(sid[1:].rstrip('n')) // 8}", "kvpilot_group_size": 8}
+        s.add_request(engine.make_request(rid, p, out, arrival_time=now[0], extra_args=meta))
+
+    for i in range(n):
+        prompts[f"s{i}"] = engine.prompt_tokens(f"sess-{i}", PROMPT)
+        add(f"s{i}", 0)
+
+    def step(k, timed):
+        while returns and returns[0][0] <= k:
+            _, sid, turn = returns.pop(0)
+            add(sid, turn)
+        t = clock()
+        out = s.schedule()
+        dt = clock() - t
+        worker.submit(out, now[0])
+        mro = engine.FakeRunner().model_output(s, out)
+        now[0] += 0.02
+        kv_out = worker.finished(now[0])
+        res = s.update_from_output(out, engine.model_runner_output(mro.req_ids, mro.sampled_token_ids, kv_out))
+        for eco in res.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    rid = o.request_id
+                    sid, turn = rid.rsplit("-t", 1)
+                    if int(turn) < SESSION_TURNS - 1:  # the tool runs; the next turn holds the whole context
+                        prompts[sid] = prompts[sid] + engine.output_tokens(rid, lengths[rid]) + \
+                            engine.prompt_tokens(f"{rid}-tool", 16)
+                        returns.append((k + SESSION_PAUSE_STEPS, sid, int(turn) + 1))
+                    else:  # a new session takes its place
+                        new = f"{sid}n"
+                        prompts[new] = engine.prompt_tokens(f"sess-{new}", PROMPT)
+                        returns.append((k, new, 0))
+        if timed:
+            return dt, getattr(s, "kvpilot_stats", None)
+        return None
+
+    for k in range(20):  # warm-up: admit, prefill, first pauses
+        step(k, False)
+    return step
+
+
+def sessions_table(engine, steps, sizes):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from policy.catalog import create_policy
+    from serving_hook import KVPilotScheduler, with_policy
+    from serving_hook.config import HookConfig
+
+    names = ("infercept-offload", "working-set-offload")
+    variants = {"stock": Scheduler}
+    for name in names:
+        variants[name] = with_policy(KVPilotScheduler, lambda name=name: create_policy(name),
+                                     HookConfig(decision_budget_s=1.0, offload_load_s_per_block=1.8e-5))
+    print(f"\nagent sessions pausing on tools, CPU offload tier on, {WAITING} more sessions than running; "
+          f"{steps} steps; times in ms")
+    header = f"{'running':>7} | {'stock med':>9} {'p99':>7} | " + " | ".join(
+        f"{n + ' med':>22} {'p99':>7} {'ratio':>6} {'hook own':>8}" for n in names)
+    print(header)
+    print("-" * len(header))
+    for n in sizes:
+        drivers = {k: sessions_build(engine, cls, n) for k, cls in variants.items()}
+        times = {k: [] for k in variants}
+        own = {k: [] for k in names}
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(steps):
+                for k, drive in drivers.items():
+                    dt, st = drive(20 + i, True)
+                    times[k].append(dt)
+                    if st is not None:
+                        own[k].append(st.last_hook_time_s)
+        finally:
+            gc.enable()
+        sm = statistics.median(times["stock"])
+        cells = [f"{n:>7} | {sm * MS:>9.3f} {p99(times['stock']) * MS:>7.3f}"]
+        for k in names:
+            m = statistics.median(times[k])
+            cells.append(f"{m * MS:>22.3f} {p99(times[k]) * MS:>7.3f} {m / sm:>6.3f} "
+                         f"{statistics.median(own[k]) * MS:>8.3f}")
+        print(" | ".join(cells))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -207,6 +333,7 @@ def main(argv=None):
     )
     table(engine, "seq", "admission bound by max_num_seqs (= running)", a.steps, a.running)
     table(engine, "kv", "admission bound by KV blocks (the queue head fails to allocate)", a.steps, a.running)
+    sessions_table(engine, a.steps, a.running)
     own = passthrough_overhead()
     print(
         f"\ndefault path (VllmDefaultPolicy, no telemetry): the hook's own time per schedule() call is "

@@ -16,8 +16,9 @@ Each engine step a policy may answer three questions:
   when blocks run out;
 * **retention** (:meth:`Policy.retain`): for the cached blocks freed by a
   finished request, or by a turn that paused on a tool, whether to protect them
-  for a while (a pin with a TTL), demote them (evict them first) or leave them
-  to LRU;
+  for a while (a pin with a TTL), demote them (evict them first), offload them
+  (with a CPU offload tier: the GPU copy goes first and the tier's copy serves
+  the return) or leave them to LRU;
 * **eviction** (:meth:`Policy.evict`): when an allocation is about to evict
   cached blocks, which cached prefixes (among all whose blocks are free and
   still cached) go first. Retention decides once, when blocks are freed;
@@ -26,6 +27,14 @@ Each engine step a policy may answer three questions:
 
 It also receives :class:`Event` objects (arrived, scheduled, preempted,
 finished, tool call started, tool call ended) to keep its own state.
+
+An admission decision may hold back every waiting request, even with free
+blocks (so that paused sessions' cached context survives until their tools
+return); the hook's starvation bound (``KVPILOT_MAX_HOLD_S``) admits a request
+that has waited that long whatever the policy holds. A policy that wants the CPU
+offload tier sets :attr:`Policy.uses_offload` (the simulator then builds its
+engines with vLLM's native KV offloading); :class:`EngineState` tells every
+policy the tier's size and load price.
 
 Returning ``None`` from any decision method means "vLLM's own behaviour".
 

@@ -20,7 +20,8 @@ core, policy and mechanism are apart, with plain records between them:
   only when the policy uses it; each module describes how its lever reaches
   vLLM (with vLLM's line numbers): :mod:`serving_hook.admission`,
   :mod:`serving_hook.preemption`, :mod:`serving_hook.retention` (with the pins
-  of :mod:`serving_hook.pins`) and :mod:`serving_hook.eviction`;
+  of :mod:`serving_hook.pins`) and :mod:`serving_hook.eviction`; :mod:`serving_hook.offload` is the
+  CPU offload tier (vLLM's native KV offloading) as policies and telemetry see it;
 * :mod:`serving_hook.block_pool`: the pool mechanism (class swap, eviction
   counter and hook, prefix tree).
 

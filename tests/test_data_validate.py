@@ -141,6 +141,9 @@ def step_row(i: int) -> dict:
         "prefix_hits": 256,
         "preemptions": 0,
         "evictions": 0,
+        "held": i,
+        "offload_loaded_blocks": 0,
+        "offload_stored_blocks": 2 * i,
         "hook_fallback": False,
         "dropped_rows": 0,
     }

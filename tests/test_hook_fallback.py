@@ -168,7 +168,7 @@ def _construct(engine, cls):
 @pytest.mark.parametrize(
     "env, message",
     [
-        ({"KVPILOT_POLICY": "no-such-policy"}, "known policies: continuum, heddle"),
+        ({"KVPILOT_POLICY": "no-such-policy"}, "known policies: continuum, continuum-offload, heddle"),
         ({"KVPILOT_POLICY_OPTIONS": "{not json"}, "KVPILOT_POLICY_OPTIONS is not valid JSON"),
         ({"KVPILOT_POLICY_OPTIONS": "[1, 2]"}, "must be a JSON object"),
         ({"KVPILOT_POLICY_OPTIONS": '{"bogus": 1}'}, "cannot build policy 'vllm-default'"),

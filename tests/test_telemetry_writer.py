@@ -77,6 +77,9 @@ def step_row(i: int) -> dict:
         "prefix_hits": 1,
         "preemptions": 0,
         "evictions": 0,
+        "held": 0,
+        "offload_loaded_blocks": 1,
+        "offload_stored_blocks": 3,
         "hook_fallback": False,
         "dropped_rows": 0,
     }
