@@ -285,7 +285,7 @@ def sessions_table(engine, steps, sizes):
     variants = {"stock": Scheduler}
     for name in names:
         variants[name] = with_policy(KVPilotScheduler, lambda name=name: create_policy(name),
-                                     HookConfig(decision_budget_s=1.0, offload_load_s_per_block=1.8e-5))
+                                     HookConfig(decision_budget_s=1.0, kv_block_bytes=917504))
     print(f"\nagent sessions pausing on tools, CPU offload tier on, {WAITING} more sessions than running; "
           f"{steps} steps; times in ms")
     header = f"{'running':>7} | {'stock med':>9} {'p99':>7} | " + " | ".join(

@@ -158,6 +158,8 @@ STEPS = TableSpec(
             # blocks the CPU offload tier (vLLM's native KV offloading) loaded into / stored from GPU memory
             _f("offload_loaded_blocks", pa.int32(), True),
             _f("offload_stored_blocks", pa.int32(), True),
+            _f("offload_loaded_bytes", pa.int64(), True),
+            _f("offload_stored_bytes", pa.int64(), True),
             _f("hook_fallback", pa.bool_()),  # this step fell back to vLLM's own behaviour
             _f("dropped_rows", pa.int64()),  # telemetry rows dropped so far (full queue)
         ]

@@ -704,6 +704,8 @@ for _column, _what in [
     ("held", "count"),
     ("offload_loaded_blocks", "count"),
     ("offload_stored_blocks", "count"),
+    ("offload_loaded_bytes", "byte count"),
+    ("offload_stored_bytes", "byte count"),
     ("dropped_rows", "count"),
 ]:
     _at_least("steps", _column, 0, _what)

@@ -63,10 +63,11 @@ class HookConfig:
     #: The starvation bound of admission holds: a request waiting this long is admitted in vLLM's order
     #: whatever the policy holds back (counted as ``hold_overridden``).
     max_hold_s: float = DEFAULT_MAX_HOLD_S
-    #: Seconds one KV block takes to load from the CPU offload tier, for the policies' prices (``EngineState``);
-    #: ``None``: vLLM's block bytes over ``host_link_gbps``. The simulator sets it from its cost model.
-    offload_load_s_per_block: Optional[float] = None
+    #: The CPU offload tier: the host link its loads take (GB/s, for the policies' prices in ``EngineState``),
+    #: and the bytes of one KV block that transfers are priced and counted by (``None``: vLLM's own; the
+    #: simulator gives its simulated model's, since its vLLM runs a tiny stand-in model).
     host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
+    kv_block_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or not self.policy.strip():
@@ -87,9 +88,9 @@ class HookConfig:
         h = self.max_hold_s
         if not isinstance(h, (int, float)) or not math.isfinite(h) or h < 0:
             raise HookConfigError(f"kvpilot: the max hold time must be >= 0 seconds, got {h!r}")
-        o = self.offload_load_s_per_block
-        if o is not None and (not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0):
-            raise HookConfigError(f"kvpilot: the offload load time per block must be >= 0 seconds, got {o!r}")
+        kb = self.kv_block_bytes
+        if kb is not None and (isinstance(kb, bool) or not isinstance(kb, int) or kb < 1):
+            raise HookConfigError(f"kvpilot: the KV block size must be an integer >= 1 bytes, got {kb!r}")
         g = self.host_link_gbps
         if not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0:
             raise HookConfigError(f"kvpilot: the host link bandwidth must be > 0 GB/s, got {g!r}")

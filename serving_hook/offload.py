@@ -10,7 +10,8 @@ stored, so the retention lever's ``OFFLOAD`` action does not start a copy: it le
 (demotes it, :mod:`serving_hook.retention`), and the tier's copy serves the session's return.
 
 This module gives the policies the tier's size and load price (``EngineState.num_offload_blocks`` /
-``offload_load_s_per_block``) and the telemetry its transfers per step.
+``offload_load_s_per_block``: a block's bytes over ``KVPILOT_HOST_LINK_GBPS``) and the ``steps`` telemetry
+its transfers per step, in blocks and bytes.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ __all__ = ["OffloadTier", "tier_of"]
 
 
 class OffloadTier:
-    """Capacity (blocks) and load price (seconds per block) of a scheduler's CPU tier."""
+    """Capacity (blocks), block size (bytes) and load price (seconds per block) of a scheduler's CPU tier."""
 
-    __slots__ = ("blocks", "load_s_per_block")
+    __slots__ = ("block_bytes", "blocks", "load_s_per_block")
 
-    def __init__(self, blocks: int, load_s_per_block: float) -> None:
+    def __init__(self, blocks: int, block_bytes: int, load_s_per_block: float) -> None:
         self.blocks = blocks
+        self.block_bytes = block_bytes
         self.load_s_per_block = load_s_per_block
 
     @staticmethod
@@ -48,13 +50,15 @@ def _block_bytes(kv_cache_config: Any) -> int:
     return -(-raw // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def tier_of(sched: Any, load_s_per_block: float | None, host_link_gbps: float) -> OffloadTier | None:
-    """The scheduler's CPU offload tier, or None when vLLM runs without native offloading."""
+def tier_of(sched: Any, block_bytes: int | None, host_link_gbps: float) -> OffloadTier | None:
+    """The scheduler's CPU offload tier, or None when vLLM runs without native offloading.
+
+    ``block_bytes``: the bytes of one block that transfers are priced and counted by (None: vLLM's own, from
+    its KV-cache config; the simulator gives its simulated model's)."""
     size_gib = sched.cache_config.kv_offloading_size
     if size_gib is None or sched.connector is None or sched.cache_config.kv_offloading_backend != "native":
         return None
-    nbytes = _block_bytes(sched.kv_cache_config)
-    blocks = int(size_gib * 2**30 // nbytes) if nbytes else 0
-    if load_s_per_block is None:
-        load_s_per_block = nbytes / (host_link_gbps * 1e9)
-    return OffloadTier(blocks, float(load_s_per_block))
+    vllm_bytes = _block_bytes(sched.kv_cache_config)
+    blocks = int(size_gib * 2**30 // vllm_bytes) if vllm_bytes else 0
+    nbytes = vllm_bytes if block_bytes is None else block_bytes
+    return OffloadTier(blocks, nbytes, nbytes / (host_link_gbps * 1e9))

@@ -77,6 +77,7 @@ class Rows:
         held: int = 0,
         offload_loaded_blocks: int = 0,
         offload_stored_blocks: int = 0,
+        offload_block_bytes: int = 0,
     ) -> None:
         """Stamp this step's ``steps`` row; written at the step's end (:meth:`end_step`), when its duration is known.
 
@@ -109,6 +110,8 @@ class Rows:
                 "held": held,
                 "offload_loaded_blocks": offload_loaded_blocks,
                 "offload_stored_blocks": offload_stored_blocks,
+                "offload_loaded_bytes": offload_loaded_blocks * offload_block_bytes,
+                "offload_stored_bytes": offload_stored_blocks * offload_block_bytes,
                 "hook_fallback": self.guard.fallback,
                 "dropped_rows": self.writer.dropped,
             }

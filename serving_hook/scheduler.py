@@ -145,7 +145,7 @@ class KVPilotMixin:
             )
         if (policy.uses_retention or policy.uses_eviction) and not caching:
             logger.warning("kvpilot: prefix caching is off; the retention and eviction levers are disabled")
-        tier = self._kvp_tier = tier_of(self, cfg.offload_load_s_per_block, cfg.host_link_gbps)
+        tier = self._kvp_tier = tier_of(self, cfg.kv_block_bytes, cfg.host_link_gbps)
         if policy.uses_offload and tier is None:
             logger.warning("kvpilot: policy %s expects a CPU offload tier, but vLLM runs without native KV "
                            "offloading (--kv-offloading-size); its OFFLOAD answers act as KEEP", policy.name)
@@ -371,7 +371,8 @@ class KVPilotMixin:
         if rows.writer is None:
             return
         pool = self._kvp_pool
-        loaded, stored = OffloadTier.step_blocks(out) if self._kvp_tier is not None else (0, 0)
+        tier = self._kvp_tier
+        loaded, stored = OffloadTier.step_blocks(out) if tier is not None else (0, 0)
         rows.step(
             now,
             out.num_scheduled_tokens,
@@ -388,6 +389,7 @@ class KVPilotMixin:
             held=self.kvpilot_held,
             offload_loaded_blocks=loaded,
             offload_stored_blocks=stored,
+            offload_block_bytes=tier.block_bytes if tier is not None else 0,
         )
 
     def _kvp_between_steps(self) -> None:

@@ -213,9 +213,14 @@ class CostModel:
             )
         return int(free // self.kv_block_bytes(block_size))
 
+    @property
+    def host_link_bytes_per_s(self) -> float:
+        """Achievable bytes/s between host memory and the GPU, one direction."""
+        return self.gpu.host_link_bandwidth * self.host_link_efficiency
+
     def host_transfer_s(self, num_bytes: int | float) -> float:
         """Seconds to move ``num_bytes`` of KV between host memory and the GPU, one direction."""
-        return num_bytes / (self.gpu.host_link_bandwidth * self.host_link_efficiency)
+        return num_bytes / self.host_link_bytes_per_s
 
     @property
     def weight_read_s(self) -> float:

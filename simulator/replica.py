@@ -102,8 +102,9 @@ def build_replicas(config: SimConfig, workload: PreparedWorkload, kv_blocks: int
     reps = []
     for i in range(config.replicas):
         kw: dict[str, Any] = {"replica": i}
-        if offload_blocks:
-            kw["offload_load_s_per_block"] = config.cost.host_transfer_s(block_bytes)
+        if offload_blocks:  # the policies price and telemetry counts the simulated model's blocks on its host link
+            kw["kv_block_bytes"] = block_bytes
+            kw["host_link_gbps"] = config.cost.host_link_bytes_per_s / 1e9
         if config.decision_budget_s is not None:
             kw["decision_budget_s"] = config.decision_budget_s
         cls = with_policy(KVPilotScheduler, policy_factory, HookConfig(**kw), name=f"SimReplica{i}",

@@ -144,6 +144,8 @@ def step_row(i: int) -> dict:
         "held": i,
         "offload_loaded_blocks": 0,
         "offload_stored_blocks": 2 * i,
+        "offload_loaded_bytes": 0,
+        "offload_stored_bytes": 2 * i * 917504,
         "hook_fallback": False,
         "dropped_rows": 0,
     }

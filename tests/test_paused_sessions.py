@@ -102,7 +102,7 @@ def _session_run(engine, policy, offload_blocks: int):
     from simulator.cost_model import CostModel
     from simulator.offload import OffloadWorker
 
-    cls = hook_scheduler(policy, offload_load_s_per_block=1e-3) if policy is not None else stock_scheduler()
+    cls = hook_scheduler(policy, kv_block_bytes=1_000_000, host_link_gbps=1.0) if policy is not None else stock_scheduler()
     cfg = engine.make_vllm_config(num_blocks=40, offload_blocks=offload_blocks)
     s = engine.make_scheduler(cls, num_blocks=40, vllm_config=cfg)
     clock = Clock()
@@ -147,7 +147,7 @@ def test_offloaded_session_loads_its_blocks_instead_of_recomputing(vllm_engine):
     assert waited >= 1  # the asynchronous load held turn 2 (WAITING_FOR_REMOTE_KVS) until the worker reported it
     assert s.kvpilot_stats.offloaded == 1 and s.kvpilot_stats.offload_unavailable == 0
     st = policy.states[0]
-    assert st.num_offload_blocks == 256 and st.offload_load_s_per_block == pytest.approx(1e-3)
+    assert st.num_offload_blocks == 256 and st.offload_load_s_per_block == pytest.approx(1e-3)  # 1 MB at 1 GB/s
     # the same run without the tier (OFFLOAD acts as KEEP: LRU) recomputes what the filler evicted
     hit_gpu_only, s2, _, _ = _session_run(engine, OffloadPaused(), offload_blocks=0)
     assert hit_gpu_only <= 160 - 3 * 16
@@ -196,6 +196,8 @@ def test_tier_cuts_recompute_and_off_is_vllm_default(vllm_engine, agentic_small)
     # the hook's steps telemetry reads the same transfers from vLLM's connector metadata
     assert sum(res.steps.column("offload_loaded_blocks").to_pylist()) == off["offload_loaded_blocks"]
     assert sum(res.steps.column("offload_stored_blocks").to_pylist()) == off["offload_stored_blocks"]
+    assert sum(res.steps.column("offload_loaded_bytes").to_pylist()) == off["offload_load_bytes"]
+    assert sum(res.steps.column("offload_stored_bytes").to_pylist()) == off["offload_store_bytes"]
     assert off["offload_blocks"] == int(8 * 2**30 // (16 * 57344))
     assert off["offload_loads"] > 0 and off["offload_load_bytes"] == off["offload_loaded_blocks"] * 16 * 57344
     assert off["offload_stores"] > 0 and off["offload_store_bytes"] == off["offload_stored_blocks"] * 16 * 57344

@@ -80,6 +80,8 @@ def step_row(i: int) -> dict:
         "held": 0,
         "offload_loaded_blocks": 1,
         "offload_stored_blocks": 3,
+        "offload_loaded_bytes": 917504,
+        "offload_stored_bytes": 3 * 917504,
         "hook_fallback": False,
         "dropped_rows": 0,
     }
