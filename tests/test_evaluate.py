@@ -56,7 +56,7 @@ def test_resolve_policies() -> None:
     assert sorted(every) == sorted(["vllm-default", "vllm-priority", "sjf-predicted", "sortedrl", "rollpacker",
                                     "heddle", "rolloutpipe", "seer", "continuum", "kvflow", "marconi", "lrb",
                                     "oracle", "infercept", "infercept-offload", "working-set",
-                                    "working-set-offload"])
+                                    "working-set-offload", "vllm-offload", "continuum-offload", "kvflow-offload"])
     assert resolve_policies("lrb-online") == [DEFAULT, "lrb-online"]  # still runnable by name
     with pytest.raises(EvaluationError, match="unknown policy 'nope'.*known policies: .*vllm-default"):
         resolve_policies("sortedrl,nope")

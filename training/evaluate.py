@@ -66,7 +66,8 @@ DEFAULT = "vllm-default"
 DEFAULT_DECODE_STRIDE = 32
 
 #: Registered policies that ``--policies all`` leaves out, so that ``all`` is the baselines (issue #5's thirteen,
-#: InferCept and the working set, each with and without the CPU offload tier):
+#: InferCept, the working set and vLLM native offload, and the CPU-tier variants of continuum, kvflow, infercept
+#: and working-set):
 #: those that need a trained model (``learned``: ``model=POLICY_DIR``; ``registry``: the MLflow champion),
 #: the exploring behaviour policy (``logging``), which is for collecting logs, not for comparison, and
 #: ``lrb-online`` (learned eviction that trains as it runs; still runnable by name).
