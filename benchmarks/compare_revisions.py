@@ -57,21 +57,27 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def compare(base_rows: dict[str, dict[str, Any]], new_rows: dict[str, dict[str, Any]]) -> tuple[list[str], set[str]]:
-    """Every difference between two evaluations' rows, timings excluded, as readable lines; and the keys only
-    the new rows have (new metrics, not changed results)."""
+def compare(base_rows: dict[str, dict[str, Any]], new_rows: dict[str, dict[str, Any]]
+            ) -> tuple[list[str], set[str], list[str]]:
+    """Every difference between two evaluations' rows, timings excluded, as readable lines; the keys only
+    the new rows have (new metrics, not changed results); and the cases only the new tree runs (new policies
+    in ``all``, not compared). A case only the base runs is a difference."""
     diffs = []
     added: set[str] = set()
+    new_cases = []
     for case in sorted(set(base_rows) | set(new_rows)):
         a, b = base_rows.get(case), new_rows.get(case)
-        if a is None or b is None:
-            diffs.append(f"{case}: only in {'new' if a is None else 'base'}")
+        if a is None:
+            new_cases.append(case)
+            continue
+        if b is None:
+            diffs.append(f"{case}: only in base")
             continue
         added |= set(b) - set(a)
         for key in sorted(set(a) - TIMING_KEYS):
             if not _same(a.get(key), b.get(key)):
                 diffs.append(f"{case}: {key}: base {a.get(key)!r} != new {b.get(key)!r}")
-    return diffs, added
+    return diffs, added, new_cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,14 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not a.keep:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False)
-    diffs, added = compare(results["base"], results["new"])
+    diffs, added, new_cases = compare(results["base"], results["new"])
     n = len(results["new"])
     errors = [c for c, r in results["new"].items() if r.get("error")]
     for line in diffs:
         print(line)
     if added:
         print(f"keys only the new tree reports (not compared): {', '.join(sorted(added))}")
-    print(f"{n} cases, {len(errors)} failed, {len(diffs)} differences against {a.base}")
+    if new_cases:
+        print(f"{len(new_cases)} cases only the new tree runs (not compared): {', '.join(new_cases)}")
+    print(f"{n} cases ({n - len(new_cases)} compared), {len(errors)} failed, {len(diffs)} differences against "
+          f"{a.base}")
     return 1 if diffs or errors or n == 0 else 0
 
 
