@@ -58,6 +58,11 @@ def test_resolve_policies() -> None:
                                     "oracle", "infercept", "infercept-offload", "working-set",
                                     "working-set-offload", "vllm-offload", "continuum-offload", "kvflow-offload"])
     assert resolve_policies("lrb-online") == [DEFAULT, "lrb-online"]  # still runnable by name
+    # names beside "all" are added to it, in place, once each
+    assert resolve_policies("all,lrb-online") == every + ["lrb-online"]
+    assert resolve_policies("lrb-online,all,sortedrl") == [DEFAULT, "lrb-online"] + every[1:]
+    with pytest.raises(EvaluationError, match="no-such"):
+        resolve_policies("all,no-such")
     with pytest.raises(EvaluationError, match="unknown policy 'nope'.*known policies: .*vllm-default"):
         resolve_policies("sortedrl,nope")
     cases = build_cases([DEFAULT, "sortedrl"], [0.4, 0.2, 0.2], [2, 1])

@@ -288,8 +288,8 @@ def evaluate_cmd(
     workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
     out_dir: Annotated[Path, typer.Option("-o", "--out-dir", help="Where summary.{md,csv,json}, plots and runs/ go.")],
     policies: Annotated[
-        str, typer.Option("--policies", "-p", help="Comma-separated policy names, or 'all'; vllm-default is "
-                          "always added (ratios are to it).")
+        str, typer.Option("--policies", "-p", help="Comma-separated policy names; 'all' is every baseline, and "
+                          "names beside it are added (all,learned); vllm-default is always added (ratios are to it).")
     ] = "all",
     kv_fractions: Annotated[
         str, typer.Option("--kv-fractions", help="Comma-separated KV fractions per replica; 'gpu': the preset "

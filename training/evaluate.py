@@ -111,7 +111,8 @@ class EvaluationResult:
 def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     """Policy names from a comma list or a sequence (``all``: see :data:`NOT_IN_ALL`); vllm-default first.
 
-    Unknown names raise :class:`EvaluationError` naming the known ones."""
+    ``all`` expands in place, so names beside it are added to it (``all,learned`` runs the baselines and the
+    learned policy). Unknown names raise :class:`EvaluationError` naming the known ones."""
     import serving_hook  # noqa: F401 - registers the policy "registry" (the hook serving the MLflow champion)
     from policy.catalog import known_policies
 
@@ -119,8 +120,8 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
         policies = [p.strip() for p in policies.split(",")]
     names = [p for p in (x.strip() for x in policies) if p]
     known = known_policies()
-    if any(p == "all" for p in names):
-        names = [p for p in known if p not in NOT_IN_ALL]
+    every = [p for p in known if p not in NOT_IN_ALL]
+    names = [q for p in names for q in (every if p == "all" else [p])]
     if not names:
         raise EvaluationError("no policies given")
     unknown = [p for p in names if p not in known]
