@@ -220,6 +220,7 @@ def sessions_build(engine, cls, running):
                                   offload_blocks=4 * blocks)
     s = engine.make_scheduler(cls, num_blocks=blocks, vllm_config=cfg)
     worker = OffloadWorker(cost, cost.kv_block_bytes(16))
+    runner = engine.FakeRunner()
     now = [0.0]
     if hasattr(s, "kvpilot_clock"):
         s.kvpilot_clock = lambda: now[0]
@@ -248,7 +249,7 @@ def sessions_build(engine, cls, running):
         out = s.schedule()
         dt = clock() - t
         worker.submit(out, now[0])
-        mro = engine.FakeRunner().model_output(s, out)
+        mro = runner.model_output(s, out)
         now[0] += 0.02
         kv_out = worker.finished(now[0])
         res = s.update_from_output(out, engine.model_runner_output(mro.req_ids, mro.sampled_token_ids, kv_out))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import mmap
 from typing import Any
 
-__all__ = ["OffloadTier", "tier_of"]
+__all__ = ["OffloadTier", "block_bytes", "tier_of"]
 
 
 class OffloadTier:
@@ -36,6 +36,7 @@ class OffloadTier:
     def step_blocks(scheduler_output: Any) -> tuple[int, int]:
         """``(blocks loaded, blocks stored)`` by the transfer jobs of one ``schedule()`` output."""
         meta = scheduler_output.kv_connector_metadata
+        # getattr: VLLM_USE_SIMPLE_KV_OFFLOAD swaps in SimpleCPUOffloadConnector, whose metadata has no jobs
         load_jobs = getattr(meta, "load_jobs", None)
         if not load_jobs and not getattr(meta, "store_jobs", None):
             return 0, 0
@@ -44,21 +45,21 @@ class OffloadTier:
         return loaded, stored
 
 
-def _block_bytes(kv_cache_config: Any) -> int:
+def block_bytes(kv_cache_config: Any) -> int:
     """Bytes one block takes across every layer (page-aligned, as vLLM's CPU tier allocates it)."""
     raw = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
     return -(-raw // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def tier_of(sched: Any, block_bytes: int | None, host_link_gbps: float) -> OffloadTier | None:
+def tier_of(sched: Any, kv_block_bytes: int | None, host_link_gbps: float) -> OffloadTier | None:
     """The scheduler's CPU offload tier, or None when vLLM runs without native offloading.
 
-    ``block_bytes``: the bytes of one block that transfers are priced and counted by (None: vLLM's own, from
+    ``kv_block_bytes``: the bytes of one block that transfers are priced and counted by (None: vLLM's own, from
     its KV-cache config; the simulator gives its simulated model's)."""
     size_gib = sched.cache_config.kv_offloading_size
     if size_gib is None or sched.connector is None or sched.cache_config.kv_offloading_backend != "native":
         return None
-    vllm_bytes = _block_bytes(sched.kv_cache_config)
+    vllm_bytes = block_bytes(sched.kv_cache_config)
     blocks = int(size_gib * 2**30 // vllm_bytes) if vllm_bytes else 0
-    nbytes = vllm_bytes if block_bytes is None else block_bytes
+    nbytes = vllm_bytes if kv_block_bytes is None else kv_block_bytes
     return OffloadTier(blocks, nbytes, nbytes / (host_link_gbps * 1e9))

@@ -92,8 +92,6 @@ class KVPilotMixin:
     _kvp_rows: Optional[Rows] = None
     _kvp_retention: Optional[RetentionLever] = None
     _kvp_tier: Optional[OffloadTier] = None
-    #: Requests the policy held back in the current step (telemetry's ``held``).
-    kvpilot_held = 0
     _kvp_registry: Optional[RegistryPolicy] = None
 
     #: Overrides for the simulator and tests (``with_policy`` sets them on a
@@ -206,13 +204,11 @@ class KVPilotMixin:
         admission = self._kvp_admission
         held: list = []
         desired: Optional[list] = None
-        self.kvpilot_held = 0
         try:
             if self._kvp_retention is not None:
                 self._kvp_retention.before_step(now)
             if admission is not None:
                 held, desired = admission.admit(now)
-                self.kvpilot_held = len(held)
         except Exception as e:
             guard.internal_error("pre-schedule", e)
         t1 = _perf()
@@ -223,7 +219,7 @@ class KVPilotMixin:
             if held:
                 admission.restore(held, desired)
         try:
-            self._kvp_after_schedule(out, now, ev0)
+            self._kvp_after_schedule(out, now, ev0, len(held))
         except Exception as e:
             guard.internal_error("post-schedule", e)
         st = self.kvpilot_stats
@@ -360,7 +356,7 @@ class KVPilotMixin:
         return blocks
 
     # ====================================================== step bookkeeping
-    def _kvp_after_schedule(self, out: Any, now: float, ev0: int) -> None:
+    def _kvp_after_schedule(self, out: Any, now: float, ev0: int, held: int) -> None:
         """After vLLM's ``schedule()``: note whom it admitted, count pin hits, stamp the ``steps`` row."""
         ret = self._kvp_retention
         heads: Optional[list] = [] if ret is not None and ret.pin_info else None
@@ -386,7 +382,7 @@ class KVPilotMixin:
             pinned_blocks=self.kvpilot_pinned_blocks,
             kv_usage=pool.get_usage(),
             evictions=pool.kvpilot_evictions - ev0,
-            held=self.kvpilot_held,
+            held=held,
             offload_loaded_blocks=loaded,
             offload_stored_blocks=stored,
             offload_block_bytes=tier.block_bytes if tier is not None else 0,

@@ -175,6 +175,8 @@ def make_vllm_config(
         VllmConfig,
     )
 
+    from serving_hook.offload import block_bytes
+
     model_dir = model_dir or tiny_model_dir()
     model_config = ModelConfig(
         model=model_dir,
@@ -202,7 +204,8 @@ def make_vllm_config(
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=enable_prefix_caching,
-        kv_offloading_size=offload_blocks * _offload_block_bytes(block_size) / 2**30 if offload_blocks else None,
+        kv_offloading_size=offload_blocks * block_bytes(make_kv_cache_config(1, block_size)) / 2**30
+        if offload_blocks else None,
         kv_offloading_backend="native",
     )
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if enable_kv_cache_events else None
@@ -225,14 +228,6 @@ def _attention_spec(block_size: int):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     return FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=16, dtype=torch.float32)
-
-
-def _offload_block_bytes(block_size: int) -> int:
-    """What one block of the tiny model takes in vLLM's CPU tier (its layers' pages, page-aligned)."""
-    import mmap
-
-    raw = _attention_spec(block_size).page_size_bytes * len(_LAYERS)
-    return -(-raw // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def make_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE):
