@@ -45,6 +45,20 @@ class flags :attr:`Policy.uses_admission`, :attr:`Policy.uses_preemption`,
 the levers a policy declares; with all five ``False`` (as :class:`policy.vllm_default.VllmDefaultPolicy` does) the hook
 adds nothing to vLLM's scheduler step but a few attribute reads.
 
+**Candidates on demand.** A policy that keeps its own per-request state (a feature table refreshed on
+events, as the learned policy's :class:`policy.learned_table.FeatureTable`) sets
+:attr:`Policy.lazy_candidates`: the hook then passes a :class:`CandidateView` instead of a list, whose
+:attr:`CandidateView.request_ids` lists the candidates without building them, and which builds a
+:class:`CandidateRequest` only when the policy reads it (by index or by iterating). Its candidates are the
+ones the list would hold, so a decision does not depend on the flag.
+
+**Hot swap.** When the serving hook replaces a policy while serving (a new registry version,
+:mod:`serving_hook.model_source`), it hands the old policy's :meth:`Policy.export_state` (the per-session
+state learned from events: phases, clocks, paused sessions, per-request rows) to the new one's
+:meth:`Policy.import_state`, between two engine steps. A :class:`PolicyState` names its ``kind`` and layout
+``version``; a policy that cannot take it raises :class:`StateMismatch` without changing itself, and the hook
+then drops the state (one log line, counted). The defaults carry nothing.
+
 **Time budget.** :attr:`Policy.decision_budget_s` bounds the time of all the
 policy calls of one engine step. The hook measures every call; a call that
 raises, or one that returns after the step's budget is spent, is discarded and
@@ -53,6 +67,7 @@ that step falls back to vLLM's own behaviour (see :mod:`serving_hook.scheduler`)
 
 from __future__ import annotations
 
+import abc
 import enum
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,6 +103,9 @@ __all__ = [
     "RetentionDecision",
     "EvictionDecision",
     "Policy",
+    "CandidateView",
+    "PolicyState",
+    "StateMismatch",
     "CANDIDATE_FEATURES",
     "PREFIX_FEATURES",
     "FEATURE_NAMES",
@@ -197,6 +215,36 @@ class EvictionDecision:
     predictions: Optional[Mapping[str, Mapping[str, float]]] = None
 
 
+class CandidateView(Sequence[CandidateRequest]):
+    """The candidates of one decision, built on demand (for a policy with :attr:`Policy.lazy_candidates`).
+
+    Indexing or iterating gives the same :class:`CandidateRequest` objects, with the same values, as the list the
+    hook would otherwise pass; :attr:`request_ids` gives their ids in order without building any.
+    """
+
+    @property
+    @abc.abstractmethod
+    def request_ids(self) -> Sequence[str]:
+        """The candidates' request ids, in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """A policy's per-session state (:meth:`Policy.export_state`), for its successor at a hot swap.
+
+    ``kind`` names the policies that can read ``data`` (e.g. one policy class and its versions) and
+    ``version`` the layout of ``data``.
+    """
+
+    kind: str
+    version: int
+    data: Any
+
+
+class StateMismatch(ValueError):
+    """:meth:`Policy.import_state` got a state it cannot take (another kind of policy, another layout version)."""
+
+
 class Policy:
     """Base class of every kvpilot policy.
 
@@ -233,6 +281,10 @@ class Policy:
     #: :class:`policy.baselines.rollpacker.TailBatchingSpec`). ``None``: plain synchronous steps. Serving
     #: ignores it; the RL framework drives steps there.
     step_driver: Optional[Any] = None
+
+    #: The hook may pass a :class:`CandidateView` (candidates built only when read) instead of a list: for a
+    #: policy that reads only the request ids of most candidates (see the module docstring).
+    lazy_candidates: bool = False
 
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         """Order (and hold back) the waiting requests, given in vLLM's current order.
@@ -282,6 +334,30 @@ class Policy:
     def on_event(self, event: Event) -> None:
         """Observe an event (only called when :attr:`uses_events` is set)."""
         return None
+
+    def export_state(self) -> Optional[PolicyState]:
+        """The per-session state this policy learned from events, for a successor (``None``: nothing to carry).
+
+        Called by the serving hook between engine steps, just before this policy is replaced; the successor may
+        take the state's objects over (this policy is not used again).
+        """
+        return None
+
+    def import_state(self, state: PolicyState) -> None:
+        """Take over a predecessor's :meth:`export_state` (called before this policy's first decision).
+
+        Raises :class:`StateMismatch`, changing nothing, when ``state`` is not one this policy reads. The
+        default keeps no session state.
+        """
+        raise StateMismatch(f"{type(self).__name__} keeps no session state (got a {state.kind!r} state)")
+
+    @staticmethod
+    def state_data(state: PolicyState, kind: str, version: int) -> Any:
+        """``state.data`` when ``state`` is of ``kind`` and layout ``version``; else :class:`StateMismatch`."""
+        if not isinstance(state, PolicyState) or state.kind != kind or state.version != version:
+            got = f"{state.kind!r} v{state.version}" if isinstance(state, PolicyState) else type(state).__name__
+            raise StateMismatch(f"expected a {kind!r} v{version} state, got {got}")
+        return state.data
 
     @property
     def is_vllm_default(self) -> bool:

@@ -16,22 +16,45 @@ Until the table has received an event (a policy used outside the hook), and for
 running candidates (their tokens change in every step), every row is refreshed
 from the candidates in each call. It also keeps the starvation clock: when each
 waiting request (re-)entered the queue.
+
+A :class:`policy.interface.CandidateView` (the hook's candidates built on demand) is read by its ids; only
+the candidates whose rows are new or changed are built. At a hot swap :meth:`FeatureTable.export_state`
+hands the event-derived part (which requests have rows, their groups, RL steps and starvation clocks) to the
+successor's table (:meth:`FeatureTable.import_state`), which recomputes every row's features with its own
+predictor when the request is next offered.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from policy.interface import CandidateRequest, EngineState, Event, EventKind
+from policy.interface import CandidateRequest, CandidateView, EngineState, Event, EventKind
 from policy.learned_features import FEATURES, R, row_features, set_features, step_features
 
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
 #: Rows beyond which a table that receives no FINISHED events starts afresh.
 MAX_ROWS = 1 << 17
+
+
+@dataclass(frozen=True)
+class TableState:
+    """A table's event-derived part (:meth:`FeatureTable.export_state`): row ids, groups, RL steps, clocks."""
+
+    rows: dict[str, int]
+    members: dict[str, set[str]]
+    group: dict[str, Optional[str]]
+    free: list[int]
+    arrival: np.ndarray
+    running: np.ndarray
+    step: np.ndarray
+    since: np.ndarray
+    steps: dict[Optional[int], int]
+    tracking: bool
 
 
 class FeatureTable:
@@ -62,7 +85,7 @@ class FeatureTable:
         self.since = np.full((cap, 2), math.nan)  # (engine step, time) it (re-)entered the queue
         self.dirty = np.zeros(cap, dtype=bool)
         self.steps: dict[Optional[int], int] = {}  # RL step -> index
-        self._cands: Optional[list] = None  # the last call's candidates, and their rows
+        self._ids: Optional[list] = None  # the last call's candidates' ids, and their rows
         self._idx = np.empty(0, dtype=np.int64)
         self.request_ids = np.empty(0, dtype=object)  # the last call's candidates' ids
         self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
@@ -87,7 +110,7 @@ class FeatureTable:
             return
         rid = event.request_id
         row = self.rows.get(rid)
-        self._cands = None  # the next call looks for dirty rows among its candidates
+        self._ids = None  # the next call looks for dirty rows among its candidates
         if kind is EventKind.FINISHED:
             if row is not None:
                 self._drop(rid, row)
@@ -113,13 +136,13 @@ class FeatureTable:
         self.free.append(row)
 
     # ------------------------------------------------------------------ rows
-    def _rows(self, cands: Sequence[CandidateRequest]) -> np.ndarray:
-        """Each candidate's row (new rows are allocated, marked dirty)."""
-        if len(self.rows) + len(cands) > MAX_ROWS:
+    def _rows(self, cands: Sequence[CandidateRequest], ids: list) -> np.ndarray:
+        """Each candidate's row (new rows are allocated, marked dirty); ``ids``: the candidates' request ids."""
+        if len(self.rows) + len(ids) > MAX_ROWS:
             self._alloc(len(self.x))
         rows = self.rows
         get = rows.get
-        idx = [get(c.request_id, -1) for c in cands]
+        idx = [get(rid, -1) for rid in ids]
         for i, r in enumerate(idx):
             if r < 0:
                 c = cands[i]
@@ -132,9 +155,9 @@ class FeatureTable:
                     self.members.setdefault(gid, set()).add(c.request_id)
                 self.dirty[r] = True
                 self.since[r] = math.nan
-        self._cands = list(cands)
+        self._ids = ids
         self._idx = np.asarray(idx, dtype=np.int64)
-        self.request_ids = np.array([c.request_id for c in cands], dtype=object)
+        self.request_ids = np.array(ids, dtype=object)
         return self._idx
 
     def _fill(self, cands: Sequence[CandidateRequest], rows: np.ndarray, state: EngineState) -> np.ndarray:
@@ -157,8 +180,9 @@ class FeatureTable:
 
         ``refresh``: refill every row from the candidates (running candidates change in every step).
         """
-        cached = self._cands is not None and self._cands == cands  # the hook reuses its objects: identity compare
-        idx = self._idx if cached else self._rows(cands)
+        ids = list(cands.request_ids) if isinstance(cands, CandidateView) else [c.request_id for c in cands]
+        cached = self._ids is not None and self._ids == ids  # no event since: the same rows, none dirty
+        idx = self._idx if cached else self._rows(cands, ids)
         if refresh or not self.tracking:
             raw = self._fill(cands, idx, state)
             wait = raw[:, _WAIT]
@@ -195,6 +219,23 @@ class FeatureTable:
     def predictions(self, idx: np.ndarray) -> list[tuple[float, float]]:
         """(p50, p90) of each row."""
         return [tuple(p) for p in self.preds[idx].tolist()]
+
+    # ------------------------------------------------------------------ hot swap
+    def export_state(self) -> TableState:
+        """The event-derived part, for a successor's table (this table is not used afterwards)."""
+        return TableState(self.rows, self.members, self.group, self.free, self.arrival, self.running, self.step,
+                          self.since, self.steps, self.tracking)
+
+    def import_state(self, st: TableState) -> None:
+        """Take a predecessor's rows over; their features are recomputed (this table's predictor) when next offered."""
+        if not isinstance(st, TableState):
+            raise TypeError(f"expected a TableState, got {type(st).__name__}")
+        cap = len(st.since)
+        self._alloc(cap)
+        self.rows, self.members, self.group, self.free = st.rows, st.members, st.group, st.free
+        self.arrival, self.running, self.step, self.since = st.arrival, st.running, st.step, st.since
+        self.steps, self.tracking = st.steps, st.tracking
+        self.dirty[:] = True
 
     # ------------------------------------------------------------------ starvation
     def starved(self, idx: np.ndarray, state: EngineState) -> list[int]:

@@ -25,9 +25,9 @@ from serving_hook.rows import Rows
 from serving_hook.translate import EngineView, Translator
 
 
-def _keeps_order(order: Any, cands: list) -> bool:
-    """True when ``order`` lists the first ``len(order)`` candidates in their own order (nothing moves)."""
-    return len(order) <= len(cands) and all(rid == c.request_id for rid, c in zip(order, cands))
+def _keeps_order(order: Any, reqs: list) -> bool:
+    """True when ``order`` lists the first ``len(order)`` requests in their own order (nothing moves)."""
+    return len(order) <= len(reqs) and all(rid == r.request_id for rid, r in zip(order, reqs))
 
 
 class AdmissionLever(Lever):
@@ -49,12 +49,12 @@ class AdmissionLever(Lever):
         if not waiting or len(sched.running) + sched.num_waiting_for_streaming_input >= sched.max_num_active_reqs:
             return [], None
         reqs = list(waiting)
-        cands = self.tr.candidates(reqs, now)
+        cands = self.tr.offer(reqs, now, self.policy.lazy_candidates)
         dec = self.guard.decide("admit", self.policy.admit, AdmissionDecision, cands, self.tr.state(now))
         if dec is None:
             return [], None
         order = dec.order
-        if order is None or _keeps_order(order, cands):
+        if order is None or _keeps_order(order, reqs):
             ordered = reqs
         else:
             by_id = {r.request_id: r for r in reqs}

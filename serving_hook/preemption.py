@@ -34,7 +34,7 @@ class PreemptionLever(Lever):
         if len(pool) <= 1:
             return  # vLLM preempts the request itself: there is no other choice
         now = self.sched.kvpilot_clock()
-        cands = self.tr.candidates(pool, now)
+        cands = self.tr.offer(pool, now, self.policy.lazy_candidates)
         dec = self.guard.decide("preempt", self.policy.preempt, PreemptionDecision, cands, self.tr.state(now))
         if dec is None:
             return

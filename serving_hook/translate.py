@@ -4,20 +4,31 @@
 :class:`RequestMeta`, read once from ``SamplingParams.extra_args`` by :mod:`serving_hook.metadata`, and its
 times), the progress of GRPO groups and of sessions paused on a tool, and builds from them the records of
 :mod:`policy.interface` (:mod:`data.records`): :class:`CandidateRequest` (one object per request, refreshed in
-place each time it is offered), :class:`EngineState` and :class:`Event`. A finished request's cached blocks
+place each time it is offered; for a policy with ``lazy_candidates``, :class:`LazyCandidates` builds them only
+when the policy reads them), :class:`EngineState` and :class:`Event`. A finished request's cached blocks
 become a :class:`Freed` record, from which the retention and eviction levers build their
 :class:`CachedPrefix` candidates.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.request import RequestStatus as VRS
 
-from policy.interface import CandidateRequest, EngineState, Event, EventKind, OwnerState, RequestMeta, RequestStatus
+from policy.interface import (
+    CandidateRequest,
+    CandidateView,
+    EngineState,
+    Event,
+    EventKind,
+    OwnerState,
+    RequestMeta,
+    RequestStatus,
+)
 from serving_hook.events import hash_to_int64
 from serving_hook.guard import Guard
 from serving_hook.metadata import request_meta
@@ -93,6 +104,47 @@ def hashes64(held: Any) -> tuple:
     return h64
 
 
+class LazyCandidates(CandidateView):
+    """One decision's candidates for ``reqs``, each built (refreshed, :meth:`Translator.candidates`) on first read.
+
+    Read within the policy call it is made for (the requests' state is that of the call). Iterating builds all
+    of them in one pass.
+    """
+
+    __slots__ = ("_tr", "_reqs", "_now", "_ids", "_one", "_all")
+
+    def __init__(self, tr: "Translator", reqs: list, now: float) -> None:
+        self._tr, self._reqs, self._now = tr, reqs, now
+        self._ids: Optional[list] = None
+        self._one: dict[int, CandidateRequest] = {}
+        self._all: Optional[list] = None
+
+    @property
+    def request_ids(self) -> list:
+        if self._ids is None:
+            self._ids = [r.request_id for r in self._reqs]
+        return self._ids
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self._reqs)))]
+        if self._all is not None:
+            return self._all[i]
+        i = range(len(self._reqs))[i]  # IndexError when out of range; negative indices
+        c = self._one.get(i)
+        if c is None:
+            c = self._one[i] = self._tr.candidates([self._reqs[i]], self._now)[0]
+        return c
+
+    def __iter__(self) -> Any:
+        if self._all is None:
+            self._all = self._tr.candidates(self._reqs, self._now)
+        return iter(self._all)
+
+
 class Translator:
     """The hook's per-request bookkeeping, and the plain records built from it."""
 
@@ -140,6 +192,10 @@ class Translator:
         if self._last_step_time is not None:
             self._last_duration = max(0.0, now - self._last_step_time)
         self._last_step_time = now
+
+    def offer(self, reqs: list, now: float, lazy: bool) -> Sequence[CandidateRequest]:
+        """The candidates of a decision over ``reqs``: built now, or (``lazy``) on read (:class:`LazyCandidates`)."""
+        return LazyCandidates(self, reqs, now) if lazy else self.candidates(reqs, now)
 
     def candidates(self, reqs: list, now: float) -> list[CandidateRequest]:
         """The candidates for ``reqs``: one object per request, built once and refreshed in place.

@@ -64,3 +64,46 @@ def test_table_features_equal_a_fresh_build(vllm_engine, tmp_path: Path, kind: s
     res = run_simulation(tiny_workload(5), policy, kv_fraction=KV_FRACTION, out_dir=tmp_path, progress=False)
     assert seen["incremental"] > 20 and seen["rows"] > 200, seen
     assert res.summary["preemptions"] > 0  # running rows were preempted back into the queue
+
+
+def _recorded(policy, kinds: set) -> list:
+    """Wrap ``policy``'s decisions to record each one's candidates and answer (``kinds``: the candidates' types)."""
+    log: list = []
+    for name in ("admit", "preempt"):
+        fn = getattr(policy, name)
+
+        def wrapper(cands, state, _fn=fn, _name=name):
+            kinds.add(type(cands).__name__)
+            dec = _fn(cands, state)
+            ids = list(cands.request_ids) if hasattr(cands, "request_ids") else [c.request_id for c in cands]
+            log.append((_name, state.engine_step, ids, getattr(dec, "order", None), getattr(dec, "victim", None)))
+            return dec
+
+        setattr(policy, name, wrapper)
+    return log
+
+
+def test_lazy_candidates_decide_the_same(vllm_engine, tmp_path: Path) -> None:
+    """The hook's candidates on demand (``lazy_candidates``) give the learned policy the decisions of the full
+    candidate lists, step by step, on vLLM's real scheduler (with preemption, the learned preemption head on)."""
+    import torch
+
+    from simulator.simulation import run_simulation
+
+    torch.manual_seed(0)
+    state = {k: v.detach().numpy() for k, v in build_scorer().state_dict().items()}
+    runs = {}
+    for lazy in (True, False):
+        policy = LearnedPolicy(state, Lengths(), preempt=True)
+        assert policy.lazy_candidates
+        policy.lazy_candidates = lazy
+        kinds: set = set()
+        log = _recorded(policy, kinds)
+        res = run_simulation(tiny_workload(5), policy, kv_fraction=KV_FRACTION, out_dir=tmp_path / str(lazy),
+                             progress=False)
+        assert kinds == ({"LazyCandidates"} if lazy else {"list"})
+        runs[lazy] = (log, res.summary)
+    (lazy_log, lazy_sum), (full_log, full_sum) = runs[True], runs[False]
+    assert len(lazy_log) > 50 and any(d[0] == "preempt" for d in full_log)
+    assert lazy_log == full_log
+    assert lazy_sum["makespan_s"] == full_sum["makespan_s"] and lazy_sum["preemptions"] == full_sum["preemptions"]
