@@ -62,7 +62,9 @@ from policy.interface import (
     Event,
     EventKind,
     Policy,
+    PolicyState,
     PreemptionDecision,
+    StateMismatch,
 )
 from policy.learned_features import FEATURES, RAW
 from policy.learned_table import FeatureTable
@@ -248,12 +250,17 @@ def _softmax(z: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------- policies
 
 
+#: :meth:`_Sampler.export_state`'s kind and layout version (LearnedPolicy and LoggingPolicy read each other's).
+STATE_KIND, STATE_VERSION = "kvpilot.learned", 1
+
+
 class _Sampler(Policy):
     """What both exploring policies share: the rng, starvation, predictions, step phase."""
 
     uses_admission = True
     uses_preemption = True
     uses_events = True
+    lazy_candidates = True  # the feature table reads candidates only for new or changed rows
 
     def __init__(self, predictor: Any, max_wait_steps: Optional[float], max_wait_s: Optional[float],
                  seed: Optional[int]) -> None:
@@ -283,6 +290,29 @@ class _Sampler(Policy):
             self._observe(event)
         if event.kind is EventKind.FINISHED and self.lengths is not None:
             self.lengths.forget(event.request_id)
+
+    def export_state(self) -> PolicyState:
+        """The RL steps' phase, the feature table's rows and clocks, and the predictor's observed state (hot swap)."""
+        pred = getattr(self.predictor, "export_state", None)
+        return PolicyState(STATE_KIND, STATE_VERSION, {
+            "phase": (self.phase.arrived, self.phase.finished), "table": self.table.export_state(),
+            "predictor": pred() if pred is not None else None})
+
+    def import_state(self, state: PolicyState) -> None:
+        """A predecessor's :meth:`export_state`; the predictor's part only where this predictor reads it."""
+        from policy.learned_table import TableState
+
+        data = self.state_data(state, STATE_KIND, STATE_VERSION)
+        if not isinstance(data, dict) or not isinstance(data.get("table"), TableState):
+            raise StateMismatch(f"a {STATE_KIND!r} state without its feature table")
+        take = getattr(self.predictor, "import_state", None)
+        if take is not None and data.get("predictor") is not None:
+            try:
+                take(data["predictor"])
+            except ValueError as e:
+                raise StateMismatch(f"the length predictor's state: {e}") from None
+        self.table.import_state(data["table"])
+        self.phase.arrived, self.phase.finished = data["phase"]
 
     def _order(self, first: list[int], keys: np.ndarray, waiting: Sequence[CandidateRequest],
                state: EngineState) -> list[str]:

@@ -129,6 +129,22 @@ class LengthModel(CompiledScoring):
         self._cache: dict[str, tuple[tuple, tuple[float, float]]] = {}
         self.rows_scored = 0
 
+    #: The online state :meth:`export_state` hands over (what :meth:`observe` learned; not the prediction cache).
+    _OBSERVED = ("_turn_sibs", "_group", "_session", "_hist", "_first_prompt", "_last_tool")
+
+    def export_state(self) -> dict[str, Any]:
+        """What :meth:`observe` learned from events (sibling, session and earlier-step lengths, tools), for a
+        successor model at a hot swap (:meth:`import_state`); this model is not used afterwards."""
+        return {k: getattr(self, k) for k in self._OBSERVED}
+
+    def import_state(self, state: dict[str, Any]) -> None:
+        """Take a predecessor's :meth:`export_state` over; ``ValueError`` (nothing changed) when it is not one."""
+        if not isinstance(state, dict) or set(state) != set(self._OBSERVED):
+            raise ValueError(f"not a LengthModel's observed state (expected the keys {list(self._OBSERVED)})")
+        for k in self._OBSERVED:
+            setattr(self, k, state[k])
+        self._cache.clear()  # the predecessor's features are stale here
+
     def observe(self, event: Event) -> None:
         m = event.meta
         if event.kind is EventKind.ARRIVED:

@@ -53,6 +53,8 @@ class HookStats:
     last_hook_time_s: float = 0.0
     model_version: Optional[str] = None  # policy ``registry``: the registry version served (None: none yet)
     model_swaps: int = 0  # policy ``registry``: versions swapped in after start-up
+    state_carried: int = 0  # swaps that handed the old model's session state to the new one
+    state_dropped: int = 0  # swaps whose state the new model could not take (logged; it started afresh)
 
 
 class Guard:

@@ -7,6 +7,9 @@ version, downloads its POLICY_DIR and builds the policy (which checks its schema
 moved; it never touches the running policy. :class:`RegistryPolicy` is what the hook runs: it delegates
 every decision to the current model and, called by the scheduler at the start of ``schedule()``
 (:meth:`RegistryPolicy.swap_pending`), replaces that reference in one assignment, so no step mixes versions.
+The scheduler then hands the old model's per-session state to the new one (:func:`carry_state`, the
+:meth:`policy.interface.Policy.export_state` protocol): a state the new model cannot take is dropped, logged
+and counted, and the new model starts afresh.
 
 Every failure (no such model or alias, an unreachable registry, a corrupt or incompatible bundle) is logged
 once per distinct cause, counted, and leaves the last good model in place; with none, the hook falls back to
@@ -221,6 +224,23 @@ class ModelSource:
                 self._failed(ModelError("poll", repr(e)))
 
 
+def carry_state(old: Policy, new: Policy) -> Optional[bool]:
+    """Hand ``old``'s per-session state to ``new`` at a swap: True carried, False dropped (logged), None: none kept.
+
+    Never raises: a failing export or import drops the state (``new`` starts afresh).
+    """
+    try:
+        state = old.export_state()
+        if state is None:
+            return None
+        new.import_state(state)
+    except Exception as e:  # StateMismatch, or any bug in a policy's export/import: never into the engine
+        logger.warning("kvpilot: the session state of %r was dropped at the swap to %r (%s: %s); the new model "
+                       "starts without it", old, new, type(e).__name__, e)
+        return False
+    return True
+
+
 class RegistryPolicy(Policy):
     """Serves the registry's model: delegates to the current version, swapped only by the scheduler.
 
@@ -261,6 +281,10 @@ class RegistryPolicy(Policy):
     @property
     def max_eviction_candidates(self) -> Optional[int]:  # type: ignore[override]
         return self.current.max_eviction_candidates
+
+    @property
+    def lazy_candidates(self) -> bool:  # type: ignore[override]
+        return self.current.lazy_candidates
 
     def swap_pending(self) -> bool:
         """Take a staged version, if any, and make it current (the scheduler calls this between steps)."""

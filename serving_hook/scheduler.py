@@ -45,7 +45,9 @@ start of ``schedule()`` (``_kvp_between_steps``), never inside a step. A step
 without any loaded model falls back to vLLM's behaviour (``hook_fallback``,
 counted as ``model:none``); ``kvpilot_stats`` has ``model_version`` and
 ``model_swaps``, and decisions telemetry records the version
-(``policy_version`` ``kvpilot/N``).
+(``policy_version`` ``kvpilot/N``). At a swap the old model's per-session state (RL step phase, starvation
+clocks, feature rows, paused sessions) goes to the new one (``model_source.carry_state``; counted in
+``state_carried`` / ``state_dropped``).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from serving_hook.block_pool import install_eviction_counter
 from serving_hook.config import HookConfig, build_policy, load_config
 from serving_hook.eviction import EvictionLever
 from serving_hook.guard import Guard, HookStats
-from serving_hook.model_source import RegistryPolicy
+from serving_hook.model_source import RegistryPolicy, carry_state
 from serving_hook.offload import OffloadTier, tier_of
 from serving_hook.preemption import PreemptionLever
 from serving_hook.retention import RetentionLever
@@ -397,8 +399,13 @@ class KVPilotMixin:
         st = self.kvpilot_stats
         guard = self._kvp_guard
         try:
+            old = reg.current
             if reg.swap_pending():
                 st.model_swaps += 1
+                carried = carry_state(old, reg.current)  # the sessions' phase, clocks, rows: see Policy.export_state
+                if carried is not None:
+                    st.state_carried += carried
+                    st.state_dropped += not carried
                 guard.budget_s = guard.budget_left = _budget(self.kvpilot_policy, self.kvpilot_cfg)
                 if self._kvp_eviction is not None:
                     self._kvp_eviction.set_cap(self.kvpilot_policy.max_eviction_candidates)

@@ -9,7 +9,8 @@
   expected (remaining) pause.
 * :class:`SessionPins` remembers the prefixes a policy pinned for paused sessions and releases them once
   the session's next turn is scheduled (it has then taken its own references to the blocks it hit).
-* :class:`PauseEventsMixin` feeds a policy's ``latencies`` and ``pins`` their events.
+* :class:`PauseEventsMixin` feeds a policy's ``latencies`` and ``pins`` their events, and hands them (with the
+  policy's own :attr:`PauseEventsMixin.session_fields`) to a successor of the same class at a hot swap.
 * :func:`quantile`: an empirical quantile.
 
 Plain Python, no vLLM.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from policy.baselines._eviction import check_count, check_number
-from policy.interface import CachedPrefix, Event, EventKind
+from policy.interface import CachedPrefix, Event, EventKind, Policy, PolicyState, StateMismatch
 
 __all__ = ["MAX_SESSIONS", "quantile", "ToolStats", "ToolLatencies", "SessionPins", "PauseEventsMixin"]
 
@@ -203,12 +204,56 @@ class SessionPins:
         return release
 
 
+#: Layout version of :meth:`PauseEventsMixin.export_state`.
+PAUSE_STATE_VERSION = 1
+
+
+def _rewindow(value: object, window: int) -> object:
+    """``value`` with every deque in it (a deque, or a dict of them) bounded by ``window``."""
+    if isinstance(value, deque):
+        return deque(value, maxlen=window)
+    if isinstance(value, dict):
+        return {k: _rewindow(v, window) for k, v in value.items()}
+    return value
+
+
 class PauseEventsMixin:
     """``on_event`` for a policy with ``latencies`` (:class:`ToolLatencies`) and ``pins`` (:class:`SessionPins`):
-    tool-call events teach the latencies, a ``SCHEDULED`` next turn releases its session's pins."""
+    tool-call events teach the latencies, a ``SCHEDULED`` next turn releases its session's pins.
+
+    At a hot swap (:meth:`export_state` / :meth:`import_state`, between instances of one policy class) the
+    paused sessions' clocks, the learned latencies, the pins to release and the attributes named in
+    :attr:`session_fields` carry over; deques take the successor's ``window``."""
 
     latencies: ToolLatencies
     pins: SessionPins
+    #: The policy's own per-session attributes that carry over at a hot swap.
+    session_fields: tuple[str, ...] = ()
+
+    def _state_kind(self) -> str:
+        return f"{type(self).__module__}.{type(self).__qualname__}"
+
+    def export_state(self) -> PolicyState:
+        lat, pins = self.latencies, self.pins
+        data = {"latencies": (lat._lat, lat._all, lat._paused),
+                "pins": (pins._pins, pins._session_pins, pins._to_release),
+                "fields": {f: getattr(self, f) for f in self.session_fields}}
+        return PolicyState(self._state_kind(), PAUSE_STATE_VERSION, data)
+
+    def import_state(self, state: PolicyState) -> None:
+        data = Policy.state_data(state, self._state_kind(), PAUSE_STATE_VERSION)
+        if set(data.get("fields", ())) != set(self.session_fields):
+            raise StateMismatch(f"{self._state_kind()}: the state's fields {sorted(data.get('fields', ()))} are not "
+                                f"{sorted(self.session_fields)}")
+        lat, pins, w = self.latencies, self.pins, self.latencies.window
+        per_tool, pooled, paused = data["latencies"]
+        lat._lat = {k: deque(v, maxlen=w) for k, v in per_tool.items()}
+        lat._all = deque(pooled, maxlen=w)
+        lat._paused = paused
+        lat._stats.clear()
+        pins._pins, pins._session_pins, pins._to_release = data["pins"]
+        for f, v in data["fields"].items():
+            setattr(self, f, _rewindow(v, w))
 
     def on_event(self, event: Event) -> None:
         if event.meta.session_id is None:

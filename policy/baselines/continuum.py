@@ -82,6 +82,7 @@ class ToolPauseTTLPolicy(PauseEventsMixin, Policy):
     uses_retention = True
     uses_events = True
     uses_admission = True
+    session_fields = ("_first_arrival",)  # carried over at a hot swap (PauseEventsMixin)
 
     def __init__(
         self,

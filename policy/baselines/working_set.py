@@ -75,6 +75,7 @@ class WorkingSetAdmissionPolicy(PauseEventsMixin, Policy):
     uses_admission = True
     uses_retention = True
     uses_events = True
+    session_fields = ("_active", "_final", "_final_all")  # carried over at a hot swap (PauseEventsMixin)
 
     def __init__(
         self, target_fraction: float = 0.9, growth_prior: float = 4.0, offload: bool = False, **latency_options: Any
