@@ -102,13 +102,13 @@ def truncate_in_store(name: str, version: str) -> Path:
 
 
 # ------------------------------------------------------------------------------------ driving the hook
-def registry_scheduler(vllm_engine, uri: str, tel: Path, poll_s: float = 0.0):
+def registry_scheduler(vllm_engine, uri: str, tel: Path, poll_s: float = 0.0, loader: Optional[Callable] = None):
     from serving_hook import KVPilotScheduler, with_policy
     from serving_hook.config import HookConfig
-    from serving_hook.model_source import RegistryPolicy
+    from serving_hook.model_source import RegistryPolicy, learned_loader
 
     cfg = HookConfig(policy="registry", telemetry_dir=str(tel), decision_budget_s=10.0, model_poll_s=poll_s)
-    cls = with_policy(KVPilotScheduler, lambda: RegistryPolicy(uri), cfg)
+    cls = with_policy(KVPilotScheduler, lambda: RegistryPolicy(uri, loader or learned_loader), cfg)
     return vllm_engine.make_scheduler(cls, num_blocks=48, max_num_seqs=6)
 
 
@@ -307,6 +307,133 @@ def test_unreachable_registry_during_polls_keeps_serving(store, dirs, vllm_engin
     by_step = one_version_per_step(decisions)
     assert {v for s, v in by_step.items() if s <= 6} == {f"{name}/1"}
     assert {v for s, v in by_step.items() if s > 6} == {f"{name}/2"}
+
+
+# ------------------------------------------------------------------------------------ hot swap keeps state
+def agent_request(vllm_engine, rid: str, prompt: list, max_tokens: int, **meta: Any):
+    """A request of RL step 0 with kvpilot metadata ``meta`` (``group_id=...``, ``session_id=...``, ...)."""
+    extra = {"kvpilot_step": 0, **{f"kvpilot_{k}": v for k, v in meta.items()}}
+    return vllm_engine.make_request(rid, prompt, max_tokens, extra_args=extra)
+
+
+def pause_session(vllm_engine, sched, runner, fillers: int = 24) -> list:
+    """Session ``a``'s first turn (it ends in a ``search`` tool call) among ``fillers`` GRPO requests (groups of
+    3) that arrive once it runs; steps until it has finished (the session is paused) with requests still
+    waiting. Its prompt."""
+    prompt = vllm_engine.prompt_tokens("sess-a", 48)
+    sched.add_request(agent_request(vllm_engine, "a-t0", prompt, 4, session_id="a", turn=0, tool="search",
+                                    domain="agentic", group_id="ga", group_size=1))
+    runner.step(sched)  # admitted alone
+    for i in range(fillers):
+        sched.add_request(agent_request(vllm_engine, f"r{i}", vllm_engine.prompt_tokens(f"p{i // 3}", 40),
+                                        12 + 7 * (i % 5), group_id=f"g{i // 3}", group_size=3, domain="math"))
+    for _ in range(200):
+        runner.step(sched)
+        if "a-t0" not in sched.requests and len(sched.waiting) > 2:
+            return prompt
+    raise AssertionError("session a never paused with requests waiting")
+
+
+def swap_now(sched, policy_dir: Path, name: str, runner) -> None:
+    """Register ``policy_dir`` as the new champion, stage it, and run the step that swaps it in."""
+    old = sched.kvpilot_policy.current
+    register(policy_dir, name)
+    assert sched.kvpilot_policy.source.poll_now()
+    runner.step(sched)
+    assert sched.kvpilot_policy.current is not old and sched.kvpilot_stats.model_swaps == 1
+
+
+def finish(vllm_engine, sched, runner, max_steps: int = 3000) -> None:
+    for _ in range(max_steps):
+        if not sched.requests:
+            return
+        runner.step(sched)
+    raise AssertionError(f"requests still unfinished: {sorted(sched.requests)}")
+
+
+def test_swap_keeps_the_learned_policys_session_state(store, dirs, vllm_engine, tmp_path):
+    """A new learned version takes over the RL step's phase, the waiting requests' starvation clocks, their table
+    rows and the length model's observed state (session ``a`` paused on its tool) at the swap."""
+    import math
+
+    name = "carry-learned"
+    register(dirs["v1"], name)
+    sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel")
+    runner = vllm_engine.FakeRunner()
+    prompt = pause_session(vllm_engine, sched, runner)
+    p1 = sched.kvpilot_policy.current
+    t1 = p1.table
+    clocks = {r.request_id: tuple(t1.since[t1.rows[r.request_id]]) for r in sched.waiting
+              if r.request_id in t1.rows and not math.isnan(t1.since[t1.rows[r.request_id]][0])}
+    assert clocks and p1.phase.arrived[0] == 25 and p1.predictor._last_tool == {"a": "search"}
+    swap_now(sched, dirs["v2"], name, runner)
+    p2 = sched.kvpilot_policy.current
+    assert sched.kvpilot_stats.state_carried == 1 and sched.kvpilot_stats.state_dropped == 0
+    assert p2.predictor is not p1.predictor
+    assert p2.phase.arrived[0] == 25  # all arrived before the swap: a fresh policy counts none
+    assert p2.predictor._last_tool == {"a": "search"} and p2.predictor._session["a"].n == 1
+    still = [rid for rid in clocks if rid in {r.request_id for r in sched.waiting}]
+    assert still, "every clocked request was admitted in the swap step"
+    t2 = p2.table
+    for rid in still:  # the clock kept running from the first sight under v1
+        assert tuple(t2.since[t2.rows[rid]]) == clocks[rid]
+    turn1 = prompt + vllm_engine.output_tokens("a-t0", 4) + vllm_engine.prompt_tokens("a-tool", 16)
+    sched.add_request(agent_request(vllm_engine, "a-t1", turn1, 4, session_id="a", turn=1, domain="agentic",
+                                    group_id="ga", group_size=1))
+    finish(vllm_engine, sched, runner)
+    assert p2.phase.finished[0] == p2.phase.arrived[0] == 26
+    steps, decisions, _ = telemetry(sched, tmp_path / "tel")
+    assert not steps["hook_fallback"].any() and f"{name}/2" in set(decisions["policy_version"])
+
+
+def test_swap_keeps_a_baselines_paused_sessions(store, dirs, vllm_engine, tmp_path):
+    """Two versions of one baseline class (Continuum): the session paused before the swap is known after it, so
+    its tool's latency is learned when its next turn arrives, and the pins taken for it carry over."""
+    from policy.baselines.continuum import ToolPauseTTLPolicy
+
+    name = "carry-continuum"
+    register(dirs["v1"], name)
+    sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel",
+                               loader=lambda policy_dir: ToolPauseTTLPolicy(prior_ttl_s=30.0))
+    runner = vllm_engine.FakeRunner()
+    prompt = pause_session(vllm_engine, sched, runner)
+    p1 = sched.kvpilot_policy.current
+    paused_at = p1.latencies.paused_since_s("a")
+    pins = set(p1.pins._pins)
+    assert paused_at is not None and not p1.latencies._all
+    swap_now(sched, dirs["v2"], name, runner)
+    p2 = sched.kvpilot_policy.current
+    assert sched.kvpilot_stats.state_carried == 1
+    assert p2.latencies.paused_since_s("a") == paused_at and set(p2.pins._pins) == pins
+    turn1 = prompt + vllm_engine.output_tokens("a-t0", 4) + vllm_engine.prompt_tokens("a-tool", 16)
+    sched.add_request(agent_request(vllm_engine, "a-t1", turn1, 4, session_id="a", turn=1, domain="agentic",
+                                    group_id="ga", group_size=1))
+    finish(vllm_engine, sched, runner)
+    assert len(p2.latencies._all) == 1 and p2.latencies._all[0] >= 0.0  # the pause, timed across the swap
+    assert p2.latencies.paused_since_s("a") is None and not p2.pins._pins
+    assert sched.kvpilot_pinned_blocks == 0
+
+
+def test_swap_to_another_policy_class_drops_the_state(store, dirs, vllm_engine, tmp_path, caplog):
+    """A state the new model cannot take (another policy class) is dropped: one log line, counted, no crash."""
+    from policy.baselines.continuum import ToolPauseTTLPolicy
+    from serving_hook.model_source import learned_loader
+
+    name = "carry-dropped"
+    register(dirs["v1"], name)
+    loaders = iter([learned_loader, lambda policy_dir: ToolPauseTTLPolicy()])
+    sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel",
+                               loader=lambda policy_dir: next(loaders)(policy_dir))
+    runner = vllm_engine.FakeRunner()
+    pause_session(vllm_engine, sched, runner)
+    swap_now(sched, dirs["v2"], name, runner)
+    st = sched.kvpilot_stats
+    assert st.state_dropped == 1 and st.state_carried == 0
+    assert warnings_about(caplog, "session state") == 1
+    assert any("StateMismatch" in r.getMessage() and "kvpilot.learned" in r.getMessage() for r in caplog.records)
+    finish(vllm_engine, sched, runner)
+    steps, _, _ = telemetry(sched, tmp_path / "tel")
+    assert not steps["hook_fallback"].any()
 
 
 def test_malformed_model_uri_fails_at_start_up(monkeypatch):
