@@ -24,7 +24,9 @@ decision).
 * L2 on the weights.
 
 **Held-out evaluation.** The last log directory (or, with one log, the last
-``holdout_fraction`` of its decisions by time) is held out; :mod:`policy.ope`
+``holdout_fraction`` of its decisions by time; with one log of a single RL step,
+the decisions acting on the last ``holdout_fraction`` of its GRPO groups) is held
+out (``trained_on.split`` in the manifest says which); :mod:`policy.ope`
 estimates the greedy policy's value there (IPS, SNIPS, DR with bootstrap CIs).
 """
 
@@ -34,7 +36,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -109,6 +111,9 @@ class Decisions:
     reward: np.ndarray  # (D,)
     time: np.ndarray  # (D,)
     log: np.ndarray  # (D,) index of the log directory
+    #: (D,) the logged action's RL step and GRPO group (:func:`predictors.logs.group_keys`): the held-out split
+    step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    group: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -120,7 +125,7 @@ class Decisions:
             np.empty(0, dtype=np.int64)
         return Decisions(self.x[rows], self.true_rem[rows], np.concatenate([[0], np.cumsum(sizes)]),
                          self.kind[idx], self.chosen[idx], self.propensity[idx], self.reward[idx], self.time[idx],
-                         self.log[idx])
+                         self.log[idx], self.step[idx], self.group[idx])
 
     @staticmethod
     def concat(parts: Sequence["Decisions"]) -> "Decisions":
@@ -130,7 +135,7 @@ class Decisions:
             base += p.offsets[-1]
         cat = lambda a: np.concatenate([getattr(p, a) for p in parts])  # noqa: E731
         return Decisions(cat("x"), cat("true_rem"), np.concatenate(offs), cat("kind"), cat("chosen"),
-                         cat("propensity"), cat("reward"), cat("time"), cat("log"))
+                         cat("propensity"), cat("reward"), cat("time"), cat("log"), cat("step"), cat("group"))
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -305,9 +310,15 @@ def load_decisions(log_dir: str | Path, length_model: Any, config: OfflineConfig
     x = model_features(raw, offsets)
     true_rem = _lookup(rid, ids, req["output_tokens"].astype(float).to_numpy()) - f[:, 3]
     rewards = _rewards(d, req, steps, config)
+    from predictors.logs import group_keys
+
+    pos = rid.get_indexer(ids[offsets[:-1] + chosen])  # the logged action's request
+    known = pos >= 0
+    acted_step = np.where(known, req["step"].fillna(0).astype(int).to_numpy()[np.maximum(pos, 0)], 0)
+    acted_group = np.where(known, group_keys(req).to_numpy(object)[np.maximum(pos, 0)], None)
     return Decisions(x, true_rem, offsets, d["kind"].map(KINDS).to_numpy(np.int64), chosen,
                      d["propensity"].to_numpy(float), rewards, d["time_s"].to_numpy(float),
-                     np.full(len(d), log_index, np.int64))
+                     np.full(len(d), log_index, np.int64), acted_step.astype(np.int64), acted_group)
 
 
 # ------------------------------------------------------------------------------------------ fitting
@@ -392,8 +403,7 @@ def _fit(train: Decisions, config: OfflineConfig, progress: bool) -> tuple[Any, 
         m = train.kind == k
         if m.any():
             rz[m] = (reward[m] - reward[m].mean()) / (reward[m].std() + 1e-9)
-    data = Decisions(train.x, true_rem, train.offsets, train.kind, train.chosen, train.propensity, rz,
-                     train.time, train.log)
+    data = replace(train, true_rem=true_rem, reward=rz)
     q = RidgeQ(config.ridge).fit(data)
     q_rows = q.predict_rows(data.x, data.kind[_segments(data)])
     scorer = build_scorer(len(FEATURES), config.hidden)
@@ -519,6 +529,38 @@ def ope_on_log(policy_dir: str | Path, log_dir: str | Path, config: OfflineConfi
     return evaluate_policy_on(policy.scorer, RidgeQ(config.ridge).fit(data), data, config, n_boot=n_boot)
 
 
+#: How :func:`train_policy` holds decisions out (its manifest's ``trained_on.split``), as printed.
+SPLITS = {"log": "log (the last log directory)", "time": "time (the last decisions of the log)",
+          "group": "GRPO group (the logs hold one RL step; the groups of the logged actions)"}
+
+
+def heldout_split(data: Decisions, n_logs: int) -> str:
+    """How to hold decisions out: by ``log`` with several logs; with one, by ``time`` when it spans several RL
+    steps, else by ``group`` (a clear error when the one step's decisions all act on one GRPO group)."""
+    if n_logs > 1:
+        return "log"
+    if len(np.unique(data.step)) > 1:
+        return "time"
+    groups = np.unique(data.group.astype(str))
+    if len(groups) < 2:
+        raise ValueError(f"the logs hold one RL step ({int(data.step[0])}) whose decisions all act on one GRPO group "
+                         f"({groups[0]}): a held-out split needs 2 groups or 2 steps (requests column group_id)")
+    return "group"
+
+
+def heldout_mask(data: Decisions, split: str, holdout_fraction: float, n_logs: int) -> np.ndarray:
+    """The held-out decisions of ``split``: the last of ``n_logs`` logs, the last ``holdout_fraction`` by time, or
+    the decisions acting on the last ``holdout_fraction`` of the groups (by their first decision)."""
+    if split == "log":
+        return data.log == n_logs - 1
+    if split == "time":
+        return data.time > np.quantile(data.time, 1.0 - holdout_fraction)
+    g = data.group.astype(str)
+    first = pd.Series(data.time).groupby(g).min().sort_values(kind="stable")
+    k = max(1, round(holdout_fraction * len(first)))
+    return np.isin(g, first.index[-k:].to_numpy())
+
+
 def train_policy(
     log_dirs: Sequence[Path],
     predictors_dir: Path,
@@ -541,11 +583,8 @@ def train_policy(
     data = Decisions.concat(parts)
     if len(data) == 0:
         raise ValueError(f"no usable decisions (admit/preempt with >= 2 candidates) in {[str(p) for p in log_dirs]}")
-    if len(log_dirs) > 1:
-        test_mask = data.log == len(log_dirs) - 1
-    else:
-        cut = np.quantile(data.time, 1.0 - config.holdout_fraction)
-        test_mask = data.time > cut
+    split = heldout_split(data, len(log_dirs))
+    test_mask = heldout_mask(data, split, config.holdout_fraction, len(log_dirs))
     if test_mask.all() or not test_mask.any():
         test_mask = np.zeros(len(data), bool)
         test_mask[int(len(data) * (1 - config.holdout_fraction)):] = True
@@ -562,7 +601,7 @@ def train_policy(
     cfg["hidden"] = list(config.hidden)
     runtime = {**RUNTIME_DEFAULTS, **config.runtime, "temperature": config.temperature, "preempt": config.preempt}
     cfg["runtime"] = runtime
-    trained_on = {"logs": [str(p) for p in log_dirs], "predictors": str(predictors_dir),
+    trained_on = {"logs": [str(p) for p in log_dirs], "predictors": str(predictors_dir), "split": split,
                   "decisions_train": int(len(train)), "decisions_test": int(len(test)),
                   "candidate_rows": int(len(data.x))}
     policy = LearnedPolicy(state, length_model, manifest={"config": cfg, "trained_on": trained_on},
@@ -570,6 +609,6 @@ def train_policy(
     policy.save(out_dir)
     metrics.update({"data.decisions_train": float(len(train)), "data.decisions_test": float(len(test)),
                     "data.load_s": t_load, "train.total_s": time.perf_counter() - t0})
-    (Path(out_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float))
+    (Path(out_dir) / "metrics.json").write_text(json.dumps({**metrics, "split": split}, indent=2, default=float))
     return {k: (float(v) if v is not None and not (isinstance(v, float) and math.isnan(v)) else float("nan"))
             for k, v in metrics.items()}

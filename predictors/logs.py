@@ -1,8 +1,11 @@
-"""Loading training logs: telemetry run directories (or workload files) into one prepared requests frame."""
+"""Loading training logs: telemetry run directories (or workload files) into one prepared requests frame, and
+the held-out split of that frame (:func:`split_heldout`): whole RL steps, or whole GRPO groups when the logs
+hold a single RL step (what a user has after one step of training)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -68,3 +71,53 @@ def split_by_step(df: pd.DataFrame, test_steps: Sequence[int] | None = None, tes
     if not test.any() or test.all():
         raise ValueError(f"test steps {list(test_steps)} leave an empty train or test set (steps {steps})")
     return ~test, test
+
+
+def group_keys(df: pd.DataFrame) -> pd.Series:
+    """Each request's GRPO group: its ``group_id``, else its session's, else a group of its own."""
+    key = df["group_id"].astype(object)
+    for fallback, prefix in (("session_id", "session:"), ("request_id", "request:")):
+        fill = key.isna() & df[fallback].notna()
+        if fill.any():
+            key = key.where(~fill, prefix + df[fallback].astype(str))
+    return key
+
+
+def split_by_group(df: pd.DataFrame, test_fraction: float = 0.25) -> tuple[pd.Series, pd.Series]:
+    """(train, test) masks: whole GRPO groups (:func:`group_keys`), never rows. Test: the last ``test_fraction``
+    of the groups (>= 1) by first arrival, so every sibling of a held-out request is held out with it."""
+    keys = group_keys(df)
+    first = df.assign(_g=keys).groupby("_g", sort=False)["arrival_s"].min().sort_values(kind="stable")
+    if len(first) < 2:
+        raise ValueError(f"a split by GRPO group needs at least 2 groups; the logs' requests form "
+                         f"{len(first)} ({', '.join(map(str, first.index[:1]))}) (column group_id)")
+    k = max(1, round(test_fraction * len(first)))
+    test = keys.isin(set(first.index[-k:]))
+    return ~test, test
+
+
+@dataclass(frozen=True)
+class Split:
+    """A held-out split of a requests frame: the masks, and how it was made (``by``: ``"step"`` or ``"group"``)."""
+
+    train: pd.Series
+    test: pd.Series
+    by: str
+
+    def describe(self, df: pd.DataFrame) -> str:
+        """One line saying how the data was split (printed by the training commands)."""
+        if self.by == "step":
+            return (f"held out by RL step: train steps {sorted(df.loc[self.train, 'step'].unique().tolist())} -> "
+                    f"test steps {sorted(df.loc[self.test, 'step'].unique().tolist())}")
+        keys = group_keys(df)
+        return (f"held out by GRPO group (the logs hold one RL step, {df['step'].iloc[0]}): "
+                f"{keys[self.train].nunique()} train groups -> {keys[self.test].nunique()} test groups")
+
+
+def split_heldout(df: pd.DataFrame, test_steps: Sequence[int] | None = None,
+                  test_fraction: float = 0.25) -> Split:
+    """The held-out split: by RL step (:func:`split_by_step`), or by GRPO group (:func:`split_by_group`) when the
+    logs hold a single RL step and no ``test_steps`` were asked for."""
+    if test_steps is None and df["step"].nunique() == 1:
+        return Split(*split_by_group(df, test_fraction), by="group")
+    return Split(*split_by_step(df, test_steps, test_fraction), by="step")

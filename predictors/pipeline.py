@@ -21,7 +21,7 @@ import pandas as pd
 from predictors import metrics
 from predictors.features import LENGTH_CATEGORICAL, REUSE_CATEGORICAL, Vocab, length_features, reuse_rows
 from predictors.length import DomainMeanBaseline, LengthModel, PromptHistoryBaseline
-from predictors.logs import split_by_step
+from predictors.logs import split_heldout
 from predictors.model_io import DEFAULT_TREES
 from predictors.reuse import BinnedRate, ReuseModel, reuse_baselines
 
@@ -117,26 +117,30 @@ def _cap(frame: pd.DataFrame, max_rows: int | None) -> pd.DataFrame:
 def train_bundle(df: pd.DataFrame, *, test_steps: Sequence[int] | None = None, horizon_s: float = 10.0,
                  num_trees: int = DEFAULT_TREES, num_threads: int = 2, reuse: bool = True,
                  max_train_rows: int | None = MAX_TRAIN_ROWS) -> Bundle:
-    """Fit on the training steps, report on the held-out steps (whole RL steps, never rows)."""
+    """Fit on the training requests, report on the held-out ones: whole RL steps, or whole GRPO groups when the
+    logs hold one RL step (:func:`predictors.logs.split_heldout`; the report's ``split`` says which), never rows."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    train_mask, test_mask = split_by_step(df, test_steps)
+    split = split_heldout(df, test_steps)
+    train_mask, test_mask = split.train, split.test
     train_steps = sorted(df.loc[train_mask, "step"].unique().tolist())
     held_steps = sorted(df.loc[test_mask, "step"].unique().tolist())
+    train_ids = set(df.loc[train_mask, "request_id"])
+    held_ids = set(df.loc[test_mask, "request_id"])
     lvocab = Vocab.fit(df[train_mask], LENGTH_CATEGORICAL)
     feats = [length_features(df, at=a, vocab=lvocab) for a in ("arrival", "admit")]
     Xall = pd.concat(feats, ignore_index=True)
     Xall = Xall[Xall["done"]].drop_duplicates(subset=["request_id", *LengthModel.features])
-    Xtr = _cap(Xall[Xall["step"].isin(train_steps)], max_train_rows)
+    Xtr = _cap(Xall[Xall["request_id"].isin(train_ids)], max_train_rows)
     timings["length_features_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     lm = LengthModel.fit_features(Xtr, lvocab, num_trees=num_trees, num_threads=num_threads)
     timings["length_fit_s"] = time.perf_counter() - t1
-    Xtr_eval = feats[1][feats[1]["done"] & feats[1]["step"].isin(train_steps)]
+    Xtr_eval = feats[1][feats[1]["done"] & feats[1]["request_id"].isin(train_ids)]
     lbs = [DomainMeanBaseline().fit(Xtr_eval), PromptHistoryBaseline().fit(Xtr_eval)]
-    Xte = feats[1][feats[1]["done"] & feats[1]["step"].isin(held_steps)].reset_index(drop=True)
-    report: dict[str, Any] = {"train_steps": train_steps, "test_steps": held_steps,
-                              "length": evaluate_length(lm, lbs, Xte, df)}
+    Xte = feats[1][feats[1]["done"] & feats[1]["request_id"].isin(held_ids)].reset_index(drop=True)
+    report: dict[str, Any] = {"split": split.by, "split_note": split.describe(df), "train_steps": train_steps,
+                              "test_steps": held_steps, "length": evaluate_length(lm, lbs, Xte, df)}
     report["length"]["train_rows"] = len(Xtr)
     report["telemetry_rows"] = len(df)
     rm, rbs = None, []
@@ -144,7 +148,7 @@ def train_bundle(df: pd.DataFrame, *, test_steps: Sequence[int] | None = None, h
         t2 = time.perf_counter()
         rvocab = Vocab.fit(df[train_mask], REUSE_CATEGORICAL)
         R = reuse_rows(df, horizon_s=horizon_s, vocab=rvocab, max_rows=MAX_REUSE_SNAPSHOTS)
-        Rtr, Rte = R[R["step"].isin(train_steps)], R[R["step"].isin(held_steps)].reset_index(drop=True)
+        Rtr, Rte = R[R["request_id"].isin(train_ids)], R[R["request_id"].isin(held_ids)].reset_index(drop=True)
         Rtr = _cap(Rtr, max_train_rows)
         timings["reuse_features_s"] = time.perf_counter() - t2
         t3 = time.perf_counter()
@@ -176,7 +180,9 @@ def evaluate_bundle(bundle: Bundle, df: pd.DataFrame, steps: Sequence[int] | Non
 def render_report(report: dict) -> str:
     """The metrics tables as text."""
     lines = []
-    if "train_steps" in report:
+    if "split_note" in report:
+        lines.append(report["split_note"])
+    elif "train_steps" in report:
         lines.append(f"train steps {report['train_steps']}  ->  test steps {report['test_steps']}")
     L = report.get("length")
     if L:

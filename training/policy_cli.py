@@ -51,7 +51,16 @@ def train_policy_cmd(
     else:
         for k, v in metrics.items():
             typer.echo(f"{k:<28} {v:.4g}")
-    console.print(f"policy written to {out}", highlight=False)
+    console.print(f"held out by {heldout_note(out)}; policy written to {out}", highlight=False)
+
+
+def heldout_note(policy_dir: Path) -> str:
+    """How the training of POLICY_DIR held decisions out (its manifest's ``trained_on.split``), as printed."""
+    from policy.learned import read_manifest
+    from policy.offline import SPLITS
+
+    split = read_manifest(policy_dir).get("trained_on", {}).get("split")
+    return SPLITS.get(split, str(split))
 
 
 def register(train_app: typer.Typer) -> None:

@@ -2,7 +2,8 @@
 
 :func:`train_and_register` loads telemetry run folders, fits the LightGBM
 length and reuse predictors (:func:`predictors.pipeline.train_bundle`, whole RL
-steps held out), fits the learned policy on them (:func:`policy.offline.train_policy`,
+steps held out, or whole GRPO groups when the logs hold a single RL step; printed,
+and the report's ``split``), fits the learned policy on them (:func:`policy.offline.train_policy`,
 which writes a POLICY_DIR carrying those predictors), simulates the trained
 policy against vLLM default on a held-out workload (:func:`training.evaluate.evaluate`),
 and logs all of it to one MLflow run: every hyper-parameter and the data's
@@ -72,6 +73,8 @@ class TrainResult:
     metrics: dict[str, float]
     evaluation: list[dict[str, Any]]
     tracking_uri: str
+    #: how each part held data out: {"predictors": "step" | "group", "policy": "log" | "time" | "group"}
+    split: dict[str, str] = field(default_factory=dict)
 
 
 def heldout_workload(params: HeldoutParams, out_dir: Path) -> Path:
@@ -168,7 +171,8 @@ def train_and_register(
     policy_dir = work_dir / "policy"
     if policy_dir.exists():
         shutil.rmtree(policy_dir)  # an earlier training's output in the same work folder
-    from policy.offline import OfflineConfig, train_policy
+    from policy.learned import read_manifest
+    from policy.offline import SPLITS, OfflineConfig, train_policy
 
     policy_config = policy_config or OfflineConfig()
     predictor_params = predictor_params or PredictorParams()
@@ -196,9 +200,10 @@ def train_and_register(
                                   num_threads=predictor_params.num_threads)
         except ValueError as err:  # too few steps or rows to split and fit
             raise TrainError(f"predictors: {err}") from None
+        split = {"predictors": bundle.report["split"]}
         with tempfile.TemporaryDirectory(prefix="kvpilot-predictors-") as tmp:
             predictors_dir = bundle.save(Path(tmp) / "predictors")
-            console.print(render_report(bundle.report), highlight=False, soft_wrap=True)
+            console.print(render_report(bundle.report), highlight=False, soft_wrap=True)  # its first line: the split
             metrics = flat_metrics({k: v for k, v in bundle.report.items() if k in ("length", "reuse")},
                                    "predictors")
 
@@ -208,6 +213,9 @@ def train_and_register(
             except ValueError as err:  # no usable decisions, a bad log
                 raise TrainError(f"policy: {err}") from None
         metrics.update({k: float(v) for k, v in policy_metrics.items()})
+        split["policy"] = read_manifest(policy_dir)["trained_on"]["split"]
+        mlflow.log_params({f"{part}.split": how for part, how in split.items()})
+        console.print(f"policy: held out by {SPLITS[split['policy']]}", highlight=False)
         console.print("  ".join(f"{k} {v:.4g}" for k, v in policy_metrics.items()), highlight=False, soft_wrap=True)
 
         _stage(console, "4/4 held-out simulation: the trained policy vs vLLM default")
@@ -221,7 +229,7 @@ def train_and_register(
         mlflow.log_artifact(str(policy_dir / "policy.json"), artifact_path="policy")
         version = registry.log_policy_model(policy_dir).version
     console.print(f"registered [bold]{registry.MODEL_NAME}[/] version {version} (run {run.info.run_id})")
-    return TrainResult(run.info.run_id, str(version), policy_dir, metrics, rows, mlflow.get_tracking_uri())
+    return TrainResult(run.info.run_id, str(version), policy_dir, metrics, rows, mlflow.get_tracking_uri(), split)
 
 
 def _params(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
