@@ -32,7 +32,11 @@ ended strictly before ``t``: ``sib_done_n``, ``sib_done_turns_mean``,
 ``sib_done_turns_min``, ``sib_done_turns_max`` (their turn counts); the group's
 progress: ``grp_turn_mean`` (turns of the group arrived by ``t`` per session
 started); this prompt in earlier RL steps (sessions ended by ``t``):
-``hist_n``, ``hist_turns_mean``.
+``hist_n``, ``hist_turns_mean``. A session **ends** when its last logged turn
+finishes, unless that turn's ``finish_reason`` is ``tool_call`` (the hook writes
+it where it knows the tool: the session is paused, not over). Without tool
+metadata every turn finishes ``stop`` and this is the offline approximation of
+"the sibling had ended": online a policy sees it when no next turn comes.
 
 ``finish_reason`` is deliberately not a feature: where the RL framework passes
 ``kvpilot_tool``, the hook writes ``tool_call`` for a turn that calls a tool, and
@@ -57,7 +61,7 @@ SESSION_LABELS: tuple[str, ...] = ("cont", "remaining", "latency_s", "queue_s", 
 #: Columns of the prepared requests frame that :func:`session_rows` reads.
 REQUIRED_COLUMNS: tuple[str, ...] = (
     "request_id", "session_id", "group_id", "pkey", "step", "turn", "domain", "paradigm", "tool", "group_size",
-    "arrival_s", "first_scheduled_s", "finish_s", "prompt_tokens", "output_tokens", "done",
+    "arrival_s", "first_scheduled_s", "finish_s", "prompt_tokens", "output_tokens", "finish_reason", "done",
 )
 
 
@@ -120,8 +124,8 @@ def session_rows(df: pd.DataFrame, vocab: Vocab | None = None) -> pd.DataFrame:
     grp = rows["group_id"].to_numpy(object)
     c, s = _cum_before(grp, call_t, lat_log, grp, t)
     out["grp_lat_n"], out["grp_lat_mean"] = c, _mean(c, s)
-    # siblings that ended strictly before t (a session ends when its last turn finishes)
-    last = turns == n_turns - 1
+    # siblings that ended strictly before t: at their last logged turn, unless it ended in a tool call
+    last = (turns == n_turns - 1) & (rows["finish_reason"].to_numpy(object) != "tool_call")
     end_t = np.where(last, t, np.inf)
     before = np.nextafter(t, -np.inf)
     c, s, mx = _cum_before(grp, end_t, n_turns.astype(float), grp, before, want_max=True)
