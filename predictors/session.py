@@ -75,7 +75,10 @@ class ToolMedian:
         return self
 
     def predict(self, R: pd.DataFrame) -> np.ndarray:
-        return R["tool_key"].map(self.median).fillna(self.default).to_numpy(float)
+        return self.predict_keys(R["tool_key"])
+
+    def predict_keys(self, keys) -> np.ndarray:
+        return np.fromiter((self.median.get(k, self.default) for k in keys), float)
 
     def to_json(self) -> dict:
         return {"median": self.median, "default": self.default}
@@ -112,15 +115,17 @@ class TurnCountPrior:
         self.rem = {f"{d}|{int(t)}": float(v) for (d, t), v in g["remaining"].median().items()}
         return self
 
-    def _keys(self, R: pd.DataFrame) -> pd.Series:
-        return R["domain_name"].astype(str) + "|" + R["turn"].astype(int).astype(str)
-
     def predict_proba(self, R: pd.DataFrame) -> np.ndarray:
-        pooled = R["domain_name"].map(self.pooled).fillna(self.all)
-        return self._keys(R).map(self.p).fillna(pooled).to_numpy(float)
+        return self.lookup(R["domain_name"], R["turn"])[0]
 
     def predict_remaining(self, R: pd.DataFrame) -> np.ndarray:
-        return self._keys(R).map(self.rem).fillna(0.0).to_numpy(float)
+        return self.lookup(R["domain_name"], R["turn"])[1]
+
+    def lookup(self, domains, turns) -> tuple[np.ndarray, np.ndarray]:
+        """(P(continue), median turns left) per (domain, turn)."""
+        keys = [f"{d}|{int(t)}" for d, t in zip(domains, turns)]
+        p = np.fromiter((self.p.get(k, self.pooled.get(d, self.all)) for k, d in zip(keys, domains)), float)
+        return p, np.fromiter((self.rem.get(k, 0.0) for k in keys), float)
 
     def to_json(self) -> dict:
         return {"alpha": self.alpha, "pooled": self.pooled, "all": self.all, "p": self.p, "rem": self.rem}
@@ -132,10 +137,11 @@ class TurnCountPrior:
         return b
 
 
-def _init_scores(tm: ToolMedian, prior: TurnCountPrior, ctx: pd.DataFrame) -> np.ndarray:
+def _init_scores(tm: ToolMedian, prior: TurnCountPrior, domains, turns, tool_keys) -> np.ndarray:
     """(n, 3) margins the boosters start from: log1p median latency, logit P(continue), log1p median turns left."""
-    p = np.clip(prior.predict_proba(ctx), 1e-4, 1 - 1e-4)
-    return np.stack([np.log1p(tm.predict(ctx)), np.log(p / (1 - p)), np.log1p(prior.predict_remaining(ctx))], axis=1)
+    p, rem = prior.lookup(domains, turns)
+    p = np.clip(p, 1e-4, 1 - 1e-4)
+    return np.stack([np.log1p(tm.predict_keys(tool_keys)), np.log(p / (1 - p)), np.log1p(rem)], axis=1)
 
 
 class SessionModel(CompiledScoring):
@@ -172,7 +178,7 @@ class SessionModel(CompiledScoring):
         kw = dict(feature_name=list(SESSION_FEATURES), categorical_feature=list(SESSION_CATEGORICAL))
         X_all = R[list(SESSION_FEATURES)].to_numpy(np.float32)
         X_all[:, _TOOL] = np.nan
-        init = _init_scores(tm, prior, R)
+        init = _init_scores(tm, prior, R["domain_name"], R["turn"], R["tool_key"])
         lat = lgb.train({**p, "objective": "regression_l1"},
                         lgb.Dataset(calls[list(SESSION_FEATURES)].to_numpy(np.float32), init_score=np.ascontiguousarray(init[(R["cont"] > 0).to_numpy(), 0]),
                                     label=np.log1p(calls["latency_s"].to_numpy(float)), **kw), num_trees)
@@ -186,15 +192,14 @@ class SessionModel(CompiledScoring):
         return cls({"latency": lat, "cont": cont, "remaining": rem}, vocab, tm, prior, offsets, default, info)
 
     # ------------------------------------------------------------------ scoring
-    def _context(self, X: np.ndarray) -> pd.DataFrame:
-        """Domain names, tool keys and turns of feature rows (decoded from the categorical codes)."""
-        dec = {}
-        for c in SESSION_CATEGORICAL:
-            names = np.asarray(self.vocab.values.get(c, []) + [None], dtype=object)
-            codes = X[:, SESSION_FEATURES.index(c)]
-            dec[c] = pd.Series(names[np.where(np.isnan(codes), len(names) - 1, codes).astype(np.int64)], dtype=object)
-        return pd.DataFrame({"domain_name": dec["domain"], "turn": X[:, SESSION_FEATURES.index("turn")],
-                             "tool_key": tool_key(dec["tool"], dec["paradigm"], dec["domain"])})
+    def _decode(self, X: np.ndarray, column: str) -> list:
+        names = self.vocab.values.get(column, [])
+        return [names[int(c)] if c == c and 0 <= c < len(names) else None
+                for c in X[:, SESSION_FEATURES.index(column)].tolist()]
+
+    def _encode(self, column: str, values) -> np.ndarray:
+        index = self.vocab._index.get(column, {})
+        return np.fromiter((index.get(str(v), np.nan) if v is not None and v == v else np.nan for v in values), float)
 
     def predict_features(self, X) -> dict[str, np.ndarray]:
         """Predictions (see :meth:`predict_rows`) for a feature matrix in :data:`SESSION_FEATURES` order."""
@@ -202,15 +207,16 @@ class SessionModel(CompiledScoring):
         if len(X) == 0:
             z = np.zeros(0)
             return {"tool_latency_s": z, "p_continue": z, "turns_remaining": z, "next_use_s": z}
-        ctx = self._context(X)
+        domains = self._decode(X, "domain")
+        keys = tool_key(self._decode(X, "tool"), self._decode(X, "paradigm"), domains)
         if self._compiled is not None:
             raw = self._compiled.predict_raw(X)
         else:
             raw = np.stack([self.boosters[k].predict(X, raw_score=True, num_threads=self.num_threads)
                             for k in self.SCORED_BOOSTERS], axis=1)
-        raw = raw + _init_scores(self.tool_median, self.prior, ctx)
+        raw = raw + _init_scores(self.tool_median, self.prior, domains, X[:, SESSION_FEATURES.index("turn")], keys)
         latency = np.maximum(np.expm1(raw[:, 0]), 0.0)
-        queue = ctx["domain_name"].map(self.queue_offset).fillna(self.queue_default).to_numpy(float)
+        queue = np.fromiter((self.queue_offset.get(d, self.queue_default) for d in domains), float)
         return {"tool_latency_s": latency, "p_continue": 1.0 / (1.0 + np.exp(-raw[:, 1])),
                 "turns_remaining": np.maximum(np.expm1(raw[:, 2]), 0.0), "next_use_s": latency + queue}
 
@@ -259,7 +265,7 @@ class SessionModel(CompiledScoring):
             if name not in columns:
                 continue
             if name in SESSION_CATEGORICAL:
-                X[:, j] = self.vocab.encode(name, pd.Series(np.asarray(columns[name], dtype=object)))
+                X[:, j] = self._encode(name, columns[name])
             else:
                 X[:, j] = np.asarray(columns[name], dtype=np.float64)
         if "out_total" not in columns:

@@ -65,13 +65,14 @@ REQUIRED_COLUMNS: tuple[str, ...] = (
 )
 
 
-def tool_key(tool: pd.Series, paradigm: pd.Series, domain: pd.Series) -> pd.Series:
-    """The tool a latency is keyed by: the tool name when known, else the paradigm, else the domain."""
-    def known(s: pd.Series) -> pd.Series:
-        return s.astype(object).where(s.notna(), None)
+def _known(v) -> bool:
+    return v is not None and v == v
 
-    out = known(tool).combine_first(known(paradigm).map(lambda p: p and f"paradigm:{p}"))
-    return out.combine_first(known(domain).map(lambda d: d and f"domain:{d}")).fillna("unknown")
+
+def tool_key(tool, paradigm, domain) -> list[str]:
+    """The tool each latency is keyed by: the tool name when known, else the paradigm, else the domain."""
+    return [str(t) if _known(t) else f"paradigm:{p}" if _known(p) else f"domain:{d}" if _known(d) else "unknown"
+            for t, p, d in zip(tool, paradigm, domain)]
 
 
 def check_columns(df: pd.DataFrame, required: tuple[str, ...], where: str) -> None:
@@ -153,7 +154,7 @@ def session_rows(df: pd.DataFrame, vocab: Vocab | None = None) -> pd.DataFrame:
     out["t"] = t
     out["step"] = rows["step"].to_numpy()
     out["domain_name"] = rows["domain"].astype(str).to_numpy()
-    out["tool_key"] = tool_key(rows["tool"], rows["paradigm"], rows["domain"]).to_numpy(object)
+    out["tool_key"] = np.asarray(tool_key(rows["tool"], rows["paradigm"], rows["domain"]), dtype=object)
     out["session_id"] = sess
     out["request_id"] = rows["request_id"].to_numpy(object)
     return out
