@@ -13,7 +13,7 @@ loss better than the turn-count prior's, turns remaining and time to next use
 below their baselines' MAE. ``--session-icc`` sets the tools' share of latency
 variance common to a session (:class:`data.synth.ToolConfig`; the presets have
 0: independent draws, which no model can rank beyond the per-tool median). About
-3 minutes on 2 cores.
+5 minutes on 2 cores (the simulations; runs already in --out are reused).
 """
 
 from __future__ import annotations
