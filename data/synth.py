@@ -29,7 +29,8 @@ and p90 all match); the percentiles a config implies are closed-form
   like ``d``): Search-R1 shows turn counts uncorrelated with completion lengths
   (-0.07), and a shared latent would skew the per-turn length distribution
   towards long sessions. Tool latency, appended tool tokens and verification
-  latency are independent draws.
+  latency are independent draws, except that a tool's ``session_icc`` (default
+  0) shares part of the latency score across a session's calls.
 * An output that reaches ``max_tokens`` is cut there and finishes ``length``
   (DeepCoder: ~15% of code samples hit the 16k cap); a non-last turn that does
   so ends its session. Other last turns finish ``stop``; non-last turns
@@ -151,6 +152,13 @@ class ToolConfig:
     name: str
     latency_s: SplitLogNormal
     tokens: SplitLogNormal  # tokens the tool's result appends to the context
+    #: Share of a call's latency-score variance common to its session (a sandbox's speed persists over its
+    #: calls). 0: independent draws, and the table is bit for bit what it was before this knob.
+    session_icc: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.session_icc <= 1.0:
+            raise ValueError(f"session_icc must be in [0, 1], got {self.session_icc}")
 
 
 @dataclass(frozen=True)
@@ -522,7 +530,11 @@ def _rollouts(
     n_turns = np.where(capped.any(axis=1), capped.argmax(axis=1) + 1, n_turns)  # a capped turn ends its session
     if dom.tool is not None:
         tool_tokens = _tokens(dom.tool.tokens.from_scores(rng.standard_normal((n_sessions, max_turns))))
-        tool_latency = dom.tool.latency_s.from_scores(rng.standard_normal((n_sessions, max_turns)))
+        z = rng.standard_normal((n_sessions, max_turns))
+        if dom.tool.session_icc > 0:  # an extra draw only then: at 0 the table is bit for bit as before
+            icc = dom.tool.session_icc
+            z = math.sqrt(icc) * rng.standard_normal((n_sessions, 1)) + math.sqrt(1 - icc) * z
+        tool_latency = dom.tool.latency_s.from_scores(z)
     else:
         tool_tokens, tool_latency = np.zeros((n_sessions, max_turns), np.int64), np.zeros((n_sessions, max_turns))
     verify = dom.verify_latency_s.from_scores(rng.standard_normal(n_sessions))

@@ -5,6 +5,9 @@
   :class:`policy.predictors.LengthPredictor`; baselines;
 * :mod:`predictors.reuse`: :class:`~predictors.reuse.ReuseModel` (P(reuse within H), time to reuse),
   also a :class:`policy.predictors.ReusePredictor`; baselines;
+* :mod:`predictors.session_features`, :mod:`predictors.session`: at a turn's finish, the tool latency,
+  P(session continues), turns left and time to next use (:class:`~predictors.session.SessionModel`,
+  LightGBM boosted from its baselines; ``predict_rows`` is the vectorised online API);
 * :mod:`predictors.compiled`: the same trees compiled (numba) for batched scoring in a scheduler step;
 * :mod:`predictors.model_io`: save / load with a checked feature schema;
 * :mod:`predictors.metrics`, :mod:`predictors.pipeline`, :mod:`predictors.logs`: reports, training, loading logs.

@@ -1,7 +1,8 @@
 """Train and evaluate both predictors on telemetry logs, with baselines, split by RL step.
 
-A model directory (``save_bundle``) holds ``length/`` and ``reuse/`` (each a
-model with its manifest, see :mod:`predictors.model_io`), ``baselines.json``
+A model directory (``Bundle.save``) holds ``length/``, ``reuse/`` and ``session/``
+(each a model with its manifest, see :mod:`predictors.model_io`; ``reuse/`` and
+``session/`` are optional, and a directory without them still loads), ``baselines.json``
 (the baselines fitted on the same training steps, so ``eval`` compares like with
 like) and ``report.json`` (the held-out report of training).
 """
@@ -24,6 +25,8 @@ from predictors.length import DomainMeanBaseline, LengthModel, PromptHistoryBase
 from predictors.logs import split_heldout
 from predictors.model_io import DEFAULT_TREES
 from predictors.reuse import BinnedRate, ReuseModel, reuse_baselines
+from predictors.session import SessionModel, session_ok, session_report
+from predictors.session_features import SESSION_CATEGORICAL, session_rows
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Bundle:
     length_baselines: list = field(default_factory=list)
     reuse_baselines: list = field(default_factory=list)
     report: dict = field(default_factory=dict)
+    session: SessionModel | None = None
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -40,6 +44,8 @@ class Bundle:
         self.length.save(path / "length")
         if self.reuse is not None:
             self.reuse.save(path / "reuse")
+        if self.session is not None:
+            self.session.save(path / "session")
         b = {"length": {x.name: x.to_json() for x in self.length_baselines},
              "reuse": {x.name: x.to_json() for x in self.reuse_baselines}}
         (path / "baselines.json").write_text(json.dumps(b))
@@ -52,6 +58,8 @@ class Bundle:
         length = LengthModel.load(path / "length", num_threads=num_threads, compiled=compiled)
         reuse = (ReuseModel.load(path / "reuse", num_threads=num_threads, compiled=compiled)
                  if (path / "reuse").exists() else None)
+        session = (SessionModel.load(path / "session", num_threads=num_threads, compiled=compiled)
+                   if (path / "session").exists() else None)
         lb, rb = [], []
         bfile = path / "baselines.json"
         if bfile.is_file():
@@ -60,7 +68,7 @@ class Bundle:
             lb = [kinds[k].from_json(v) for k, v in b.get("length", {}).items() if k in kinds]
             for k, v in b.get("reuse", {}).items():
                 rb.append(BinnedRate.from_json(v))
-        return cls(length, reuse, lb, rb)
+        return cls(length, reuse, lb, rb, session=session)
 
 
 def length_eval_rows(df: pd.DataFrame, vocab: Vocab) -> pd.DataFrame:
@@ -84,7 +92,9 @@ def evaluate_length(model: LengthModel, baselines: Sequence, X: pd.DataFrame, df
     s, n = g.transform("sum").to_numpy(float), g.transform("count").to_numpy(float)
     ref = np.where(n > 1, (s - sub["y"].to_numpy(float)) / np.maximum(n - 1, 1), np.nan)
     ref = np.where(np.isnan(ref), -1.0, ref)
-    rep["reference_group_oracle_tau"] = metrics.kendall_within(y, ref, cells)["kendall_tau"]
+    oracle = metrics.kendall_within(y, ref, cells)
+    rep["reference_group_oracle_tau"] = oracle["kendall_tau"]
+    rep["reference_group_oracle_tau_per_domain"] = metrics._per_domain(oracle["per_cell"])
     return rep
 
 
@@ -116,9 +126,12 @@ def _cap(frame: pd.DataFrame, max_rows: int | None) -> pd.DataFrame:
 
 def train_bundle(df: pd.DataFrame, *, test_steps: Sequence[int] | None = None, horizon_s: float = 10.0,
                  num_trees: int = DEFAULT_TREES, num_threads: int = 2, reuse: bool = True,
-                 max_train_rows: int | None = MAX_TRAIN_ROWS) -> Bundle:
+                 max_train_rows: int | None = MAX_TRAIN_ROWS, session: bool = True) -> Bundle:
     """Fit on the training requests, report on the held-out ones: whole RL steps, or whole GRPO groups when the
-    logs hold one RL step (:func:`predictors.logs.split_heldout`; the report's ``split`` says which), never rows."""
+    logs hold one RL step (:func:`predictors.logs.split_heldout`; the report's ``split`` says which), never rows.
+
+    ``session``: also the session models, when the training part has a multi-turn session (else the report
+    says why they were skipped)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     split = split_heldout(df, test_steps)
@@ -157,9 +170,22 @@ def train_bundle(df: pd.DataFrame, *, test_steps: Sequence[int] | None = None, h
         rbs = [b.fit(Rtr) for b in reuse_baselines()]
         report["reuse"] = evaluate_reuse(rm, rbs, Rte)
         report["reuse"]["train_rows"] = len(Rtr)
+    sm = None
+    if session:
+        t4 = time.perf_counter()
+        svocab = Vocab.fit(df[train_mask], SESSION_CATEGORICAL)
+        S = session_rows(df, svocab)
+        Str, Ste = S[S["request_id"].isin(train_ids)], S[S["request_id"].isin(held_ids)].reset_index(drop=True)
+        if (Str["cont"] > 0).any():
+            sm = SessionModel.fit_rows(_cap(Str, max_train_rows), svocab, num_trees=num_trees, num_threads=num_threads)
+            report["session"] = session_report(sm, Ste)
+            report["session"]["train_rows"] = len(Str)
+        else:
+            report["session"] = {"skipped": "no multi-turn session in the training part"}
+        timings["session_s"] = time.perf_counter() - t4
     timings["total_s"] = time.perf_counter() - t0
     report["timings"] = timings
-    return Bundle(lm, rm, lbs, rbs, report)
+    return Bundle(lm, rm, lbs, rbs, report, session=sm)
 
 
 def evaluate_bundle(bundle: Bundle, df: pd.DataFrame, steps: Sequence[int] | None = None) -> dict:
@@ -174,7 +200,51 @@ def evaluate_bundle(bundle: Bundle, df: pd.DataFrame, steps: Sequence[int] | Non
         if steps is not None:
             R = R[R["step"].isin(list(steps))].reset_index(drop=True)
         report["reuse"] = evaluate_reuse(bundle.reuse, bundle.reuse_baselines, R)
+    if bundle.session is not None:
+        S = session_rows(df, bundle.session.vocab)
+        if steps is not None:
+            S = S[S["step"].isin(list(steps))].reset_index(drop=True)
+        report["session"] = session_report(bundle.session, S)
     return report
+
+
+def tau_ratios(L: dict) -> dict[str, float]:
+    """The length model's Kendall tau over the group oracle's, overall and per domain (NaN where the oracle is 0)."""
+    def ratio(a: float, b: float) -> float:
+        return a / b if b and b == b and b > 0 else float("nan")
+
+    out = {"overall": ratio(L["kendall_tau"], L["reference_group_oracle_tau"])}
+    per = L.get("reference_group_oracle_tau_per_domain", {})
+    for d, t in L["kendall_tau_per_domain"].items():
+        if d in per:
+            out[d] = ratio(t, per[d])
+    return out
+
+
+def render_session(S: dict) -> list[str]:
+    """The session models' table: each model beside its baseline."""
+    if "skipped" in S:
+        return [f"session models skipped: {S['skipped']}"]
+    ok = session_ok(S)
+    c, tl, tr, nu = S["continue"], S["tool_latency"], S["turns_remaining"], S["next_use"]
+    mark = {True: "beats", False: "does not beat"}
+    lines = [f"session models ({S['n_turns']} held-out turns, {S['n_calls']} tool calls)",
+             f"  {'model':<28}{'metric':<14}{'lightgbm':>10}{'baseline':>10}  (which baseline)",
+             f"  {'tool latency (s)':<28}{'MAE':<14}{tl['model']['mae']:>10.3f}{tl['tool_median']['mae']:>10.3f}"
+             f"  tool_median ({mark[ok['tool_latency']]})",
+             f"  {'':<28}{'median AE':<14}{tl['model']['median_ae']:>10.3f}{tl['tool_median']['median_ae']:>10.3f}",
+             f"  {'continue (P)':<28}{'AUC':<14}{c['model']['auc']:>10.3f}{c['turn_count_prior']['auc']:>10.3f}"
+             f"  turn_count_prior ({mark[ok['continue']]})",
+             f"  {'':<28}{'log loss':<14}{c['model']['log_loss']:>10.4f}{c['turn_count_prior']['log_loss']:>10.4f}",
+             f"  {'turns remaining':<28}{'MAE':<14}{tr['model']['mae']:>10.3f}{tr['turn_count_prior']['mae']:>10.3f}"
+             f"  turn_count_prior ({mark[ok['turns_remaining']]})",
+             f"  {'time to next use (s)':<28}{'MAE':<14}{nu['model']['mae']:>10.3f}{nu['tool_median']['mae']:>10.3f}"
+             f"  tool_median latency alone ({mark[ok['next_use']]})",
+             f"  {'':<28}{'median AE':<14}{nu['model']['median_ae']:>10.3f}{nu['tool_median']['median_ae']:>10.3f}"]
+    for d, v in c.get("per_domain", {}).items():
+        lines.append(f"  continue on {d} (n={v['n']}): AUC {v['model']['auc']:.3f} vs {v['turn_count_prior']['auc']:.3f}"
+                     f", log loss {v['model']['log_loss']:.4f} vs {v['turn_count_prior']['log_loss']:.4f}")
+    return lines
 
 
 def render_report(report: dict) -> str:
@@ -198,6 +268,7 @@ def render_report(report: dict) -> str:
         if "reference_group_oracle_tau" in L:
             lines.append(f"  hindsight reference (true mean of the other group members): tau "
                          f"{L['reference_group_oracle_tau']:.3f}")
+            lines.append("  tau / group oracle: " + "  ".join(f"{k} {v:.2f}" for k, v in tau_ratios(L).items()))
     R = report.get("reuse")
     if R:
         lines.append("")
@@ -208,6 +279,10 @@ def render_report(report: dict) -> str:
             lines.append(f"  {name:<16}{r['auc']:>8.3f}{r['brier']:>9.4f}")
         lines.append("  reliability (lightgbm): " + "  ".join(
             f"{b['bin']}: {b['predicted']:.2f}/{b['observed']:.2f} (n={b['n']})" for b in R["reliability"]))
+    S = report.get("session")
+    if S:
+        lines.append("")
+        lines.extend(render_session(S))
     if "timings" in report:
         lines.append("")
         lines.append("timings: " + ", ".join(f"{k} {v:.2f}" for k, v in report["timings"].items()))

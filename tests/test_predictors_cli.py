@@ -42,6 +42,10 @@ def test_train_then_eval_json(run_dir, tmp_path):
     for name in ("recency", "frequency"):
         assert "brier" in rep["reuse"]["baselines"][name]
     assert (model / "length" / "manifest.json").is_file() and (model / "reuse" / "manifest.json").is_file()
+    assert (model / "session" / "manifest.json").is_file()
+    for name, base in (("tool_latency", "tool_median"), ("turns_remaining", "turn_count_prior"),
+                       ("next_use", "tool_median")):
+        assert {"model", base} <= set(rep["session"][name])
 
     res = runner.invoke(predictors_app, ["eval", "--model", str(model), "--logs", str(run_dir), "--steps", "3",
                                          "--json"])
@@ -49,12 +53,13 @@ def test_train_then_eval_json(run_dir, tmp_path):
     ev = json.loads(res.stdout)
     assert ev["length"]["mae"] == pytest.approx(rep["length"]["mae"])
     assert ev["reuse"]["brier"] == pytest.approx(rep["reuse"]["brier"])
+    assert ev["session"]["continue"]["model"]["log_loss"] == pytest.approx(rep["session"]["continue"]["model"]["log_loss"])
     assert ev["length"]["baselines"]["prompt_history"]["pinball_p50"] == pytest.approx(
         rep["length"]["baselines"]["prompt_history"]["pinball_p50"])
 
     res = runner.invoke(predictors_app, ["eval", "--model", str(model), "--logs", str(run_dir)])
     assert res.exit_code == 0, res.output
-    assert "pinball" in res.stdout and "AUC" in res.stdout
+    assert "pinball" in res.stdout and "AUC" in res.stdout and "tool_median" in res.stdout
 
 
 def test_cli_errors_are_clean(run_dir, tmp_path):

@@ -71,16 +71,19 @@ def train_predictors(
     horizon_s: Annotated[float, typer.Option("--horizon", help="Reuse horizon H in seconds.")] = 10.0,
     num_trees: Annotated[int, typer.Option("--trees", help="Boosting rounds per model.")] = 100,
     threads: Annotated[int, typer.Option("--threads", help="LightGBM training threads.")] = 2,
-    no_reuse: Annotated[bool, typer.Option("--no-reuse", help="Train the length model only.")] = False,
+    no_reuse: Annotated[bool, typer.Option("--no-reuse", help="Skip the reuse model.")] = False,
+    no_session: Annotated[bool, typer.Option("--no-session", help="Skip the session models (tool latency, "
+                                                                  "continuation, turns left, next use).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
-    """Train the length and reuse predictors, holding out whole RL steps, and print the metrics table."""
+    """Train the length, reuse and session predictors, holding out whole RL steps, and print each model's metrics
+    beside its baselines."""
     from predictors.pipeline import render_report, train_bundle
 
     df = _load(logs)
     try:
         bundle = train_bundle(df, test_steps=_steps(test_steps), horizon_s=horizon_s, num_trees=num_trees,
-                              num_threads=threads, reuse=not no_reuse)
+                              num_threads=threads, reuse=not no_reuse, session=not no_session)
     except ValueError as err:
         raise _fail(str(err)) from None
     bundle.save(out)
@@ -98,7 +101,8 @@ def eval_predictors(
     steps: Annotated[str | None, typer.Option("--steps", help="Evaluate these RL steps only.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
-    """Evaluate saved predictors (and their saved baselines) on logs."""
+    """Evaluate saved predictors beside their saved baselines on logs (a directory without reuse or session
+    models reports the others)."""
     from predictors.model_io import ModelSchemaError
     from predictors.pipeline import Bundle, evaluate_bundle, render_report
 
