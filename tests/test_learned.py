@@ -155,6 +155,9 @@ def test_save_load_round_trip(policy_dir: Path) -> None:
     with_head = LearnedPolicy.load(a.save(policy_dir.parent / "head"), preempt=True)
     assert with_head.uses_preemption
     assert LearnedPolicy.load(with_head.save(policy_dir.parent / "head2")).uses_preemption  # saved with the option
+    assert not a.uses_offload  # no CPU offload tier by default
+    tier = LearnedPolicy.load(a.save(policy_dir.parent / "tier"), offload=True)
+    assert tier.uses_offload and LearnedPolicy.load(tier.save(policy_dir.parent / "tier2")).uses_offload
     x = np.random.default_rng(1).normal(size=(10, len(FEATURES))).astype(np.float32)
     np.testing.assert_allclose(a.scorer(x), NumpyScorer(_state_dict(7))(x), rtol=1e-6)
     waiting = [_cand(i, prompt=50 * (i + 1)) for i in range(5)]
@@ -168,6 +171,7 @@ def test_registry_builds_learned_and_logging(policy_dir: Path) -> None:
 
     assert isinstance(create_policy("learned", model=str(policy_dir)), LearnedPolicy)
     assert create_policy("logging").name == "logging"
+    assert not create_policy("logging").uses_offload and create_policy("logging", offload=True).uses_offload
     with pytest.raises(ValueError, match="model=POLICY_DIR"):
         create_policy("learned")
 
