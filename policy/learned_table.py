@@ -85,7 +85,7 @@ class FeatureTable:
         self.since = np.full((cap, 2), math.nan)  # (engine step, time) it (re-)entered the queue
         self.dirty = np.zeros(cap, dtype=bool)
         self.steps: dict[Optional[int], int] = {}  # RL step -> index
-        self._ids: Optional[list] = None  # the last call's candidates' ids, and their rows
+        self._ids: Optional[tuple] = None  # the last call's candidates' ids, and their rows
         self._idx = np.empty(0, dtype=np.int64)
         self.request_ids = np.empty(0, dtype=object)  # the last call's candidates' ids
         self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
@@ -136,7 +136,7 @@ class FeatureTable:
         self.free.append(row)
 
     # ------------------------------------------------------------------ rows
-    def _rows(self, cands: Sequence[CandidateRequest], ids: list) -> np.ndarray:
+    def _rows(self, cands: Sequence[CandidateRequest], ids: tuple) -> np.ndarray:
         """Each candidate's row (new rows are allocated, marked dirty); ``ids``: the candidates' request ids."""
         if len(self.rows) + len(ids) > MAX_ROWS:
             self._alloc(len(self.x))
@@ -180,8 +180,10 @@ class FeatureTable:
 
         ``refresh``: refill every row from the candidates (running candidates change in every step).
         """
-        ids = list(cands.request_ids) if isinstance(cands, CandidateView) else [c.request_id for c in cands]
-        cached = self._ids is not None and self._ids == ids  # no event since: the same rows, none dirty
+        # a tuple; a view's is the same object while the requests are (then no comparison at all)
+        ids = tuple(cands.request_ids) if isinstance(cands, CandidateView) else tuple([c.request_id for c in cands])
+        prev = self._ids
+        cached = prev is not None and (prev is ids or prev == ids)  # no event since: the same rows, none dirty
         idx = self._idx if cached else self._rows(cands, ids)
         if refresh or not self.tracking:
             raw = self._fill(cands, idx, state)
