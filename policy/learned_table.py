@@ -37,6 +37,8 @@ from policy.interface import CandidateRequest, CandidateView, EngineState, Event
 from policy.learned_features import FEATURES, R, row_features, set_features, step_features
 
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
+#: The scorer input's wait column, and the first of its engine-state columns (see step_features).
+_X_WAIT, _X_ENG = FEATURES.index("log_wait_s"), FEATURES.index("kv_usage")
 #: Rows beyond which a table that receives no FINISHED events starts afresh.
 MAX_ROWS = 1 << 17
 
@@ -196,14 +198,23 @@ class FeatureTable:
             wait = None
         if idx is not self._x_idx:  # rows and set columns of the last call are no longer valid
             self._assemble(idx)
-        if wait is None:
-            wait = state.time_s - self._arrival  # -inf (clipped to 0) for running requests
         x = self._x
+        if wait is None:
+            # step_features' wait column, in place (no temporaries: this runs in every engine step)
+            buf = self._wait
+            np.subtract(state.time_s, self._arrival, out=buf)  # -inf (clipped to 0) for running requests
+            np.fmax(buf, 0.0, out=buf)
+            np.log1p(buf, out=x[:, _X_WAIT])
         eng = (state.kv_usage, state.num_pinned_blocks / max(state.num_total_blocks, 1), state.num_running,
                state.num_waiting)
+        last = self._eng
+        if eng != last and last is not None and eng[2:] == last[2:]:
+            # only the usage fractions changed (the usual step): step_features' fmax(v, 0) on two scalars
+            x[:, _X_ENG:_X_ENG + 2] = tuple(v if v >= 0.0 else 0.0 for v in eng[:2])
+            last = eng
         phases = [self.phase_of(s) for s in self.steps]
         # the columns of the cached input that did not change since the last call are left as they are
-        step_features(x, wait, eng if eng != self._eng else None,
+        step_features(x, wait, eng if eng != last else None,
                       np.array(phases)[self._step] if phases != self._phases else None)
         self._eng, self._phases = eng, phases
         return x, idx
@@ -216,6 +227,7 @@ class FeatureTable:
         self._x_idx = idx
         self._arrival = np.where(self.running[idx], math.inf, self.arrival[idx])
         self._step = self.step[idx]
+        self._wait = np.empty(len(idx))  # features' buffer for the wait times
         self._eng = self._phases = None  # step columns not filled yet
 
     def predictions(self, idx: np.ndarray) -> list[tuple[float, float]]:
