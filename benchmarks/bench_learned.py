@@ -292,8 +292,8 @@ def main(argv=None):
         model = a.model or make_policy_dir(Path(tmp))
         print(f"learned policy from {'--model ' + str(a.model) if a.model else 'a POLICY_DIR built here'}")
         print(
-            f"\n{WAITING} waiting, vLLM tries to admit every step (KV-bound); {a.steps} decode steps in runs of {a.block} per scheduler "
-            f"after {a.warmup} untimed; "
+            f"\n{WAITING} waiting, vLLM tries to admit every step (KV-bound); {a.steps} decode steps, in runs of "
+            f"{a.block} per scheduler after {a.warmup} untimed; "
             f"times in ms ({a.clock} clock)"
         )
         head = (
