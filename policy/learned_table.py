@@ -37,6 +37,8 @@ from policy.interface import CandidateRequest, CandidateView, EngineState, Event
 from policy.learned_features import FEATURES, R, row_features, set_features, step_features
 
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
+#: The scorer input's wait column, and the first of its engine-state columns (see step_features).
+_X_WAIT, _X_ENG = FEATURES.index("log_wait_s"), FEATURES.index("kv_usage")
 #: Rows beyond which a table that receives no FINISHED events starts afresh.
 MAX_ROWS = 1 << 17
 
@@ -85,7 +87,7 @@ class FeatureTable:
         self.since = np.full((cap, 2), math.nan)  # (engine step, time) it (re-)entered the queue
         self.dirty = np.zeros(cap, dtype=bool)
         self.steps: dict[Optional[int], int] = {}  # RL step -> index
-        self._ids: Optional[list] = None  # the last call's candidates' ids, and their rows
+        self._ids: Optional[tuple] = None  # the last call's candidates' ids, and their rows
         self._idx = np.empty(0, dtype=np.int64)
         self.request_ids = np.empty(0, dtype=object)  # the last call's candidates' ids
         self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
@@ -136,7 +138,7 @@ class FeatureTable:
         self.free.append(row)
 
     # ------------------------------------------------------------------ rows
-    def _rows(self, cands: Sequence[CandidateRequest], ids: list) -> np.ndarray:
+    def _rows(self, cands: Sequence[CandidateRequest], ids: tuple) -> np.ndarray:
         """Each candidate's row (new rows are allocated, marked dirty); ``ids``: the candidates' request ids."""
         if len(self.rows) + len(ids) > MAX_ROWS:
             self._alloc(len(self.x))
@@ -180,8 +182,10 @@ class FeatureTable:
 
         ``refresh``: refill every row from the candidates (running candidates change in every step).
         """
-        ids = list(cands.request_ids) if isinstance(cands, CandidateView) else [c.request_id for c in cands]
-        cached = self._ids is not None and self._ids == ids  # no event since: the same rows, none dirty
+        # a tuple; a view's is the same object while the requests are (then no comparison at all)
+        ids = tuple(cands.request_ids) if isinstance(cands, CandidateView) else tuple([c.request_id for c in cands])
+        prev = self._ids
+        cached = prev is not None and (prev is ids or prev == ids)  # no event since: the same rows, none dirty
         idx = self._idx if cached else self._rows(cands, ids)
         if refresh or not self.tracking:
             raw = self._fill(cands, idx, state)
@@ -194,14 +198,23 @@ class FeatureTable:
             wait = None
         if idx is not self._x_idx:  # rows and set columns of the last call are no longer valid
             self._assemble(idx)
-        if wait is None:
-            wait = state.time_s - self._arrival  # -inf (clipped to 0) for running requests
         x = self._x
+        if wait is None:
+            # step_features' wait column, in place (no temporaries: this runs in every engine step)
+            buf = self._wait
+            np.subtract(state.time_s, self._arrival, out=buf)  # -inf (clipped to 0) for running requests
+            np.fmax(buf, 0.0, out=buf)
+            np.log1p(buf, out=x[:, _X_WAIT])
         eng = (state.kv_usage, state.num_pinned_blocks / max(state.num_total_blocks, 1), state.num_running,
                state.num_waiting)
+        last = self._eng
+        if eng != last and last is not None and eng[2:] == last[2:]:
+            # only the usage fractions changed (the usual step): step_features' fmax(v, 0) on two scalars
+            x[:, _X_ENG:_X_ENG + 2] = tuple(v if v >= 0.0 else 0.0 for v in eng[:2])
+            last = eng
         phases = [self.phase_of(s) for s in self.steps]
         # the columns of the cached input that did not change since the last call are left as they are
-        step_features(x, wait, eng if eng != self._eng else None,
+        step_features(x, wait, eng if eng != last else None,
                       np.array(phases)[self._step] if phases != self._phases else None)
         self._eng, self._phases = eng, phases
         return x, idx
@@ -214,6 +227,7 @@ class FeatureTable:
         self._x_idx = idx
         self._arrival = np.where(self.running[idx], math.inf, self.arrival[idx])
         self._step = self.step[idx]
+        self._wait = np.empty(len(idx))  # features' buffer for the wait times
         self._eng = self._phases = None  # step columns not filled yet
 
     def predictions(self, idx: np.ndarray) -> list[tuple[float, float]]:

@@ -25,9 +25,15 @@ from serving_hook.rows import Rows
 from serving_hook.translate import EngineView, Translator
 
 
-def _keeps_order(order: Any, reqs: list) -> bool:
-    """True when ``order`` lists the first ``len(order)`` requests in their own order (nothing moves)."""
-    return len(order) <= len(reqs) and all(rid == r.request_id for rid, r in zip(order, reqs))
+def _keeps_order(order: Any, reqs: list, ids: Optional[tuple] = None) -> bool:
+    """True when ``order`` lists the first ``len(order)`` requests in their own order (nothing moves).
+
+    ``ids``: the requests' ids as a tuple, when known (then one C-level comparison, no read of the requests)."""
+    if len(order) > len(reqs):
+        return False
+    if ids is not None:
+        return tuple(order) == ids[:len(order)]
+    return all(rid == r.request_id for rid, r in zip(order, reqs))
 
 
 class AdmissionLever(Lever):
@@ -54,7 +60,8 @@ class AdmissionLever(Lever):
         if dec is None:
             return [], None
         order = dec.order
-        if order is None or _keeps_order(order, reqs):
+        ids = getattr(cands, "request_ids", None)
+        if order is None or _keeps_order(order, reqs, ids if isinstance(ids, tuple) else None):
             ordered = reqs
         else:
             by_id = {r.request_id: r for r in reqs}

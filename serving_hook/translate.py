@@ -113,16 +113,17 @@ class LazyCandidates(CandidateView):
 
     __slots__ = ("_tr", "_reqs", "_now", "_ids", "_one", "_all")
 
-    def __init__(self, tr: "Translator", reqs: list, now: float) -> None:
+    def __init__(self, tr: "Translator", reqs: list, now: float, ids: Optional[tuple] = None) -> None:
         self._tr, self._reqs, self._now = tr, reqs, now
-        self._ids: Optional[list] = None
+        self._ids = ids
         self._one: dict[int, CandidateRequest] = {}
         self._all: Optional[list] = None
 
     @property
-    def request_ids(self) -> list:
+    def request_ids(self) -> tuple:
+        """The ids, in order (a tuple: the same object in consecutive decisions over the same requests)."""
         if self._ids is None:
-            self._ids = [r.request_id for r in self._reqs]
+            self._ids = tuple([r.request_id for r in self._reqs])
         return self._ids
 
     def __len__(self) -> int:
@@ -163,6 +164,7 @@ class Translator:
         self.prefilling: set[str] = set()  # scheduled, first token not seen yet
         self._last_step_time: Optional[float] = None
         self._last_duration = 0.0
+        self._offered: tuple[list, Optional[tuple]] = ([], None)  # the last lazy offer's requests and their ids
 
     # ------------------------------------------------------------ records
     def state(self, now: float) -> EngineState:
@@ -195,7 +197,13 @@ class Translator:
 
     def offer(self, reqs: list, now: float, lazy: bool) -> Sequence[CandidateRequest]:
         """The candidates of a decision over ``reqs``: built now, or (``lazy``) on read (:class:`LazyCandidates`)."""
-        return LazyCandidates(self, reqs, now) if lazy else self.candidates(reqs, now)
+        if not lazy:
+            return self.candidates(reqs, now)
+        last, ids = self._offered
+        if ids is None or last != reqs:  # (the same request objects in the same order: a pointer comparison)
+            ids = tuple([r.request_id for r in reqs])
+            self._offered = (list(reqs), ids)  # a copy: ``reqs`` may change after the decision
+        return LazyCandidates(self, reqs, now, ids)
 
     def candidates(self, reqs: list, now: float) -> list[CandidateRequest]:
         """The candidates for ``reqs``: one object per request, built once and refreshed in place.

@@ -81,6 +81,35 @@ def test_numpy_scorer_matches_torch() -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hidden", [(16, 8), (8,), ()])
+def test_numpy_scorer_head_matches_torch_with_the_first_layer_kept(hidden) -> None:
+    """``NumpyScorer.head`` (one head; with ``kept``, the first layer's non-step part kept per input array) gives
+    the torch scores while only the step columns of the same array change, and recomputes for a new array."""
+    import torch
+
+    from policy.learned_features import STEP_X
+
+    torch.manual_seed(4)
+    s = build_scorer(len(FEATURES), hidden)
+    with torch.no_grad():
+        s.mean.uniform_(0.0, 10.0)
+        s.scale.uniform_(0.5, 3.0)
+    scorer = NumpyScorer(s.state_dict())
+    rng = np.random.default_rng(1)
+    step = list(STEP_X)
+    for n in (1, 9, 600):  # 600: more rows than one product block
+        x = (rng.random((n, len(FEATURES))) * 20).astype(np.float32)
+        for _ in range(3):
+            x[:, step] = rng.random((n, len(step))) * 20  # in place: what the feature table does per step
+            with torch.no_grad():
+                want = s(torch.from_numpy(x)).numpy().astype(np.float64)
+            for head in (ADMIT, PREEMPT):
+                for kept in (True, False):
+                    got = scorer.head(x, head, kept=kept)
+                    assert got.dtype == np.float64 and got.shape == (n,)
+                    np.testing.assert_allclose(got, want[:, head], rtol=1e-5, atol=1e-5)
+
+
 def test_serve_mode_ranks_by_score_and_preempts_the_top() -> None:
     lengths = {f"r{i}": 100.0 * (i + 1) for i in range(6)}
     pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths))
