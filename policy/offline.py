@@ -86,6 +86,9 @@ class OfflineConfig:
     #: option ``preempt``). Off: vLLM's own victim (the tail of the running list) is used, since the learned head
     #: picked victims whose recompute cost about 2x that of vLLM's tail victim. The head is trained either way.
     preempt: bool = False
+    #: whether the trained policy runs over vLLM's CPU offload tier (``policy.json``'s runtime option ``offload``);
+    #: train it on logs of an exploring policy with the same tier.
+    offload: bool = False
     runtime: dict = field(default_factory=lambda: dict(RUNTIME_DEFAULTS))
 
     def __post_init__(self) -> None:
@@ -599,7 +602,8 @@ def train_policy(
     metrics.update(evaluate_policy_on(fn, q_train, test, config))
     cfg = asdict(config)
     cfg["hidden"] = list(config.hidden)
-    runtime = {**RUNTIME_DEFAULTS, **config.runtime, "temperature": config.temperature, "preempt": config.preempt}
+    runtime = {**RUNTIME_DEFAULTS, **config.runtime, "temperature": config.temperature, "preempt": config.preempt,
+               "offload": config.offload}
     cfg["runtime"] = runtime
     trained_on = {"logs": [str(p) for p in log_dirs], "predictors": str(predictors_dir), "split": split,
                   "decisions_train": int(len(train)), "decisions_test": int(len(test)),

@@ -265,6 +265,9 @@ class RegistryPolicy(Policy):
         # is one), plus any the start-up model declares.
         for flag, on in zip(_LEVERS, _learned_levers()):
             setattr(self, flag, on or getattr(self.current, flag))
+        # The CPU offload tier is part of the engine (serving: ``--kv-offloading-size``; the simulator builds it
+        # for a policy that asks): the start-up model decides it, later versions run over whatever the engine has.
+        self.uses_offload = bool(self.current.uses_offload)
 
     @property
     def has_model(self) -> bool:

@@ -436,6 +436,18 @@ def test_swap_to_another_policy_class_drops_the_state(store, dirs, vllm_engine, 
     assert not steps["hook_fallback"].any()
 
 
+def test_the_start_up_model_decides_the_offload_tier(store, dirs):
+    """The tier is built with the engine: the registry policy asks for it when the model it starts with does."""
+    from policy.learned import LearnedPolicy
+    from serving_hook.model_source import RegistryPolicy
+
+    register(dirs["v1"], "tier")
+    uri = "models:/tier@champion"
+    assert not RegistryPolicy(uri).uses_offload  # v1 was saved without the tier
+    assert RegistryPolicy(uri, lambda d: LearnedPolicy.load(d, offload=True)).uses_offload
+    assert not RegistryPolicy("models:/no-such-model@champion").uses_offload  # no model: vLLM's engine as is
+
+
 def test_malformed_model_uri_fails_at_start_up(monkeypatch):
     from serving_hook.config import HookConfig, HookConfigError, build_policy
 

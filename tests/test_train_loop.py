@@ -90,6 +90,7 @@ def test_demo_loop_leaves_run_model_and_alias(tmp_path: Path, vllm_engine) -> No
     labels = [r["label"] for r in result.rows]
     assert labels[0].startswith("vLLM default") and labels[1].startswith("best baseline: ")
     assert "from the registry" in labels[-1]
+    assert result.rows[0]["gap_closed"] == 0.0 and all(r["makespan_over_bound"] >= 1.0 for r in result.rows)
     served = result.rows[-1]
     assert served["makespan_s"] == pytest.approx(served["direct_makespan_s"])  # registry = the same model loaded
     assert served.get("hook_fallbacks", 0) == 0
