@@ -58,10 +58,9 @@ class DemoConfig:
     #: run_simulation options of every simulation (the held-out evaluations' decode stride, so all runs compare)
     sim_options: dict[str, Any] = field(default_factory=lambda: {"decode_stride": HELDOUT_DECODE_STRIDE})
     #: OfflineConfig overrides. The demo's champion chooses preemption victims with its learned head
-    #: (``preempt=True``; the library default is vLLM's tail victim): on the demo's held-out workload of the
-    #: mix before the swe domain (``--preset short``) the same trained model gave 0.944x vLLM default's makespan
-    #: with the head and 1.009x without (recomputed tokens 1.73x / 1.32x); over 8 unseen seeds the makespan
-    #: ratio's geometric mean was 0.958 with it, 0.981 without.
+    #: (``preempt=True``; the library default is vLLM's tail victim) and serves over vLLM's CPU offload tier
+    #: (``offload=True``). Measured on the demo's held-out agentic step (KV 0.2): 0.527x vLLM default's
+    #: makespan, 1.19x the bound, against the best baseline's (infercept-offload) 0.568x.
     policy_options: dict[str, Any] = field(default_factory=lambda: {"preempt": True, "offload": True})
     #: The exploring policy's options: it logs over the same CPU offload tier the champion serves with.
     logging_options: dict[str, Any] = field(default_factory=lambda: {"offload": True})
