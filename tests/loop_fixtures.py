@@ -22,12 +22,13 @@ def tiny_workload(path: Path, seed: int, steps: int = 1, prompts: int = 8) -> Pa
     return path
 
 
-def logged_run(root: Path) -> Path:
-    """A tiny training workload simulated with the exploring ``logging`` policy (its workload beside it)."""
+def logged_run(root: Path, steps: int = 3) -> Path:
+    """A tiny training workload (``steps`` RL steps) simulated with the exploring ``logging`` policy (its workload
+    beside it)."""
     from simulator.simulation import run_simulation
     from simulator.workload import load_workload
 
-    wl = tiny_workload(root / "train.parquet", seed=0, steps=3, prompts=8)
+    wl = tiny_workload(root / "train.parquet", seed=0, steps=steps, prompts=8)
     run = root / "logging"
     run_simulation(load_workload(wl), "logging", kv_fraction=KV, out_dir=run, progress=False,
                    decode_stride=HELDOUT_DECODE_STRIDE)

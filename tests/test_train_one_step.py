@@ -4,7 +4,6 @@ RL step (said in a printed line and in the reports), and a single group is a cle
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from predictors.logs import split_heldout
-from tests.loop_fixtures import KV, mlflow_store, tiny_workload  # noqa: F401 - a fixture
+from tests.loop_fixtures import KV, logged_run, mlflow_store, tiny_workload  # noqa: F401 - a fixture
 from training.cli import app
-from training.train import HELDOUT_DECODE_STRIDE
 
 
 def _requests(steps: list[int], groups: list[str | None]) -> pd.DataFrame:
@@ -61,16 +59,7 @@ def test_policy_split_of_one_step_by_the_acted_groups() -> None:
 @pytest.fixture(scope="module")
 def one_step_run(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> Path:
     """The exploring policy's logs of one RL step (8 prompts x 4 samples), its workload beside it."""
-    from simulator.simulation import run_simulation
-    from simulator.workload import load_workload
-
-    root = tmp_path_factory.mktemp("one-step")
-    wl = tiny_workload(root / "train.parquet", seed=0, steps=1, prompts=8)
-    run = root / "logging"
-    run_simulation(load_workload(wl), "logging", kv_fraction=KV, out_dir=run, progress=False,
-                   decode_stride=HELDOUT_DECODE_STRIDE)
-    shutil.copy(wl, run / "workload.parquet")
-    return run
+    return logged_run(tmp_path_factory.mktemp("one-step"), steps=1)
 
 
 @pytest.mark.vllm
