@@ -231,6 +231,7 @@ class StepDriver:
     def _traj_done(self, traj: Trajectory, t: float) -> None:
         traj.done = True
         traj.end = t
+        self.fleet.session_ended(traj.session)
         self.traj_records.append(TrajectoryRecord(traj.session, traj.step, traj.start, t))
         st = self.step_state.get(traj.step)
         if st is not None:
@@ -256,6 +257,7 @@ class StepDriver:
                 continue
             traj.aborted = True
             self.aborted += 1
+            self.fleet.session_ended(traj.session)
             if traj.waiting_row is not None:
                 self._stale_arrivals[traj.waiting_row] = self._stale_arrivals.get(traj.waiting_row, 0) + 1
                 traj.waiting_row = None

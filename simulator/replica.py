@@ -24,7 +24,13 @@ Routing
 -------
 With ``sticky_sessions`` (default) a session's later turns and its scoring
 requests go to the replica of its first turn (told to the router through
-``on_routed``); otherwise every request is routed. A router sees a request's
+``on_routed``); otherwise every request is routed. A session-aware router
+(``Router.session_aware``) is asked for every turn instead, with the session's
+replica as ``RouteRequest.home``, and may move the session: each move is
+counted (``session_moves``) with the context it leaves behind
+(``session_move_tokens``), which the new replica prefills again at the cost
+model's rate unless it holds that prefix itself. The router hears of each
+trajectory's end (``Router.on_session_end``). A router sees a request's
 vLLM block hashes (its prompt's full blocks, as signed int64) and each
 replica's KV events (``Router.on_kv_event``, from the hook's event listener at
 every step's end), so the ``kv-aware`` router's index is built from the
@@ -61,9 +67,11 @@ class Replica:
         "in_flight",
         "index",
         "kicked",
+        "kv_blocks",
         "now",
         "offload",
         "pending",
+        "_pool",
         "reset_pending",
         "sched",
         "steps",
@@ -73,6 +81,8 @@ class Replica:
         self.index = index
         self.offload = offload  # the CPU offload tier's host link (None: no tier)
         self.sched = sched  # the kvpilot hook's scheduler (its kvpilot_* attributes)
+        self._pool = sched.kv_cache_manager.block_pool
+        self.kv_blocks = self._pool.num_gpu_blocks - 1  # vLLM's null block left out
         self.engine = engine.Engine(sched)
         self.now = 0.0
         self.busy = False
@@ -87,6 +97,10 @@ class Replica:
     def clock(self) -> float:
         """The replica's simulated time (the hook's ``kvpilot_clock``)."""
         return self.now
+
+    def free_blocks(self) -> int:
+        """KV blocks free or holding only evictable cached prefixes (vLLM's free queue)."""
+        return self._pool.get_num_free_blocks()
 
 
 def build_replicas(config: SimConfig, workload: PreparedWorkload, kv_blocks: int,
@@ -147,6 +161,8 @@ class Fleet:
         self.cache_resets = 0  # prefix-cache resets done (weight syncs x replicas)
         self._replica_of: dict[str, Replica] = {}  # request id -> the replica it runs on, until it ends
         self._stream_replica: dict[str, int] = {}  # sticky sessions: stream -> its replica
+        self.session_moves = 0  # turns a session-aware router sent away from their session's replica
+        self.session_move_tokens = 0  # their prompt tokens: the context each left on its old replica
 
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, request: Any, routed_id: str, prompt_tokens: int, session_id: str,
@@ -172,16 +188,26 @@ class Fleet:
         if len(reps) == 1:
             return reps[0]
         hashes = engine.prompt_block_hashes(request, prompt_tokens // VLLM_BLOCK_SIZE)
-        req = RouteRequest(routed_id, hashes, prompt_tokens, VLLM_BLOCK_SIZE, session_id)
-        if self.sticky:
-            pinned = self._stream_replica.get(stream)
-            if pinned is not None:
-                self.router.on_routed(req, pinned)
-                return reps[pinned]
-        loads = [ReplicaLoad(r.index, r.engine.load() + len(r.pending)) for r in reps]
-        chosen = self.router.route(req, loads)
-        self._stream_replica.setdefault(stream, chosen)
+        pinned = self._stream_replica.get(stream) if self.sticky else None
+        router = self.router
+        extra = request.sampling_params.extra_args or {}
+        req = RouteRequest(routed_id, hashes, prompt_tokens, VLLM_BLOCK_SIZE, session_id, stream,
+                           pinned if router.session_aware else None, extra.get("kvpilot_domain"))
+        if pinned is not None and not router.session_aware:
+            router.on_routed(req, pinned)
+            return reps[pinned]
+        loads = [ReplicaLoad(r.index, r.engine.load() + len(r.pending), r.kv_blocks, r.free_blocks()) for r in reps]
+        chosen = router.route(req, loads)
+        if pinned is not None and chosen != pinned:
+            self.session_moves += 1
+            self.session_move_tokens += prompt_tokens
+        self._stream_replica[stream] = chosen
         return reps[chosen]
+
+    def session_ended(self, stream: str) -> None:
+        """Trajectory ``stream`` is done or aborted: its pin is dropped and the router told."""
+        self._stream_replica.pop(stream, None)
+        self.router.on_session_end(stream)
 
     def abort(self, request_id: str, t: float) -> None:
         """Abort a request: now if its replica is between steps, else at its step's end."""

@@ -10,9 +10,19 @@ replicas' KV-cache events (``stored`` / ``removed`` / ``cleared``, as in
 :data:`data.schemas.KV_EVENTS`) for routers that track resident blocks.
 
 Routers: ``round-robin``, ``least-loaded``, ``cache-aware`` (after SGLang's
-``cache_aware`` policy, see :class:`CacheAwareRouter`) and ``kv-aware`` (after
-llm-d's precise prefix-cache scorer over KV events, see :class:`KVAwareRouter`);
-:func:`make_router` builds one by name.
+``cache_aware`` policy, see :class:`CacheAwareRouter`), ``kv-aware`` (after
+llm-d's precise prefix-cache scorer over KV events, see :class:`KVAwareRouter`),
+``session-affinity`` (a session stays on its replica until that replica's queue
+or KV pressure crosses a threshold, as RL stacks route, see
+:class:`SessionAffinityRouter`) and ``kvpilot`` (placement by predicted KV
+demand against each replica's working set, and priced moves of sessions whose
+replica is over-committed, see :class:`KVPilotRouter`); :func:`make_router`
+builds one by name.
+
+Sessions. A router with ``session_aware`` set sees every turn of a session, with
+``RouteRequest.home`` the replica of its earlier turns, and may move it; the
+fleet counts and prices each move (``session_moves`` in a run's summary). Other
+routers see only a session's first request when sessions are sticky.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ __all__ = [
     "LeastLoadedRouter",
     "CacheAwareRouter",
     "KVAwareRouter",
+    "SessionAffinityRouter",
+    "KVPilotRouter",
     "ROUTERS",
     "make_router",
 ]
@@ -39,25 +51,38 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What a router may know of a request: its prompt's block-hash chain and ids."""
+    """What a router may know of a request: its prompt's block-hash chain and ids.
+
+    ``stream`` is the trajectory it belongs to (a scoring request's is the trajectory it scores), ``home`` the
+    replica of the stream's earlier requests (None for its first; set for session-aware routers only) and
+    ``domain`` its workload domain, when known.
+    """
 
     request_id: str
     block_hashes: Sequence[int]
     prompt_tokens: int
     block_size: int
     session_id: str | None = None
+    stream: str | None = None
+    home: int | None = None
+    domain: str | None = None
 
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """One routable replica and its load (running plus waiting requests)."""
+    """One routable replica, its load (running plus waiting requests) and its KV cache (blocks; 0: unknown)."""
 
     index: int
     load: int
+    kv_blocks: int = 0
+    free_blocks: int = 0
 
 
 class Router(ABC):
     """Chooses a replica for each request."""
+
+    #: Sees every turn of a sticky session (``RouteRequest.home`` set) and may move it.
+    session_aware: bool = False
 
     @abstractmethod
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
@@ -68,6 +93,9 @@ class Router(ABC):
 
     def on_kv_event(self, replica: int, kind: str, block_hashes: Sequence[int]) -> None:
         """``replica`` stored, removed or cleared (``kind``) the KV blocks ``block_hashes``."""
+
+    def on_session_end(self, stream: str) -> None:
+        """The trajectory ``stream`` ended (done or aborted): none of its requests will come again."""
 
 
 def _least_loaded(replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
@@ -366,11 +394,149 @@ class KVAwareRouter(Router):
         return chosen.index
 
 
+def _pressure(r: ReplicaLoad) -> float:
+    """The share of ``r``'s KV blocks in use (0.0 when its size is unknown)."""
+    return 1.0 - r.free_blocks / r.kv_blocks if r.kv_blocks > 0 else 0.0
+
+
+class SessionAffinityRouter(Router):
+    """Session affinity with load awareness, as RL rollout stacks route multi-turn sessions.
+
+    A session's first request goes to the least-loaded replica (ties: more free KV, then the lower index); its
+    later turns stay on that replica, where their prefix is cached, unless the replica is overloaded: its load
+    exceeds ``max_load_ratio`` x the lightest replica's load plus ``min_load_gap`` requests, or its KV use is at
+    least ``max_kv_usage`` while another replica's is below it. An overloaded session's turn moves to the
+    least-loaded replica, and later turns stay there. The move costs the turn its cached prefix: the fleet counts
+    it and the new replica recomputes that KV (``session_moves``, ``session_move_tokens``).
+    """
+
+    session_aware = True
+
+    def __init__(self, max_load_ratio: float = 2.0, min_load_gap: int = 8, max_kv_usage: float = 0.98) -> None:
+        if not max_load_ratio >= 1.0 or min_load_gap < 0 or not 0.0 < max_kv_usage <= 1.0:
+            raise ValueError("max_load_ratio must be >= 1, min_load_gap >= 0 and max_kv_usage in (0, 1]")
+        self.max_load_ratio = float(max_load_ratio)
+        self.min_load_gap = int(min_load_gap)
+        self.max_kv_usage = float(max_kv_usage)
+
+    def overloaded(self, home: ReplicaLoad, replicas: Sequence[ReplicaLoad]) -> bool:
+        """Whether ``home`` is past the queue or the KV threshold, against the other replicas."""
+        lightest = min(r.load for r in replicas)
+        if home.load > self.max_load_ratio * lightest + self.min_load_gap:
+            return True
+        return _pressure(home) >= self.max_kv_usage and any(_pressure(r) < self.max_kv_usage for r in replicas)
+
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
+        if not replicas:
+            raise ValueError("no replica to route to")
+        home = next((r for r in replicas if r.index == request.home), None)
+        if home is not None and not self.overloaded(home, replicas):
+            chosen = home.index
+        else:
+            chosen = min(replicas, key=lambda r: (r.load, -r.free_blocks, r.index)).index
+        self.on_routed(request, chosen)
+        return chosen
+
+
+class KVPilotRouter(KVAwareRouter):
+    """kvpilot's router: places sessions by predicted KV demand and moves a session only when the move pays.
+
+    It keeps a ledger of the live sessions on each replica (resident or paused on a tool) and each one's
+    predicted KV demand: the larger of its context so far and its domain's predicted peak context, learned
+    online from the sessions that ended (the mean of their peaks; before any ended, the context so far). A
+    replica's committed demand over its KV capacity is its pressure; its prefix index comes from the replicas'
+    KV events, as :class:`KVAwareRouter`'s.
+
+    * A new session goes to the replica whose pressure, with the session's demand added, is lowest; a replica
+      holding at least ``locality_share`` of its prompt (a GRPO sibling's) wins if its pressure is within
+      ``locality_slack`` of that.
+    * A later turn stays home, except when home is over-committed (pressure above 1: its sessions' KV cannot all
+      stay, and the overflow share ``1 - 1 / pressure`` of what this turn has cached there is expected to be
+      evicted and recomputed) and another replica takes the session without going over. The move is priced in
+      tokens: it pays if the cached prefix it gives up on home, less what the target holds, is below the
+      expected loss of staying. A session whose prefix home already evicted moves for free to a replica with
+      more room.
+    """
+
+    session_aware = True
+
+    def __init__(self, locality_share: float = 0.5, locality_slack: float = 0.05) -> None:
+        super().__init__()
+        if not 0.0 <= locality_share <= 1.0 or locality_slack < 0:
+            raise ValueError("locality_share must be in [0, 1] and locality_slack >= 0")
+        self.locality_share = float(locality_share)
+        self.locality_slack = float(locality_slack)
+        # stream -> (replica, context so far, domain, the demand it adds to its replica's committed demand)
+        self._sessions: dict[str, tuple[int, int, str | None, float]] = {}
+        self._committed: dict[int, float] = {}  # replica -> predicted KV demand of its live sessions, tokens
+        self._peaks: dict[str | None, tuple[float, int]] = {}  # domain -> (sum of ended sessions' peaks, count)
+
+    def predicted_demand(self, context: int, domain: str | None) -> float:
+        """A session's predicted peak KV, tokens: its context so far or its domain's mean peak, the larger."""
+        total, n = self._peaks.get(domain, (0.0, 0))
+        return max(float(context), total / n if n else 0.0)
+
+    def committed(self, replica: int) -> float:
+        """Predicted KV demand, tokens, of the live sessions on ``replica``."""
+        return self._committed.get(replica, 0.0)
+
+    def _capacity(self, r: ReplicaLoad, block_size: int) -> float:
+        return float(r.kv_blocks * block_size) if r.kv_blocks > 0 else math.inf
+
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
+        if not replicas:
+            raise ValueError("no replica to route to")
+        bs = request.block_size
+        stream = request.stream if request.stream is not None else request.request_id
+        entry = self._sessions.get(stream)
+        own = self.predicted_demand(request.prompt_tokens, request.domain) if entry is None else \
+            self.predicted_demand(max(entry[1], request.prompt_tokens), entry[2])
+        if entry is not None:  # its own demand is not load on the replica it would leave
+            self._committed[entry[0]] -= entry[3]
+
+        def pressure_with(r: ReplicaLoad) -> float:
+            return (self.committed(r.index) + own) / self._capacity(r, bs)
+
+        kept = {r.index: min(self.matched_blocks(r.index, request.block_hashes) * bs, request.prompt_tokens)
+                for r in replicas}
+        home = next((r for r in replicas if r.index == request.home), None)
+        roomiest = min(replicas, key=lambda r: (pressure_with(r), -kept[r.index], r.load, r.index))
+        if home is None:
+            chosen = roomiest
+            local = max(replicas, key=lambda r: (kept[r.index], -pressure_with(r), -r.index))
+            if kept[local.index] >= self.locality_share * request.prompt_tokens > 0 and \
+                    pressure_with(local) <= pressure_with(roomiest) + self.locality_slack:
+                chosen = local
+        else:
+            chosen = home
+            p_home = pressure_with(home)
+            if p_home > 1.0 and roomiest.index != home.index and pressure_with(roomiest) <= 1.0:
+                expected_loss = kept[home.index] * (1.0 - 1.0 / p_home)
+                if kept[home.index] - kept[roomiest.index] <= expected_loss:
+                    chosen = roomiest
+        domain = request.domain if entry is None else entry[2]
+        self._sessions[stream] = (chosen.index, max(request.prompt_tokens, entry[1] if entry else 0), domain, own)
+        self._committed[chosen.index] = self.committed(chosen.index) + own
+        self.on_routed(request, chosen.index)
+        return chosen.index
+
+    def on_session_end(self, stream: str) -> None:
+        entry = self._sessions.pop(stream, None)
+        if entry is None:
+            return
+        replica, context, domain, demand = entry
+        self._committed[replica] -= demand
+        total, n = self._peaks.get(domain, (0.0, 0))
+        self._peaks[domain] = (total + context, n + 1)
+
+
 ROUTERS: dict[str, Callable[..., Router]] = {
     "round-robin": RoundRobinRouter,
     "least-loaded": LeastLoadedRouter,
     "cache-aware": CacheAwareRouter,
     "kv-aware": KVAwareRouter,
+    "session-affinity": SessionAffinityRouter,
+    "kvpilot": KVPilotRouter,
 }
 
 

@@ -143,7 +143,8 @@ class Simulation:
             policy=policy_name, router=config.router_name if config.replicas > 1 else None,
             replicas=config.replicas, kv_blocks=self.kv_blocks, kv_fraction=config.kv_fraction,
             preset=config.preset, decode_stride=config.decode_stride, engine_steps=fleet.engine_steps,
-            aborted_trajectories=driver.aborted, telemetry_dropped_rows=dropped, wall_s=result.wall_s,
+            aborted_trajectories=driver.aborted, session_moves=fleet.session_moves,
+            session_move_tokens=fleet.session_move_tokens, telemetry_dropped_rows=dropped, wall_s=result.wall_s,
             scheduler_s=result.scheduler_s, hook_s=result.hook_s, simulator_overhead=result.overhead,
             # policy ``registry``: the registry version served at the end (replica 0) and swaps after start-up
             model_version=replicas[0].sched.kvpilot_stats.model_version,
