@@ -120,8 +120,8 @@ def test_evaluate_grid(vllm_engine: Any, workload_path: Path, tmp_path: Path) ->
     rows = json.loads((out / "summary.json").read_text())
     assert len(rows) == 9 and {(r["policy"], r["kv_fraction"], r["replicas"]) for r in rows} == {
         (p, k, 1) for p in [DEFAULT, *POLICIES] for k in (0.3, 0.6, 1e-4)}
-    keys = {"policy", "kv_fraction", "replicas", "router", "error", "makespan_s", "prefix_hit_rate", "recomputed_tokens",
-            "tokens_per_s", "trajectory_p99_s", "tail_bubble_s", "makespan_per_step_s", "group_completion_s",
+    keys = {"policy", "kv_fraction", "replicas", "router", "error", "makespan_s", "prefix_hit_rate",
+            "recomputed_tokens",            "tokens_per_s", "trajectory_p99_s", "tail_bubble_s", "makespan_per_step_s", "group_completion_s",
             "makespan_ratio_vs_default", "recompute_ratio_vs_default", "hit_rate_ratio_vs_default",
             "bound_s", "bound_total_s", "makespan_over_bound", "gap_closed", "gpu_decode_s", "gpu_idle_s"}
     default = {r["kv_fraction"]: r for r in rows if r["policy"] == DEFAULT}

@@ -1,4 +1,5 @@
-"""Evaluate policies side by side: one workload, the same seeds and cost model, a grid of KV sizes, replicas and routers.
+"""Evaluate policies side by side: one workload, the same seeds and cost model, a grid of KV sizes, replicas and
+routers.
 
 :func:`evaluate` runs every :class:`Case` (policy x KV fraction x replica count
 x router; the router only with several replicas, one case per policy and KV
@@ -62,6 +63,7 @@ from typing import Any
 DEFAULT = "vllm-default"
 #: The router the issue's criterion compares against (``makespan_ratio_vs_round_robin_default``).
 ROUND_ROBIN = "round-robin"
+#: Where cases run: ``process`` (this process or a spawned pool), ``ray`` (Ray tasks; :func:`_run_ray`).
 BACKENDS = ("process", "ray")
 #: The simulator's decode stride for evaluations: 32, because a stride's error is as large at 16 and the
 #: default grid (78 cases) needs 32 to finish in under 20 minutes on 2 cores (vLLM's own work alone is about
@@ -87,6 +89,7 @@ RATIOS = {
     "hit_rate_ratio_vs_default": "prefix_hit_rate",
     "simulated_ratio_vs_default": "simulated_s",
 }
+#: At several replicas: the makespan over vllm-default's behind round-robin (issue #19's router criterion).
 RR_RATIO = "makespan_ratio_vs_round_robin_default"
 #: Summary keys that are lists or dicts (kept in summary.json, left out of the tables).
 _NON_SCALAR = ("makespan_per_step_s", "group_completion_s", "tail_bubble_per_step_s", "bound_per_step_s")
@@ -116,7 +119,7 @@ class Case:
         return f"{self.policy}-kv{kv}-r{self.replicas}" + (f"-{self.router}" if self.router else "")
 
     def row(self) -> dict[str, Any]:
-        """The grid keys a row of this case starts with (``error`` unset)."""
+        """The grid keys a row of this case starts with, and ``error`` (``None``: it ran)."""
         return {"policy": self.policy, "kv_fraction": self.kv_fraction, "replicas": self.replicas,
                 "router": self.router, "error": None}
 
