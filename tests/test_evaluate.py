@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +21,23 @@ from training.cli import app
 from training.evaluate import (
     DEFAULT,
     DEFAULT_DECODE_STRIDE,
+    NOT_IN_ALL,
+    RR_RATIO,
     Case,
     EvaluationError,
-    NOT_IN_ALL,
+    EvaluationResult,
+    add_ratios,
     build_cases,
     evaluate,
     expected_cost,
+    finished_case,
     resolve_policies,
+    resolve_routers,
 )
 
 POLICIES = ["sortedrl", "rollpacker"]  # vllm-default is added
+#: Row keys that are wall times (they differ between two runs of the same case).
+TIMING = ("wall_s", "scheduler_s", "hook_s", "setup_s", "simulator_overhead")
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +120,8 @@ def test_evaluate_grid(vllm_engine: Any, workload_path: Path, tmp_path: Path) ->
     rows = json.loads((out / "summary.json").read_text())
     assert len(rows) == 9 and {(r["policy"], r["kv_fraction"], r["replicas"]) for r in rows} == {
         (p, k, 1) for p in [DEFAULT, *POLICIES] for k in (0.3, 0.6, 1e-4)}
-    keys = {"policy", "kv_fraction", "replicas", "error", "makespan_s", "prefix_hit_rate", "recomputed_tokens",
-            "tokens_per_s", "trajectory_p99_s", "tail_bubble_s", "makespan_per_step_s", "group_completion_s",
+    keys = {"policy", "kv_fraction", "replicas", "router", "error", "makespan_s", "prefix_hit_rate",
+            "recomputed_tokens",            "tokens_per_s", "trajectory_p99_s", "tail_bubble_s", "makespan_per_step_s", "group_completion_s",
             "makespan_ratio_vs_default", "recompute_ratio_vs_default", "hit_rate_ratio_vs_default",
             "bound_s", "bound_total_s", "makespan_over_bound", "gap_closed", "gpu_decode_s", "gpu_idle_s"}
     default = {r["kv_fraction"]: r for r in rows if r["policy"] == DEFAULT}
@@ -172,7 +181,7 @@ def test_cli_two_replicas(vllm_engine: Any, workload_path: Path, tmp_path: Path)
     assert [(r["policy"], r["replicas"], r["makespan_ratio_vs_default"]) for r in rows] == [(DEFAULT, 2, 1.0)]
     assert rows[0]["router"] == "least-loaded" and rows[0]["decode_stride"] == 4
     # --resume reads the finished case back instead of simulating it again; another stride reruns it
-    run = out / "runs" / "vllm-default-kv0.5-r2" / "summary.json"
+    run = out / "runs" / "vllm-default-kv0.5-r2-least-loaded" / "summary.json"
     before = run.stat().st_mtime_ns
     args = ["evaluate", "-w", str(workload_path), "-o", str(out), "--policies", "vllm-default", "--kv-fractions",
             "0.5", "--replicas", "2", "--router", "least-loaded", "--no-progress", "--resume"]
@@ -208,22 +217,149 @@ def test_full_telemetry_is_optional_and_changes_no_result(vllm_engine: Any, work
     runs = {}
     for log in (False, True):
         res = evaluate(workload_path, ["sjf-predicted"], tmp_path / str(log), kv_fractions=[0.3], replicas=[2],
-                       router="kv-aware", progress=False, full_telemetry=log)
+                       routers=["kv-aware"], progress=False, full_telemetry=log)
         runs[log] = res.rows
-        telemetry = tmp_path / str(log) / "runs" / "sjf-predicted-kv0.3-r2" / "telemetry"
+        telemetry = tmp_path / str(log) / "runs" / "sjf-predicted-kv0.3-r2-kv-aware" / "telemetry"
         for table in ("decisions", "kv_events"):
             assert any((telemetry / table).glob("part-*.parquet")) is log, table
         assert any((telemetry / "requests").glob("part-*.parquet"))
-    timing = ("wall_s", "scheduler_s", "hook_s", "setup_s", "simulator_overhead")
-    strip = [[{k: v for k, v in r.items() if k not in timing} for r in rows] for rows in runs.values()]
+    strip = [[{k: v for k, v in r.items() if k not in TIMING} for r in rows] for rows in runs.values()]
     assert strip[0] == strip[1]
 
 
 def test_cases_are_handed_out_longest_expected_first() -> None:
     cases = build_cases([DEFAULT, "sortedrl", "oracle"], [0.1, 0.2, 0.4], [1, 2])
     ranked = sorted(cases, key=expected_cost, reverse=True)
-    assert ranked[0] == Case("oracle", 0.1, 2)  # the smallest cache, two replicas, a costly hook
+    assert ranked[0] == Case("oracle", 0.1, 2, "round-robin")  # the smallest cache, two replicas, a costly hook
     assert ranked[-1] == Case(DEFAULT, 0.4, 1)
-    assert expected_cost(Case(DEFAULT, 0.1, 2)) > expected_cost(Case(DEFAULT, 0.2, 2)) \
-        > expected_cost(Case(DEFAULT, 0.4, 2)) > expected_cost(Case(DEFAULT, 0.1, 1)) \
+    rr = "round-robin"
+    assert expected_cost(Case(DEFAULT, 0.1, 2, rr)) > expected_cost(Case(DEFAULT, 0.2, 2, rr)) \
+        > expected_cost(Case(DEFAULT, 0.4, 2, rr)) > expected_cost(Case(DEFAULT, 0.1, 1)) \
         > expected_cost(Case(DEFAULT, 0.4, 1))
+
+
+# ---------------------------------------------------------------- routers as a grid dimension, the Ray backend
+
+ROUTER_GRID = {"kv_fractions": [0.5, 1e-4], "replicas": [1, 2], "routers": ("round-robin", "kv-aware")}
+
+
+def test_routers_are_a_grid_dimension_at_several_replicas() -> None:
+    from simulator.routers import ROUTERS
+
+    assert resolve_routers("kv-aware, round-robin,kv-aware") == ["kv-aware", "round-robin"]
+    assert resolve_routers("all") == list(ROUTERS) and resolve_routers(["all", "kv-aware"]) == list(ROUTERS)
+    with pytest.raises(EvaluationError, match="unknown router 'nope'; known routers: round-robin, least-loaded"):
+        resolve_routers("round-robin,nope")
+    with pytest.raises(EvaluationError, match="no routers"):
+        resolve_routers(" , ")
+    cases = build_cases([DEFAULT, "sortedrl"], [0.5], [2, 1], ["round-robin", "kv-aware"])
+    assert [c.name for c in cases] == [
+        "vllm-default-kv0.5-r1", "sortedrl-kv0.5-r1",  # one replica: no router, one case each
+        "vllm-default-kv0.5-r2-round-robin", "sortedrl-kv0.5-r2-round-robin",
+        "vllm-default-kv0.5-r2-kv-aware", "sortedrl-kv0.5-r2-kv-aware"]
+    assert [c.router for c in cases[:2]] == [None, None]
+    with pytest.raises(ValueError, match="router exactly when"):
+        Case(DEFAULT, 0.5, 2)
+    with pytest.raises(ValueError, match="router exactly when"):
+        Case(DEFAULT, 0.5, 1, "kv-aware")
+
+
+def test_ratios_compare_within_a_router() -> None:
+    def row(policy: str, replicas: int, router: str | None, makespan: float) -> dict[str, Any]:
+        return {"policy": policy, "kv_fraction": 0.5, "replicas": replicas, "router": router, "error": None,
+                "makespan_s": makespan}
+
+    rows = [row(DEFAULT, 1, None, 10.0), row("learned", 1, None, 5.0),
+            row(DEFAULT, 2, "round-robin", 8.0), row("learned", 2, "round-robin", 6.0),
+            row(DEFAULT, 2, "kv-aware", 4.0), row("learned", 2, "kv-aware", 2.0)]
+    add_ratios(rows)
+    assert [r["makespan_ratio_vs_default"] for r in rows] == [1.0, 0.5, 1.0, 0.75, 1.0, 0.5]
+    assert [r[RR_RATIO] for r in rows] == [None, None, 1.0, 0.75, 0.5, 0.25]
+    rows = [row(DEFAULT, 2, "kv-aware", 4.0), row("learned", 2, "kv-aware", 2.0)]  # no round-robin in the grid
+    add_ratios(rows)
+    assert [r[RR_RATIO] for r in rows] == [None, None] and rows[1]["makespan_ratio_vs_default"] == 0.5
+
+
+def test_bad_backend_or_missing_ray_fails_before_running(workload_path: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(EvaluationError, match="unknown backend 'dask'; known backends: process, ray"):
+        evaluate(workload_path, ["sortedrl"], tmp_path / "e", backend="dask", progress=False)
+    with pytest.raises(EvaluationError, match="address 'auto' is for the ray backend"):
+        evaluate(workload_path, ["sortedrl"], tmp_path / "e", address="auto", progress=False)
+    with pytest.raises(EvaluationError, match="unknown router 'nope'"):
+        evaluate(workload_path, ["sortedrl"], tmp_path / "e", replicas=[2], routers="nope", progress=False)
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(EvaluationError, match=r"backend 'ray' needs Ray: pip install 'ray>=2.60'"):
+        evaluate(workload_path, ["sortedrl"], tmp_path / "e", backend="ray", progress=False)
+    assert not (tmp_path / "e").exists()
+    res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "e"),
+                                   "--replicas", "2", "--routers", "kv-aware,nope", "--no-progress"])
+    assert res.exit_code == 2 and "--routers: unknown router 'nope'" in res.output, res.output
+    res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "e"),
+                                   "--backend", "mpi", "--no-progress"])
+    assert res.exit_code == 2 and "--backend must be one of process, ray" in res.output, res.output
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.fixture(scope="module")
+def router_grid(vllm_engine: Any, workload_path: Path, tmp_path_factory: pytest.TempPathFactory) -> EvaluationResult:
+    """sortedrl and vllm-default at KV 0.5 (and 1e-4, whose cases fail) on 1 and 2 replicas behind two routers,
+    in two worker processes."""
+    return evaluate(workload_path, ["sortedrl"], tmp_path_factory.mktemp("grid"), jobs=2, progress=False,
+                    **ROUTER_GRID)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_router_grid(router_grid: EvaluationResult, tmp_path: Path) -> None:
+    rows, out = router_grid.rows, router_grid.out_dir
+    assert [(r["policy"], r["kv_fraction"], r["replicas"], r["router"]) for r in rows] == [
+        (p, k, 1, None) for k in (1e-4, 0.5) for p in (DEFAULT, "sortedrl")] + [
+        (p, k, 2, rt) for k in (1e-4, 0.5) for rt in ("round-robin", "kv-aware") for p in (DEFAULT, "sortedrl")]
+    ok = {(r["policy"], r["replicas"], r["router"]): r for r in rows if r["kv_fraction"] == 0.5}
+    assert all(r["error"] is None for r in ok.values())
+    assert all("smaller than the largest request" in r["error"] for r in rows if r["kv_fraction"] == 1e-4)
+    for (policy, reps, router), r in ok.items():
+        d, rr = ok[(DEFAULT, reps, router)], ok.get((DEFAULT, reps, "round-robin"))
+        assert r["makespan_ratio_vs_default"] == pytest.approx(r["makespan_s"] / d["makespan_s"])
+        assert r["gap_closed"] == pytest.approx((d["simulated_s"] - r["simulated_s"]) /
+                                                (d["simulated_s"] - d["bound_total_s"]))
+        assert r[RR_RATIO] == (None if reps == 1 else pytest.approx(r["makespan_s"] / rr["makespan_s"]))
+        case = Case(policy, 0.5, reps, router)
+        assert json.loads((out / "runs" / case.name / "summary.json").read_text())["router"] == router
+    header = (out / "summary.csv").read_text().splitlines()[0].split(",")
+    assert header[:5] == ["policy", "kv_fraction", "replicas", "router", "makespan_ratio_vs_default"]
+    assert RR_RATIO in header
+    assert "| vllm-default | 0.5 | 2 | kv-aware | 1 |" in (out / "summary.md").read_text()
+    for name in ("makespan.png", "hit_rate.png", "recompute.png", "trajectory_ecdf.png"):
+        assert _png_size(out / name)[0] > 400
+    assert list(router_grid.trajectory_s) == [c.name for c in build_cases([DEFAULT, "sortedrl"], **ROUTER_GRID)]
+    # --resume reads a case back only when its run was behind the same router
+    case = Case(DEFAULT, 0.5, 2, "kv-aware")
+    again = finished_case(case, out, DEFAULT_DECODE_STRIDE)
+    assert again is not None and again[0]["router"] == "kv-aware" and again[0]["makespan_s"] == ok[
+        (DEFAULT, 2, "kv-aware")]["makespan_s"]
+    moved = tmp_path / "runs" / case.name
+    shutil.copytree(out / "runs" / case.name, moved)
+    summary = json.loads((moved / "summary.json").read_text())
+    (moved / "summary.json").write_text(json.dumps({**summary, "router": "least-loaded"}))
+    assert finished_case(case, tmp_path, DEFAULT_DECODE_STRIDE) is None
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_ray_backend_gives_the_process_pools_rows(router_grid: EvaluationResult, workload_path: Path,
+                                                  tmp_path: Path) -> None:
+    """The same grid as Ray tasks on a local Ray instance started (and shut down) by evaluate: the same rows,
+    failed cases included, reported as they finish."""
+    ray = pytest.importorskip("ray")
+    seen: list[str] = []
+    result = evaluate(workload_path, ["sortedrl"], tmp_path, backend="ray", jobs=2, progress=False,
+                      on_case=lambda case, row: seen.append(case.name), **ROUTER_GRID)
+    assert not ray.is_initialized()  # started here, so shut down here
+    assert sorted(seen) == sorted(router_grid.trajectory_s) and len(seen) == 12
+    strip = [[{k: v for k, v in r.items() if k not in TIMING} for r in res.rows] for res in (router_grid, result)]
+    assert strip[0] == strip[1]
+    assert sum(r["error"] is not None for r in result.rows) == 6
+    assert result.trajectory_s == router_grid.trajectory_s
+    assert (tmp_path / "runs" / "sortedrl-kv0.5-r2-kv-aware" / "summary.json").is_file()

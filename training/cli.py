@@ -297,10 +297,18 @@ def evaluate_cmd(
                           "GPU's own KV capacity.")
     ] = "0.1,0.2,0.4",
     replicas: Annotated[str, typer.Option("--replicas", help="Replica count(s), e.g. 1 or 1,2.")] = "1",
-    router: Annotated[
-        str, typer.Option("--router", help="round-robin, least-loaded, cache-aware or kv-aware (several replicas).")
+    routers: Annotated[
+        str, typer.Option("--routers", "--router", help="Comma-separated routers (simulator.routers.ROUTERS: "
+                          "round-robin, least-loaded, cache-aware, kv-aware, ...; 'all' is every one), a grid "
+                          "dimension at several replicas (one replica has no router).")
     ] = "round-robin",
-    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (each imports vLLM once).")] = 1,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (each imports vLLM once); with "
+                                      "--backend ray and no --address, the local Ray instance's CPUs.")] = 1,
+    backend: Annotated[str, typer.Option("--backend", help="process (this process or --jobs worker processes) or "
+                                         "ray (one Ray task per case; needs the ray package).")] = "process",
+    address: Annotated[Optional[str], typer.Option(
+        "--address", help="Ray cluster to join with --backend ray (e.g. auto or ray://HEAD:10001); default: a "
+        "local Ray instance of --jobs CPUs.")] = None,
     preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
     decode_stride: Annotated[
         Optional[int], typer.Option("--decode-stride", help="Tokens each request decodes per simulated step; "
@@ -310,7 +318,7 @@ def evaluate_cmd(
     ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Reuse the cases an earlier evaluation into -o finished at this stride "
-                           "(same workload, router and preset assumed).")
+                           "and router (same workload and preset assumed).")
     ] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
     model: Annotated[Optional[Path], typer.Option(
@@ -324,7 +332,7 @@ def evaluate_cmd(
     offload_gib: OffloadGib = DEFAULT_OFFLOAD_GIB,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
-    from training.evaluate import EvaluationError, build_cases, evaluate, resolve_policies
+    from training.evaluate import BACKENDS, EvaluationError, build_cases, evaluate, resolve_policies, resolve_routers
 
     parts = [p.strip() for p in kv_fractions.split(",") if p.strip()]
     kvs: list = [None] * ("gpu" in parts)
@@ -335,6 +343,10 @@ def evaluate_cmd(
     reps = _number_list(replicas, int, "--replicas")
     if jobs < 1:
         raise _fail(f"--jobs must be >= 1, got {jobs}")
+    if backend not in BACKENDS:
+        raise _fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if address is not None and backend != "ray":
+        raise _fail("--address needs --backend ray")
     if decode_stride is None:
         decode_stride = DEFAULT_DECODE_STRIDE
     if decode_stride < 1:
@@ -342,17 +354,24 @@ def evaluate_cmd(
     if not workload.exists():
         raise _fail(f"no such workload: {workload}")
     try:
+        router_names = resolve_routers(routers)
+    except EvaluationError as err:
+        raise _fail(f"--routers: {err}") from None
+    try:
         names = resolve_policies(policies)
-        cases = build_cases(names, kvs, reps)
+        cases = build_cases(names, kvs, reps, router_names)
     except EvaluationError as err:
         raise _fail(str(err)) from None
+    where = f"{jobs} job(s)" if backend == "process" else f"Ray at {address}" if address else \
+        f"a local Ray instance of {jobs} CPU(s)"
     console.print(f"evaluating {len(names)} policies x {len(set(kvs))} KV size(s) x {len(set(reps))} replica "
-                  f"count(s) = {len(cases)} simulations, {jobs} job(s), decode stride {decode_stride}",
-                  highlight=False)
+                  f"count(s)" + (f" x {len(router_names)} routers" if len(router_names) > 1 and max(reps) > 1 else "")
+                  + f" = {len(cases)} simulations, {where}, decode stride {decode_stride}", highlight=False)
     t0 = time.perf_counter()
     try:
-        result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, router=router, preset=preset,
-                          jobs=jobs, progress=progress, decode_stride=decode_stride, resume=resume,
+        result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, routers=router_names,
+                          preset=preset, jobs=jobs, backend=backend, address=address, progress=progress,
+                          decode_stride=decode_stride, resume=resume,
                           full_telemetry=full_telemetry,
                           sim_options={"keep_cache_across_steps": keep_cache, "offload_gib": offload_gib},
                           policy_options={"learned": {"model": str(model)}} if model is not None else None)
@@ -369,7 +388,9 @@ def evaluate_cmd(
                if r.get("offload_blocks") else "")
             if ratio is not None and whole is not None else f"makespan {r['makespan_s']:.2f} s/step")
         kv = "gpu" if r["kv_fraction"] is None else f"{r['kv_fraction']:g}"
-        typer.echo(f"{r['policy']:<16} kv {kv:<5} r{r['replicas']}  {status}")
+        rr = r.get("makespan_ratio_vs_round_robin_default")
+        typer.echo(f"{r['policy']:<16} kv {kv:<5} r{r['replicas']}{' ' + r['router'] if r['router'] else ''}  "
+                   f"{status}{f'  x{rr:.3f} vs round-robin default' if rr is not None else ''}")
     console.print(f"{len(result.rows)} case(s), {len(failed)} failed, in {time.perf_counter() - t0:.1f} s; "
                   f"summary.md, summary.csv, summary.json and plots in {out_dir}", highlight=False)
 

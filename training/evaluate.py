@@ -1,32 +1,38 @@
-"""Evaluate policies side by side: one workload, the same seeds and cost model, a grid of KV sizes and replicas.
+"""Evaluate policies side by side: one workload, the same seeds and cost model, a grid of KV sizes, replicas and
+routers.
 
-:func:`evaluate` runs every :class:`Case` (policy x KV fraction x replica count)
-with :func:`simulator.simulation.run_simulation`, each into
-``out_dir/runs/<policy>-kv<f>-r<R>``, in this process or in ``jobs`` worker
+:func:`evaluate` runs every :class:`Case` (policy x KV fraction x replica count
+x router; the router only with several replicas, one case per policy and KV
+fraction at one replica) with :func:`simulator.simulation.run_simulation`, each into
+``out_dir/runs/<policy>-kv<f>-r<R>`` (``-<router>`` appended for R > 1), in this process, in ``jobs`` worker
 processes (spawn context; each worker imports vLLM once, reads and prepares the workload
-once and runs several cases, handed out longest expected first: :func:`expected_cost`). A case that fails is a row with an ``error``,
+once and runs several cases, handed out longest expected first: :func:`expected_cost`), or as Ray tasks
+(``backend="ray"``: a local Ray instance of ``jobs`` CPUs, or the cluster at ``address``; each Ray worker
+process prepares the workload once; the same rows as the process pool). A case that fails is a row with an ``error``,
 not a failed evaluation. ``vllm-default`` is always run, for the ratios.
 Cases run at the simulator's decode stride :data:`DEFAULT_DECODE_STRIDE`
 (``decode_stride``; 1 is the exact path, see :mod:`simulator.runner`).
 Each finished case leaves ``runs/<case>/summary.json``,
 ``trajectories.json`` and its telemetry (``requests`` and ``steps``; ``decisions`` and ``kv_events`` too with
 ``full_telemetry``); with ``resume`` a case that an earlier evaluation into
-the same folder finished at the same stride is read back, not rerun (the
-workload, router and preset must be the same: they are not checked).
+the same folder finished at the same stride and router is read back, not rerun (the
+workload and preset must be the same: they are not checked).
 
 It writes, under ``out_dir``:
 
 * ``summary.json``: a list of rows, each with ``policy``, ``kv_fraction``,
-  ``replicas``, ``error`` (``None`` when it ran), the simulator's summary keys
+  ``replicas``, ``router`` (``None`` at one replica), ``error`` (``None`` when it ran), the simulator's summary keys
   (:func:`simulator.metrics.summarize` plus the run's own keys) and the ratios
-  to vllm-default at the same KV fraction and replicas:
+  to vllm-default at the same KV fraction, replicas and router:
   ``makespan_ratio_vs_default``, ``recompute_ratio_vs_default`` (recomputed
   tokens), ``hit_rate_ratio_vs_default`` (prefix hit rate) and
   ``simulated_ratio_vs_default`` (first step start to last step end: the fair
   one for tail batching, whose long rounds count as extra RL steps in the
   per-step mean ``makespan_s``); a ratio is
   ``None`` when either side failed or the default's value is 0 (1.0 when both
-  are 0); beside them the run's lower bound (``bound_s``, ``bound_total_s``,
+  are 0); ``makespan_ratio_vs_round_robin_default`` (several replicas only): the makespan over
+  vllm-default's behind ``round-robin`` at the same KV fraction and replicas (``None`` when that case
+  is not in the grid), issue #19's router criterion; beside them the run's lower bound (``bound_s``, ``bound_total_s``,
   ``makespan_over_bound``: :mod:`simulator.bound`) and ``gap_closed``, the share
   of vllm-default's gap to the bound the policy closes (:func:`gap_closed`). A KV
   fraction of ``None`` (``--kv-fractions gpu``) is the preset GPU's own capacity:
@@ -34,11 +40,12 @@ It writes, under ``out_dir``:
 * ``summary.csv`` and ``summary.md``: the same rows, scalar metrics only;
 * ``makespan.png``, ``hit_rate.png``, ``recompute.png``: the metric against
   the KV fraction (the GPU's capacity at its share of the need,
-  ``kv_share_of_need``), one line per policy, one panel per replica count; the
+  ``kv_share_of_need``), one line per policy (per policy and router at several replicas when the grid
+  has several routers), one panel per replica count; the
   makespan is the whole workload's (``simulated_s``), so tail batching's long
   rounds count, and the bound is drawn beside it;
 * ``trajectory_ecdf.png``: the ECDF of trajectory completion times (first turn
-  released to verification done) per policy at the smallest KV fraction, one
+  released to verification done) per policy (and router) at the smallest KV fraction, one
   panel per replica count.
 """
 
@@ -54,6 +61,10 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT = "vllm-default"
+#: The router the issue's criterion compares against (``makespan_ratio_vs_round_robin_default``).
+ROUND_ROBIN = "round-robin"
+#: Where cases run: ``process`` (this process or a spawned pool), ``ray`` (Ray tasks; :func:`_run_ray`).
+BACKENDS = ("process", "ray")
 #: The simulator's decode stride for evaluations: 32, because a stride's error is as large at 16 and the
 #: default grid (78 cases) needs 32 to finish in under 20 minutes on 2 cores (vLLM's own work alone is about
 #: 19.5 min at 16). Makespan ratio to vllm-default at the same stride, default workload, KV 0.4, one replica
@@ -78,6 +89,8 @@ RATIOS = {
     "hit_rate_ratio_vs_default": "prefix_hit_rate",
     "simulated_ratio_vs_default": "simulated_s",
 }
+#: At several replicas: the makespan over vllm-default's behind round-robin (issue #19's router criterion).
+RR_RATIO = "makespan_ratio_vs_round_robin_default"
 #: Summary keys that are lists or dicts (kept in summary.json, left out of the tables).
 _NON_SCALAR = ("makespan_per_step_s", "group_completion_s", "tail_bubble_per_step_s", "bound_per_step_s")
 
@@ -88,16 +101,27 @@ class EvaluationError(ValueError):
 
 @dataclass(frozen=True)
 class Case:
-    """One simulation of the grid."""
+    """One simulation of the grid: a router exactly when there are several replicas (one replica never asks)."""
 
     policy: str
     kv_fraction: float | None  # None: the preset GPU's own KV capacity
     replicas: int
+    router: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.router is None) != (self.replicas == 1):
+            raise ValueError(f"a case has a router exactly when it has several replicas, got {self.replicas} "
+                             f"replica(s) and router {self.router!r}")
 
     @property
     def name(self) -> str:
         kv = "gpu" if self.kv_fraction is None else f"{self.kv_fraction:g}"
-        return f"{self.policy}-kv{kv}-r{self.replicas}"
+        return f"{self.policy}-kv{kv}-r{self.replicas}" + (f"-{self.router}" if self.router else "")
+
+    def row(self) -> dict[str, Any]:
+        """The grid keys a row of this case starts with, and ``error`` (``None``: it ran)."""
+        return {"policy": self.policy, "kv_fraction": self.kv_fraction, "replicas": self.replicas,
+                "router": self.router, "error": None}
 
 
 @dataclass
@@ -135,9 +159,28 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     return out
 
 
+def resolve_routers(routers: str | Sequence[str]) -> list[str]:
+    """Router names from a comma list or a sequence, each once (``all``: every name in
+    :data:`simulator.routers.ROUTERS`, in its order). Unknown names raise :class:`EvaluationError` naming the
+    known ones."""
+    from simulator.routers import ROUTERS
+
+    if isinstance(routers, str):
+        routers = routers.split(",")
+    names = [q for p in (x.strip() for x in routers) if p for q in (list(ROUTERS) if p == "all" else [p])]
+    if not names:
+        raise EvaluationError("no routers given")
+    unknown = [p for p in names if p not in ROUTERS]
+    if unknown:
+        raise EvaluationError(f"unknown router{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                              f"known routers: {', '.join(ROUTERS)}")
+    return list(dict.fromkeys(names))
+
+
 def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None],
-                replicas: Iterable[int]) -> list[Case]:
-    """The grid; a KV fraction of ``None`` is the preset GPU's own capacity (listed last)."""
+                replicas: Iterable[int], routers: Sequence[str] = (ROUND_ROBIN,)) -> list[Case]:
+    """The grid; a KV fraction of ``None`` is the preset GPU's own capacity (listed last). Each router is a case
+    only with several replicas; at one replica there is one case per policy and KV fraction."""
     given = set(kv_fractions)
     kvs: list[float | None] = sorted({float(k) for k in given if k is not None})
     reps = sorted({int(r) for r in replicas})
@@ -147,7 +190,9 @@ def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None],
         kvs.append(None)
     if not reps or any(r < 1 for r in reps):
         raise EvaluationError(f"replica counts must be >= 1, got {reps}")
-    return [Case(p, k, r) for r in reps for k in kvs for p in policies]
+    if not routers:
+        raise EvaluationError("no routers given")
+    return [Case(p, k, r, rt) for r in reps for k in kvs for rt in (routers if r > 1 else [None]) for p in policies]
 
 
 # ---------------------------------------------------------------- running cases
@@ -166,20 +211,23 @@ def expected_cost(case: Case) -> float:
 
 
 _WORKER: dict[str, Any] = {}
+#: What a worker process (pool or Ray) needs in its environment.
+_WORKER_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def _init_worker(workload_path: str) -> None:
     """Worker start-up: vLLM imported and the workload read and prepared once per process."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for k, v in _WORKER_ENV.items():
+        os.environ.setdefault(k, v)
     from simulator import engine
     from simulator.workload import load_workload
 
     engine.make_vllm_config()  # the first ModelConfig's cost, once
     _WORKER["workload"] = load_workload(workload_path)
+    _WORKER["path"] = workload_path
 
 
-def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-robin", preset: str = "H200-7B",
+def run_case(workload: Any, case: Case, out_dir: Path, *, preset: str = "H200-7B",
              sim_options: dict[str, Any] | None = None,
              policy_options: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[float]]:
     """Simulate one case; returns its row (``error`` set instead of raising) and its trajectory durations.
@@ -189,8 +237,7 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-r
     """
     from simulator.simulation import run_simulation
 
-    row: dict[str, Any] = {"policy": case.policy, "kv_fraction": case.kv_fraction, "replicas": case.replicas,
-                           "error": None}
+    row = case.row()
     run_dir = Path(out_dir) / "runs" / case.name
     if run_dir.exists():
         import shutil
@@ -200,7 +247,8 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-r
         opts = dict(sim_options or {})
         if policy_options and case.policy in policy_options:
             opts["policy_options"] = {**opts.get("policy_options", {}), **policy_options[case.policy]}
-        result = run_simulation(workload, case.policy, replicas=case.replicas, router=router,
+        # one replica never asks its router: round-robin stands in
+        result = run_simulation(workload, case.policy, replicas=case.replicas, router=case.router or ROUND_ROBIN,
                                 kv_fraction=case.kv_fraction, preset=preset, out_dir=run_dir, progress=False,
                                 **opts)
     except Exception as e:  # noqa: BLE001 - reported in the table, not a crash of the evaluation
@@ -212,14 +260,14 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, router: str = "round-r
 
 
 def _row(row: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
-    row.update({k: v for k, v in summary.items() if k not in ("policy", "kv_fraction", "replicas")})
+    row.update({k: v for k, v in summary.items() if k not in ("policy", "kv_fraction", "replicas", "router")})
     return row
 
 
 def finished_case(case: Case, out_dir: Path, decode_stride: int, keep_cache_across_steps: bool = False,
                   offload_gib: float | None = None) -> tuple[dict[str, Any], list[float]] | None:
-    """A case an earlier evaluation into ``out_dir`` finished at this stride, cache rule and CPU offload tier
-    (summary and trajectories), or None."""
+    """A case an earlier evaluation into ``out_dir`` finished at this stride, router, cache rule and CPU offload
+    tier (summary and trajectories), or None."""
     run_dir = Path(out_dir) / "runs" / case.name
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -229,16 +277,30 @@ def finished_case(case: Case, out_dir: Path, decode_stride: int, keep_cache_acro
     if summary.get("decode_stride", 1) != decode_stride or \
             summary.get("keep_cache_across_steps") != keep_cache_across_steps:
         return None  # another stride, or another cache rule at weight sync (or a run from before it existed)
+    if summary.get("router") != case.router:
+        return None  # another router behind the same replicas
     if summary.get("offload_blocks") and offload_gib is not None and summary.get("offload_gib") != offload_gib:
         return None  # a policy with a CPU tier, run with another tier size
-    row = {"policy": case.policy, "kv_fraction": case.kv_fraction, "replicas": case.replicas, "error": None}
-    return _row(row, summary), [float(d) for d in durations]
+    return _row(case.row(), summary), [float(d) for d in durations]
 
 
-def _worker_case(case: Case, out_dir: str, router: str, preset: str, sim_options: dict[str, Any] | None,
+def _worker_case(case: Case, out_dir: str, preset: str, sim_options: dict[str, Any] | None,
                  policy_options: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[float]]:
-    return run_case(_WORKER["workload"], case, Path(out_dir), router=router, preset=preset, sim_options=sim_options,
+    return run_case(_WORKER["workload"], case, Path(out_dir), preset=preset, sim_options=sim_options,
                     policy_options=policy_options)
+
+
+def _ray_case(workload_path: str, case: Case, out_dir: str, preset: str, sim_options: dict[str, Any] | None,
+              policy_options: dict[str, dict[str, Any]] | None) -> tuple[dict[str, Any], list[float]]:
+    """A Ray task's body: the workload prepared once per Ray worker process (and workload), then the case."""
+    if _WORKER.get("path") != workload_path:
+        _init_worker(workload_path)
+    return _worker_case(case, out_dir, preset, sim_options, policy_options)
+
+
+def _failed(case: Case, e: BaseException) -> tuple[dict[str, Any], list[float]]:
+    """The row of a case whose worker died or whose task raised."""
+    return {**case.row(), "error": f"worker failed: {type(e).__name__}: {e}"}, []
 
 
 def evaluate(
@@ -248,9 +310,11 @@ def evaluate(
     *,
     kv_fractions: Sequence[float | None] = (0.1, 0.2, 0.4),
     replicas: Sequence[int] = (1,),
-    router: str = "round-robin",
+    routers: str | Sequence[str] = (ROUND_ROBIN,),
     preset: str = "H200-7B",
     jobs: int = 1,
+    backend: str = "process",
+    address: str | None = None,
     progress: bool = True,
     decode_stride: int = DEFAULT_DECODE_STRIDE,
     resume: bool = False,
@@ -261,15 +325,24 @@ def evaluate(
 ) -> EvaluationResult:
     """Run the grid (see the module docstring); bad requests raise :class:`EvaluationError` before running.
 
+    ``routers``: router names (:func:`resolve_routers`), a grid dimension at several replicas.
+    ``backend``: ``process`` (this process, or ``jobs`` spawned worker processes) or ``ray`` (Ray tasks of one
+    CPU each: with no ``address`` on a local Ray instance of ``jobs`` CPUs started here, else on the cluster at
+    ``address``, as many at once as it schedules; see :func:`_run_ray`).
     ``policy_options``: per-policy keyword options, by policy name (``learned`` needs ``model``).
     ``full_telemetry``: also write each run's ``decisions`` (every candidate's features at every decision: what
     training and OPE read) and ``kv_events`` telemetry (every block stored or removed); off by default, since
     the comparison needs only the summaries, which read ``requests`` and ``steps``.
     """
     names = resolve_policies(policies)
-    cases = build_cases(names, kv_fractions, replicas)
+    cases = build_cases(names, kv_fractions, replicas, resolve_routers(routers))
     if jobs < 1:
         raise EvaluationError(f"jobs must be >= 1, got {jobs}")
+    if backend not in BACKENDS:
+        raise EvaluationError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+    if address is not None and backend != "ray":
+        raise EvaluationError(f"address {address!r} is for the ray backend, not {backend!r}")
+    ray = _import_ray() if backend == "ray" else None
     if not isinstance(decode_stride, int) or decode_stride < 1:
         raise EvaluationError(f"decode_stride must be an integer >= 1, got {decode_stride!r}")
     sim_options = {"decode_stride": decode_stride, "decision_log": full_telemetry, "kv_event_log": full_telemetry,
@@ -303,12 +376,15 @@ def evaluate(
                 done(case, earlier)
             else:
                 todo.append(case)
-        if jobs == 1 or len(todo) <= 1:
+        if ray is not None:
+            _run_ray(ray, todo, str(Path(workload_path).resolve()), str(out.resolve()), preset, sim_options, jobs,
+                     address, done, policy_options)
+        elif jobs == 1 or len(todo) <= 1:
             for case in todo:
-                done(case, run_case(workload, case, out, router=router, preset=preset, sim_options=sim_options,
+                done(case, run_case(workload, case, out, preset=preset, sim_options=sim_options,
                                     policy_options=policy_options))
         else:
-            _run_parallel(todo, str(Path(workload_path)), str(out), router, preset, sim_options, jobs, done,
+            _run_parallel(todo, str(Path(workload_path)), str(out), preset, sim_options, jobs, done,
                           policy_options)
     finally:
         if bar is not None:
@@ -338,7 +414,7 @@ def _progress(enabled: bool, total: int) -> tuple[Any, Any]:
     return bar, bar.add_task("cases", total=total)
 
 
-def _run_parallel(cases: list[Case], workload_path: str, out_dir: str, router: str, preset: str,
+def _run_parallel(cases: list[Case], workload_path: str, out_dir: str, preset: str,
                   sim_options: dict[str, Any] | None, jobs: int, done: Callable,
                   policy_options: dict[str, dict[str, Any]] | None = None) -> None:
     import multiprocessing as mp
@@ -350,16 +426,64 @@ def _run_parallel(cases: list[Case], workload_path: str, out_dir: str, router: s
     cases = sorted(cases, key=expected_cost, reverse=True)
     with ProcessPoolExecutor(max_workers=min(jobs, len(cases)), mp_context=ctx, initializer=_init_worker,
                              initargs=(workload_path,)) as pool:
-        futures = {pool.submit(_worker_case, c, out_dir, router, preset, sim_options, policy_options): c
-                   for c in cases}
+        futures = {pool.submit(_worker_case, c, out_dir, preset, sim_options, policy_options): c for c in cases}
         for fut in as_completed(futures):
             case = futures[fut]
             try:
                 res = fut.result()
             except Exception as e:  # noqa: BLE001 - the worker died (e.g. out of memory)
-                res = ({"policy": case.policy, "kv_fraction": case.kv_fraction, "replicas": case.replicas,
-                        "error": f"worker failed: {type(e).__name__}: {e}"}, [])
+                res = _failed(case, e)
             done(case, res)
+
+
+def _import_ray() -> Any:
+    """The ``ray`` module, imported only for ``backend="ray"``; a clear request error without it."""
+    try:
+        import ray
+    except ImportError:
+        raise EvaluationError("backend 'ray' needs Ray: pip install 'ray>=2.60' (kvpilot's [ray] extra)") \
+            from None
+    return ray
+
+
+def _run_ray(ray: Any, cases: list[Case], workload_path: str, out_dir: str, preset: str,
+             sim_options: dict[str, Any] | None, jobs: int, address: str | None, done: Callable,
+             policy_options: dict[str, dict[str, Any]] | None = None) -> None:
+    """Each case a Ray task of one CPU, submitted longest expected first, reported (``done``) as it finishes.
+
+    Without ``address`` (and no Ray already initialized in this process) it starts a local Ray instance of
+    ``jobs`` CPUs, so at most ``jobs`` cases run at once; with one it joins that cluster. Ray is shut down at
+    the end only if it was started here. The workers get :data:`_WORKER_ENV` and this process's ``PYTHONPATH``;
+    ``workload_path`` and ``out_dir`` must be the same paths on every node (a shared file system). A task that
+    raises or whose worker dies is an error row; tasks are not retried.
+    """
+    if not cases:
+        return
+    env = dict(_WORKER_ENV)
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    started = not ray.is_initialized()
+    if started:
+        import logging
+
+        ray.init(address=address, num_cpus=jobs if address is None else None, include_dashboard=False,
+                 logging_level=logging.WARNING)
+    try:
+        task = ray.remote(num_cpus=1, max_retries=0)(_ray_case).options(runtime_env={"env_vars": env})
+        pending = {task.remote(workload_path, c, out_dir, preset, sim_options, policy_options): c
+                   for c in sorted(cases, key=expected_cost, reverse=True)}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                case = pending.pop(ref)
+                try:
+                    res = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - the task raised or its worker died
+                    res = _failed(case, e)
+                done(case, res)
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def gap_closed(policy_s: Any, default_s: Any, bound_s: Any) -> float | None:
@@ -370,30 +494,39 @@ def gap_closed(policy_s: Any, default_s: Any, bound_s: Any) -> float | None:
     return (default_s - policy_s) / (default_s - bound_s)
 
 
+def _ratio(a: Any, b: Any) -> float | None:
+    """a / b; ``None`` without both or when only b is 0 (1.0 when both are)."""
+    if a is None or b is None:
+        return None
+    if b == 0:
+        return 1.0 if a == 0 else None
+    return a / b
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each row's ratios to vllm-default's row at the same KV fraction and replicas, and the share of default's
-    gap to the bound it closes (``gap_closed``, on the whole run's ``simulated_s``), in place."""
-    base = {(r["kv_fraction"], r["replicas"]): r for r in rows if r["policy"] == DEFAULT}
+    """Each row's ratios to vllm-default's row at the same KV fraction, replicas and router, the share of
+    default's gap to the bound it closes (``gap_closed``, on the whole run's ``simulated_s``), and at several
+    replicas its makespan over vllm-default's behind round-robin (:data:`RR_RATIO`), in place."""
+    base = {(r["kv_fraction"], r["replicas"], r.get("router")): r for r in rows if r["policy"] == DEFAULT}
+
+    def value(row: dict[str, Any] | None, key: str) -> Any:
+        return row.get(key) if row is not None and not row.get("error") else None
+
     for r in rows:
-        d = base.get((r["kv_fraction"], r["replicas"]))
+        d = base.get((r["kv_fraction"], r["replicas"], r.get("router")))
         ok = not r.get("error") and d is not None and not d.get("error")
         r["gap_closed"] = gap_closed(r.get("simulated_s"), d.get("simulated_s"), r.get("bound_total_s")) if ok \
             else None
         for ratio, key in RATIOS.items():
-            a = r.get(key) if not r.get("error") else None
-            b = d.get(key) if d is not None and not d.get("error") else None
-            if a is None or b is None:
-                r[ratio] = None
-            elif b == 0:
-                r[ratio] = 1.0 if a == 0 else None
-            else:
-                r[ratio] = a / b
+            r[ratio] = _ratio(value(r, key), value(d, key))
+        rr = base.get((r["kv_fraction"], r["replicas"], ROUND_ROBIN)) if r["replicas"] > 1 else None
+        r[RR_RATIO] = _ratio(value(r, "makespan_s"), value(rr, "makespan_s")) if rr is not None else None
 
 
 # ---------------------------------------------------------------- reports
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
-    head = ["policy", "kv_fraction", "replicas", *RATIOS, "makespan_over_bound", "gap_closed"]
+    head = ["policy", "kv_fraction", "replicas", "router", *RATIOS, RR_RATIO, "makespan_over_bound", "gap_closed"]
     rest: list[str] = []
     for r in rows:
         for k, v in r.items():
@@ -424,8 +557,9 @@ def write_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str,
             w.writerow(["gpu" if k == "kv_fraction" and r.get(k) is None else "" if r.get(k) is None else r.get(k)
                         for k in cols])
     md = ["# Policy evaluation", "",
-          ("Ratios are to vllm-default at the same KV fraction and replicas (makespan, recompute and simulated "
-           "time: lower is better; hit rate: higher is better). `makespan_over_bound` is the whole run's "
+          ("Ratios are to vllm-default at the same KV fraction, replicas and router (makespan, recompute and "
+           "simulated time: lower is better; hit rate: higher is better); `makespan_ratio_vs_round_robin_default` "
+           "is to vllm-default behind round-robin (several replicas). `makespan_over_bound` is the whole run's "
            "simulated time over its physics lower bound (`bound_total_s`, simulator/bound.py; 1 is optimal), "
            "`gap_closed` the share of vllm-default's gap to that bound the policy closes."), "",
           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -461,8 +595,14 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
     import matplotlib.pyplot as plt
     import numpy as np
 
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    style = _styles(policies)
+    several = len({r["router"] for r in rows if r.get("router")}) > 1
+
+    def label(policy: str, router: str | None) -> str:
+        """A line's legend label: the policy, with its router when the grid has several."""
+        return f"{policy} @ {router}" if several and router else policy
+
+    labels = list(dict.fromkeys(label(r["policy"], r.get("router")) for r in rows))
+    style = _styles(labels)
     reps = sorted({r["replicas"] for r in rows})
     xlabel = "KV cache per replica (fraction of the largest step's need)"
     files = []
@@ -472,9 +612,10 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
             ("recompute.png", "recomputed_tokens", "recomputed tokens (tokens)", "Recompute vs KV size")):
         fig, axes = plt.subplots(1, len(reps), figsize=(5.2 * len(reps) + 1.5, 4.2), squeeze=False)
         for ax, r in zip(axes[0], reps):
-            for p in policies:
+            for p in labels:
                 pts = sorted((_kv_x(x), x.get(key)) for x in rows
-                             if x["policy"] == p and x["replicas"] == r and not x.get("error")
+                             if label(x["policy"], x.get("router")) == p and x["replicas"] == r
+                             and not x.get("error")
                              and _kv_x(x) is not None
                              and x.get(key) is not None)
                 if pts:
@@ -490,14 +631,15 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
             ax.set_ylabel(ylabel)
             ax.set_title(f"{title} ({r} replica{'s' if r > 1 else ''})")
             ax.grid(True, alpha=0.3)
-        _legend(fig, axes[0][-1], policies, style)
+        _legend(fig, axes[0][-1], labels, style)
         files.append(_save(fig, out / fname))
     # ECDF of trajectory completion times at the smallest KV fraction, one panel per replica count
     kv0 = min((c.kv_fraction for c in cases if c.kv_fraction is not None), default=None)
     fig, axes = plt.subplots(1, len(reps), figsize=(5.2 * len(reps) + 1.5, 4.2), squeeze=False)
     for ax, r in zip(axes[0], reps):
-        for p in policies:
-            d = np.sort(np.asarray(trajectory_s.get(Case(p, kv0, r).name) or [], dtype=float))
+        for c in (c for c in cases if c.kv_fraction == kv0 and c.replicas == r):
+            p = label(c.policy, c.router)
+            d = np.sort(np.asarray(trajectory_s.get(c.name) or [], dtype=float))
             if d.size:
                 ax.step(d, np.arange(1, d.size + 1) / d.size, where="post", label=p, color=style[p]["color"],
                         linestyle=style[p]["linestyle"], linewidth=style[p]["linewidth"])
@@ -508,7 +650,7 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
         kv_label = "GPU capacity" if kv0 is None else f"{kv0:g}"
         ax.set_title(f"Trajectory completion ECDF (KV {kv_label}, {r} replica{'s' if r > 1 else ''})")
         ax.grid(True, alpha=0.3)
-    _legend(fig, axes[0][-1], policies, style)
+    _legend(fig, axes[0][-1], labels, style)
     files.append(_save(fig, out / "trajectory_ecdf.png"))
     return files
 
