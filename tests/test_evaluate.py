@@ -214,7 +214,7 @@ def test_full_telemetry_is_optional_and_changes_no_result(vllm_engine: Any, work
         for table in ("decisions", "kv_events"):
             assert any((telemetry / table).glob("part-*.parquet")) is log, table
         assert any((telemetry / "requests").glob("part-*.parquet"))
-    timing = ("wall_s", "scheduler_s", "hook_s", "setup_s", "simulator_overhead")
+    timing = ("wall_s", "scheduler_s", "hook_s", "router_s", "setup_s", "simulator_overhead")
     strip = [[{k: v for k, v in r.items() if k not in timing} for r in rows] for rows in runs.values()]
     assert strip[0] == strip[1]
 
