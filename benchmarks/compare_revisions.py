@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Wall-clock measurements of the machine, not results of the simulation.
-TIMING_KEYS = frozenset({"wall_s", "scheduler_s", "hook_s", "simulator_overhead", "setup_s"})
+TIMING_KEYS = frozenset({"wall_s", "scheduler_s", "hook_s", "router_s", "simulator_overhead", "setup_s"})
 
 #: Small enough for a few minutes on 2 cores, large enough that every lever acts (preemption at KV 0.2,
 #: multi-turn tool pauses, scoring, two RL steps, two replicas).

@@ -28,8 +28,27 @@ def hash_to_int64(h: Any) -> int:
     return (v ^ _SIGN) - _SIGN  # two's complement: v - 2**64 when bit 63 is set
 
 
+#: From this many ``bytes`` hashes on, :func:`hashes_to_int64` converts them in one numpy call.
+_VECTOR_MIN = 8
+
+
 def hashes_to_int64(hs: Iterable[Any]) -> list[int]:
-    """:func:`hash_to_int64` of each hash (vLLM's int form, the common one, converted inline)."""
+    """:func:`hash_to_int64` of each hash (vLLM's int form converted inline; a list of equal-length ``bytes``
+    digests, vLLM's default sha256 form, at once: the low 8 bytes of each read as big-endian int64)."""
+    if type(hs) is not list:
+        hs = list(hs)
+    if len(hs) >= _VECTOR_MIN and type(hs[0]) is bytes:
+        width = len(hs[0])
+        if width and width % 8 == 0:
+            try:  # bytes-like hashes only (an int raises)
+                joined = b"".join(hs) if len(set(map(len, hs))) == 1 else None
+            except TypeError:
+                joined = None
+            if joined is not None:
+                import numpy as np
+
+                words = width // 8  # each digest's last 8-byte word, big-endian signed
+                return np.frombuffer(joined, dtype=">i8")[words - 1::words].tolist()
     return [((h & _MASK) ^ _SIGN) - _SIGN if type(h) is int else hash_to_int64(h) for h in hs]
 
 

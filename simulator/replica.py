@@ -40,6 +40,7 @@ replicas' own events, as llm-d builds it from vLLM's event stream.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -159,6 +160,7 @@ class Fleet:
         self.on_finished: Callable[[str, float], None] | None = None  # (request id, time)
         self.engine_steps = 0
         self.cache_resets = 0  # prefix-cache resets done (weight syncs x replicas)
+        self.router_s = 0.0  # wall time spent routing (:meth:`_route`, the router's calls included)
         self._replica_of: dict[str, Replica] = {}  # request id -> the replica it runs on, until it ends
         self._stream_replica: dict[str, int] = {}  # sticky sessions: stream -> its replica
         self.session_moves = 0  # turns a session-aware router sent away from their session's replica
@@ -171,7 +173,9 @@ class Fleet:
 
         The router sees it as ``routed_id`` of ``session_id``; ``stream`` (its trajectory) pins sticky sessions.
         """
+        t0 = time.perf_counter()
         rep = self._route(request, routed_id, prompt_tokens, session_id, stream)
+        self.router_s += time.perf_counter() - t0
         self._replica_of[request_id] = rep
         if rep.busy or rep.reset_pending:  # during a step, or before a weight sync's reset: at the next step
             rep.pending.append((request_id, request))

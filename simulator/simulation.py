@@ -62,6 +62,7 @@ class SimResult:
     wall_s: float = 0.0  # the simulation loop (set-up and summary excluded)
     scheduler_s: float = 0.0  # inside schedule() + update_from_output(), hook included
     hook_s: float = 0.0  # the hook's own share of scheduler_s
+    router_s: float = 0.0  # routing requests to replicas (Fleet._route), outside scheduler_s
 
     @property
     def overhead(self) -> float:
@@ -145,7 +146,8 @@ class Simulation:
             preset=config.preset, decode_stride=config.decode_stride, engine_steps=fleet.engine_steps,
             aborted_trajectories=driver.aborted, session_moves=fleet.session_moves,
             session_move_tokens=fleet.session_move_tokens, telemetry_dropped_rows=dropped, wall_s=result.wall_s,
-            scheduler_s=result.scheduler_s, hook_s=result.hook_s, simulator_overhead=result.overhead,
+            scheduler_s=result.scheduler_s, hook_s=result.hook_s, router_s=result.router_s,
+            simulator_overhead=result.overhead,
             # policy ``registry``: the registry version served at the end (replica 0) and swaps after start-up
             model_version=replicas[0].sched.kvpilot_stats.model_version,
             model_swaps=sum(rep.sched.kvpilot_stats.model_swaps for rep in replicas),
@@ -226,7 +228,7 @@ class Simulation:
         driver.check_finished()
         return SimResult(summary={}, out_dir=None, requests=pa.table({}), steps=pa.table({}),
                          trajectories=driver.traj_records, rl_steps=driver.step_records, wall_s=wall,
-                         scheduler_s=fleet.scheduler_s, hook_s=hook), fleet
+                         scheduler_s=fleet.scheduler_s, hook_s=hook, router_s=fleet.router_s), fleet
 
     # ------------------------------------------------------------------ inspection for tests
     @property

@@ -37,7 +37,7 @@ from training.evaluate import (
 
 POLICIES = ["sortedrl", "rollpacker"]  # vllm-default is added
 #: Row keys that are wall times (they differ between two runs of the same case).
-TIMING = ("wall_s", "scheduler_s", "hook_s", "setup_s", "simulator_overhead")
+TIMING = ("wall_s", "scheduler_s", "hook_s", "router_s", "setup_s", "simulator_overhead")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from training import registry as reg
 pytestmark = pytest.mark.vllm
 
 #: Keys that legitimately differ: the policy's name, wall-clock timings, and the registry's own report.
-NOT_COMPARED = {"policy", "wall_s", "scheduler_s", "hook_s", "simulator_overhead", "setup_s", "model_version",
+NOT_COMPARED = {"policy", "wall_s", "scheduler_s", "hook_s", "router_s", "simulator_overhead", "setup_s", "model_version",
                 "model_swaps"}
 
 

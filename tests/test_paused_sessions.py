@@ -207,7 +207,7 @@ def test_tier_cuts_recompute_and_off_is_vllm_default(vllm_engine, agentic_small)
     assert off["makespan_over_bound"] >= 1.0  # the bound charges no transfer: it still holds
     none = _sim(agentic_small, "vllm-offload", offload_gib=0.0)
     assert none["offload_blocks"] == 0 and none["offload_loads"] == 0
-    skip = {"policy", "wall_s", "scheduler_s", "hook_s", "simulator_overhead", "setup_s"}
+    skip = {"policy", "wall_s", "scheduler_s", "hook_s", "router_s", "simulator_overhead", "setup_s"}
     assert {k: v for k, v in none.items() if k not in skip} == {k: v for k, v in base.items() if k not in skip}
 
 
