@@ -85,9 +85,9 @@ def test_short_preset_reproduces_the_mix_before_the_swe_domain() -> None:
     for name in table.column_names:
         h.update(name.encode())
         h.update(repr(table.column(name).to_pylist()).encode())
-    # The same code gives a second digest on some machines (seen on an AMD EPYC with AVX2 only, with numpy 2.2.6
-    # and 2.3.5 alike, where the recorded one came from the machines of earlier sessions and CI): the floating
-    # point below the generator differs there in its last bits. Either digest is this mix; any other is a change.
+    # The same commit gives a second digest on some machines: seen on an AMD EPYC with AVX2 only, where the
+    # recorded one came from earlier sessions' machines and CI. The cause is not found: numpy 2.2.6 and 2.3.5 give
+    # it alike, with or without numpy's AVX2 paths. Either digest is this mix; any other is a change.
     assert table.num_rows == 1698
     assert h.hexdigest() in {"e8b3544c4704065ff1eb31c905657fe5f5c11fd886ade36a4fe09be5779e4ba4",
                              "eb2d2bd4c7805652fa7d55b570d4d05388817a924765d2b438ebd16ca646668b"}
