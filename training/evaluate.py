@@ -140,18 +140,8 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     import serving_hook  # noqa: F401 - registers the policy "registry" (the hook serving the MLflow champion)
     from policy.catalog import known_policies
 
-    if isinstance(policies, str):
-        policies = [p.strip() for p in policies.split(",")]
-    names = [p for p in (x.strip() for x in policies) if p]
     known = known_policies()
-    every = [p for p in known if p not in NOT_IN_ALL]
-    names = [q for p in names for q in (every if p == "all" else [p])]
-    if not names:
-        raise EvaluationError("no policies given")
-    unknown = [p for p in names if p not in known]
-    if unknown:
-        raise EvaluationError(f"unknown polic{'y' if len(unknown) == 1 else 'ies'} {', '.join(map(repr, unknown))}; "
-                              f"known policies: {', '.join(known)}")
+    names = _expand_names(policies, [p for p in known if p not in NOT_IN_ALL], known, ("policy", "policies"))
     out = [DEFAULT]
     for p in names:
         if p not in out:
@@ -165,16 +155,23 @@ def resolve_routers(routers: str | Sequence[str]) -> list[str]:
     known ones."""
     from simulator.routers import ROUTERS
 
-    if isinstance(routers, str):
-        routers = routers.split(",")
-    names = [q for p in (x.strip() for x in routers) if p for q in (list(ROUTERS) if p == "all" else [p])]
+    return list(dict.fromkeys(_expand_names(routers, list(ROUTERS), list(ROUTERS), ("router", "routers"))))
+
+
+def _expand_names(given: str | Sequence[str], every: Sequence[str], known: Sequence[str],
+                  noun: tuple[str, str]) -> list[str]:
+    """Names from a comma list or a sequence, ``all`` expanded in place to ``every``; none, or an unknown one,
+    raises :class:`EvaluationError` naming the ``known`` ones (``noun``: singular and plural)."""
+    if isinstance(given, str):
+        given = given.split(",")
+    names = [q for p in (x.strip() for x in given) if p for q in (every if p == "all" else [p])]
     if not names:
-        raise EvaluationError("no routers given")
-    unknown = [p for p in names if p not in ROUTERS]
+        raise EvaluationError(f"no {noun[1]} given")
+    unknown = [p for p in names if p not in known]
     if unknown:
-        raise EvaluationError(f"unknown router{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                              f"known routers: {', '.join(ROUTERS)}")
-    return list(dict.fromkeys(names))
+        raise EvaluationError(f"unknown {noun[0] if len(unknown) == 1 else noun[1]} {', '.join(map(repr, unknown))}; "
+                              f"known {noun[1]}: {', '.join(known)}")
+    return names
 
 
 def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None],
