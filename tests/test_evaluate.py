@@ -21,6 +21,7 @@ from training.cli import app
 from training.evaluate import (
     DEFAULT,
     DEFAULT_DECODE_STRIDE,
+    DEFAULT_KV_FRACTIONS,
     NOT_IN_ALL,
     RR_RATIO,
     Case,
@@ -167,6 +168,35 @@ def test_cli_gpu_capacity_beside_a_fraction(vllm_engine: Any, workload_path: Pat
     assert (out / "runs" / "vllm-default-kvgpu-r1" / "summary.json").is_file()
     assert "| vllm-default | gpu | 1 |" in (out / "summary.md").read_text()
     assert "kv gpu" in res.output and "gap closed" in res.output
+
+
+def test_kv_totals_split_over_each_replica_count() -> None:
+    """A fleet KV total is the same KV in all at every replica count: 0.2 is 0.05 per replica at 4, 0.025 at 8."""
+    cases = build_cases([DEFAULT], None, [8, 4], ["round-robin"], kv_totals=[0.2, 0.24])
+    assert [(c.replicas, c.kv_fraction) for c in cases] == [(4, 0.05), (4, 0.06), (8, 0.025), (8, 0.03)]
+    assert cases[2].name == "vllm-default-kv0.025-r8-round-robin"
+    assert [c.kv_fraction for c in build_cases([DEFAULT], None, [1])] == list(DEFAULT_KV_FRACTIONS)
+    with pytest.raises(EvaluationError, match="not both"):
+        build_cases([DEFAULT], [0.1], [4], kv_totals=[0.2])
+    with pytest.raises(EvaluationError, match="KV totals must be positive"):
+        build_cases([DEFAULT], None, [4], kv_totals=[0.2, -1.0])
+
+
+@pytest.mark.vllm
+def test_cli_kv_total_gives_each_replica_count_the_same_kv(vllm_engine: Any, workload_path: Path,
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "evaltotal"
+    base = ["evaluate", "-w", str(workload_path), "-o", str(out), "--policies", "vllm-default", "--no-progress"]
+    res = CliRunner().invoke(app, [*base, "--kv-fractions", "0.5", "--kv-total", "1"])
+    assert res.exit_code == 2 and "--kv-fractions and --kv-total" in res.output, res.output
+    res = CliRunner().invoke(app, [*base, "--kv-total", "1", "--replicas", "1,2", "--decode-stride", "4"])
+    assert res.exit_code == 0, res.output
+    assert "1 fleet KV size(s)" in res.output
+    rows = {r["replicas"]: r for r in json.loads((out / "summary.json").read_text())}
+    assert {k: r["kv_fraction"] for k, r in rows.items()} == {1: 1.0, 2: 0.5}
+    assert not any(r.get("error") for r in rows.values())
+    # the same KV in all (each replica's blocks include vLLM's null block)
+    assert abs(2 * (rows[2]["kv_blocks"] - 1) - (rows[1]["kv_blocks"] - 1)) <= 2
 
 
 @pytest.mark.vllm

@@ -293,9 +293,14 @@ def evaluate_cmd(
                           "names beside it are added (all,learned); vllm-default is always added (ratios are to it).")
     ] = "all",
     kv_fractions: Annotated[
-        str, typer.Option("--kv-fractions", help="Comma-separated KV fractions per replica; 'gpu': the preset "
-                          "GPU's own KV capacity.")
-    ] = "0.1,0.2,0.4",
+        Optional[str], typer.Option("--kv-fractions", help="Comma-separated KV fractions per replica; 'gpu': the "
+                                    "preset GPU's own KV capacity. Default: 0.1,0.2,0.4.")
+    ] = None,
+    kv_total: Annotated[
+        Optional[str], typer.Option("--kv-total", help="Instead of --kv-fractions: comma-separated KV fractions "
+                                    "of the whole fleet, split evenly over each replica count's replicas (0.2 at "
+                                    "--replicas 4,8: 0.05 and 0.025 per replica).")
+    ] = None,
     replicas: Annotated[str, typer.Option("--replicas", help="Replica count(s), e.g. 1 or 1,2.")] = "1",
     routers: Annotated[
         str, typer.Option("--routers", "--router", help="Comma-separated routers (simulator.routers.ROUTERS: "
@@ -332,14 +337,21 @@ def evaluate_cmd(
     offload_gib: OffloadGib = DEFAULT_OFFLOAD_GIB,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
-    from training.evaluate import BACKENDS, EvaluationError, build_cases, evaluate, resolve_policies, resolve_routers
+    from training.evaluate import (BACKENDS, DEFAULT_KV_FRACTIONS, EvaluationError, build_cases, evaluate,
+                                   resolve_policies, resolve_routers)
 
-    parts = [p.strip() for p in kv_fractions.split(",") if p.strip()]
-    kvs: list = [None] * ("gpu" in parts)
-    if [p for p in parts if p != "gpu"]:
-        kvs += _number_list(",".join(p for p in parts if p != "gpu"), float, "--kv-fractions")
-    if not kvs:
-        raise _fail("--kv-fractions is empty")
+    if kv_fractions is not None and kv_total is not None:
+        raise _fail("--kv-fractions and --kv-total are alternatives: give one")
+    totals = _number_list(kv_total, float, "--kv-total") if kv_total is not None else None
+    kvs: list | None = None
+    if totals is None:
+        parts = [p.strip() for p in (kv_fractions or ",".join(map(str, DEFAULT_KV_FRACTIONS))).split(",")
+                 if p.strip()]
+        kvs = [None] * ("gpu" in parts)
+        if [p for p in parts if p != "gpu"]:
+            kvs += _number_list(",".join(p for p in parts if p != "gpu"), float, "--kv-fractions")
+        if not kvs:
+            raise _fail("--kv-fractions is empty")
     reps = _number_list(replicas, int, "--replicas")
     if jobs < 1:
         raise _fail(f"--jobs must be >= 1, got {jobs}")
@@ -359,17 +371,19 @@ def evaluate_cmd(
         raise _fail(f"--routers: {err}") from None
     try:
         names = resolve_policies(policies)
-        cases = build_cases(names, kvs, reps, router_names)
+        cases = build_cases(names, kvs, reps, router_names, kv_totals=totals)
     except EvaluationError as err:
         raise _fail(str(err)) from None
     where = f"{jobs} job(s)" if backend == "process" else f"Ray at {address}" if address else \
         f"a local Ray instance of {jobs} CPU(s)"
-    console.print(f"evaluating {len(names)} policies x {len(set(kvs))} KV size(s) x {len(set(reps))} replica "
+    sizes = f"{len(set(kvs))} KV size(s)" if kvs is not None else f"{len(set(totals))} fleet KV size(s)"
+    console.print(f"evaluating {len(names)} policies x {sizes} x {len(set(reps))} replica "
                   f"count(s)" + (f" x {len(router_names)} routers" if len(router_names) > 1 and max(reps) > 1 else "")
                   + f" = {len(cases)} simulations, {where}, decode stride {decode_stride}", highlight=False)
     t0 = time.perf_counter()
     try:
-        result = evaluate(workload, names, out_dir, kv_fractions=kvs, replicas=reps, routers=router_names,
+        result = evaluate(workload, names, out_dir, kv_fractions=kvs, kv_totals=totals, replicas=reps,
+                          routers=router_names,
                           preset=preset, jobs=jobs, backend=backend, address=address, progress=progress,
                           decode_stride=decode_stride, resume=resume,
                           full_telemetry=full_telemetry,

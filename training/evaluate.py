@@ -75,6 +75,8 @@ BACKENDS = ("process", "ray")
 #: less in 63 of 77 cells and by 1-2.8 % in 9 (seer, heddle, rolloutpipe, sjf-predicted: admission-ordering
 #: policies, whose tail moves with the step at which a long decode is admitted), for 0.71x the CPU of k = 16.
 DEFAULT_DECODE_STRIDE = 32
+#: KV fractions per replica of a grid that gives neither fractions nor fleet totals.
+DEFAULT_KV_FRACTIONS = (0.1, 0.2, 0.4)
 
 #: Registered policies that ``--policies all`` leaves out, so that ``all`` is the baselines (issue #5's thirteen,
 #: InferCept, the working set and vLLM native offload, and the CPU-tier variants of continuum, kvflow, infercept
@@ -174,22 +176,37 @@ def _expand_names(given: str | Sequence[str], every: Sequence[str], known: Seque
     return names
 
 
-def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None],
-                replicas: Iterable[int], routers: Sequence[str] = (ROUND_ROBIN,)) -> list[Case]:
+def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None] | None,
+                replicas: Iterable[int], routers: Sequence[str] = (ROUND_ROBIN,), *,
+                kv_totals: Iterable[float] | None = None) -> list[Case]:
     """The grid; a KV fraction of ``None`` is the preset GPU's own capacity (listed last). Each router is a case
-    only with several replicas; at one replica there is one case per policy and KV fraction."""
-    given = set(kv_fractions)
-    kvs: list[float | None] = sorted({float(k) for k in given if k is not None})
+    only with several replicas; at one replica there is one case per policy and KV fraction.
+
+    ``kv_totals`` instead of ``kv_fractions``: KV fractions of the whole fleet, each split evenly over each replica
+    count's replicas (0.2 at 4 replicas: 0.05 per replica; at 8: 0.025), so that every replica count has the same
+    KV in all."""
     reps = sorted({int(r) for r in replicas})
-    if not given or any(not (k > 0 and math.isfinite(k)) for k in kvs):
-        raise EvaluationError(f"KV fractions must be positive numbers, got {sorted(given, key=str)}")
-    if None in given:
-        kvs.append(None)
     if not reps or any(r < 1 for r in reps):
         raise EvaluationError(f"replica counts must be >= 1, got {reps}")
     if not routers:
         raise EvaluationError("no routers given")
-    return [Case(p, k, r, rt) for r in reps for k in kvs for rt in (routers if r > 1 else [None]) for p in policies]
+    if kv_totals is not None:
+        if kv_fractions is not None:
+            raise EvaluationError("give KV fractions per replica or KV totals for the fleet, not both")
+        totals = sorted({float(t) for t in kv_totals})
+        if not totals or any(not (t > 0 and math.isfinite(t)) for t in totals):
+            raise EvaluationError(f"KV totals must be positive numbers, got {sorted(set(kv_totals), key=str)}")
+        per_replica = {r: sorted({float(f"{t / r:.12g}") for t in totals}) for r in reps}
+    else:
+        given = set(kv_fractions if kv_fractions is not None else DEFAULT_KV_FRACTIONS)
+        kvs: list[float | None] = sorted({float(k) for k in given if k is not None})
+        if not given or any(not (k > 0 and math.isfinite(k)) for k in kvs):
+            raise EvaluationError(f"KV fractions must be positive numbers, got {sorted(given, key=str)}")
+        if None in given:
+            kvs.append(None)
+        per_replica = {r: kvs for r in reps}
+    return [Case(p, k, r, rt) for r in reps for k in per_replica[r] for rt in (routers if r > 1 else [None])
+            for p in policies]
 
 
 # ---------------------------------------------------------------- running cases
@@ -305,7 +322,7 @@ def evaluate(
     policies: str | Sequence[str],
     out_dir: str | Path,
     *,
-    kv_fractions: Sequence[float | None] = (0.1, 0.2, 0.4),
+    kv_fractions: Sequence[float | None] | None = None,
     replicas: Sequence[int] = (1,),
     routers: str | Sequence[str] = (ROUND_ROBIN,),
     preset: str = "H200-7B",
@@ -319,9 +336,12 @@ def evaluate(
     on_case: Callable[[Case, dict[str, Any]], None] | None = None,
     policy_options: dict[str, dict[str, Any]] | None = None,
     full_telemetry: bool = False,
+    kv_totals: Sequence[float] | None = None,
 ) -> EvaluationResult:
     """Run the grid (see the module docstring); bad requests raise :class:`EvaluationError` before running.
 
+    ``kv_fractions``: KV per replica (default :data:`DEFAULT_KV_FRACTIONS`); or ``kv_totals``: KV of the whole
+    fleet, the same at every replica count (:func:`build_cases`).
     ``routers``: router names (:func:`resolve_routers`), a grid dimension at several replicas.
     ``backend``: ``process`` (this process, or ``jobs`` spawned worker processes) or ``ray`` (Ray tasks of one
     CPU each: with no ``address`` on a local Ray instance of ``jobs`` CPUs started here, else on the cluster at
@@ -332,7 +352,7 @@ def evaluate(
     the comparison needs only the summaries, which read ``requests`` and ``steps``.
     """
     names = resolve_policies(policies)
-    cases = build_cases(names, kv_fractions, replicas, resolve_routers(routers))
+    cases = build_cases(names, kv_fractions, replicas, resolve_routers(routers), kv_totals=kv_totals)
     if jobs < 1:
         raise EvaluationError(f"jobs must be >= 1, got {jobs}")
     if backend not in BACKENDS:
