@@ -343,10 +343,9 @@ def evaluate_cmd(
     if kv_fractions is not None and kv_total is not None:
         raise _fail("--kv-fractions and --kv-total are alternatives: give one")
     totals = _number_list(kv_total, float, "--kv-total") if kv_total is not None else None
-    kvs: list | None = None
-    if totals is None:
-        parts = [p.strip() for p in (kv_fractions or ",".join(map(str, DEFAULT_KV_FRACTIONS))).split(",")
-                 if p.strip()]
+    kvs: list | None = None if totals is not None else list(DEFAULT_KV_FRACTIONS)
+    if kv_fractions is not None:
+        parts = [p.strip() for p in kv_fractions.split(",") if p.strip()]
         kvs = [None] * ("gpu" in parts)
         if [p for p in parts if p != "gpu"]:
             kvs += _number_list(",".join(p for p in parts if p != "gpu"), float, "--kv-fractions")
