@@ -21,6 +21,12 @@ Definitions (times in simulated seconds):
   [time_s, time_s + duration_s]), where ``u_k = 1`` while requests wait (the batch is KV- or budget-bound,
   not starved) and ``min(running_k / C, 1)`` when nothing waits; time without any engine step is fully idle.
   Per step it is the mean over replicas (``tail_bubble_per_step_s``); ``tail_bubble_s`` is the mean over steps.
+* ``critical_queue_s`` / ``critical_service_s`` / ``critical_other_s``: the time of each RL step's critical
+  trajectory (the one that ends last, so the step's makespan), split into its requests' queueing (sum of
+  ``first_scheduled - arrival``), their service (sum of ``finish - first_scheduled``: prefill and decode at the
+  batch's pace, with any preemption and recompute) and the rest of its duration (tool calls, the verifier
+  and its scoring requests); means over steps. Admission and retention act on its queueing and on what its
+  service recomputes; its tool calls and its decode at a full batch's iteration time they cannot shorten.
 * ``hook_fallbacks``: engine steps (all replicas) whose ``steps`` row has ``hook_fallback``: a policy call failed
   or overran, or the ``registry`` policy had no model, and the step ran vLLM's own behaviour.
 """
@@ -111,6 +117,7 @@ def summarize(
     bubbles = [_tail_bubble(steps, s, batch_capacity, np.union1d(_np(steps, "replica"), _np(requests, "replica")))
                for s in ordered]
     kinds = np.array(workload.kind, dtype=object)[rows]
+    critical = _critical_split(requests, trajectories, ordered)
     return {
         "requests": requests.num_rows,
         "turns": int(np.count_nonzero(kinds == "rollout")),
@@ -133,8 +140,34 @@ def summarize(
         "group_completion_mean_s": float(np.mean(list(groups.values()))) if groups else 0.0,
         "tail_bubble_s": float(np.mean(bubbles)) if bubbles else 0.0,
         "tail_bubble_per_step_s": bubbles,
+        "critical_queue_s": critical[0],
+        "critical_service_s": critical[1],
+        "critical_other_s": critical[2],
         "hook_fallbacks": int(np.count_nonzero(_np(steps, "hook_fallback"))),  # engine steps that fell back
     }
+
+
+def _critical_split(requests: pa.Table, trajectories: Sequence[TrajectoryRecord],
+                    rl_steps: Sequence[StepRecord]) -> tuple[float, float, float]:
+    """(queue, service, other) seconds of each RL step's last-ending trajectory, means over steps."""
+    if not trajectories or not rl_steps or not requests.num_rows:
+        return 0.0, 0.0, 0.0
+    session = np.asarray(requests.column("session_id").to_pylist(), dtype=object)
+    arrival, first, finish = (_np(requests, c) for c in ("arrival_s", "first_scheduled_s", "finish_s"))
+    splits = []
+    for rl in rl_steps:
+        mine = [t for t in trajectories if t.step == rl.step]
+        if not mine:
+            continue
+        last = max(mine, key=lambda t: t.end_s)
+        rows = session == last.session_id
+        queue = float(np.nansum(first[rows] - arrival[rows]))
+        service = float(np.nansum(finish[rows] - first[rows]))
+        splits.append((queue, service, max(last.end_s - last.start_s - queue - service, 0.0)))
+    if not splits:
+        return 0.0, 0.0, 0.0
+    q, sv, o = np.mean(splits, axis=0)
+    return float(q), float(sv), float(o)
 
 
 def _group_completion(
@@ -181,6 +214,9 @@ def render_summary(summary: dict[str, Any]) -> str:
          f"mean {s['group_completion_mean_s']:.2f} s ({len(s['group_completion_s'])} groups)"),
         f"tail bubble {s['tail_bubble_s']:.2f} s/step",
     ]
+    if "critical_queue_s" in s:
+        lines.append(f"critical trajectory (the step's last): queued {s['critical_queue_s']:.1f} s, served "
+                     f"{s['critical_service_s']:.1f} s, tools and verifier {s['critical_other_s']:.1f} s (per step)")
     if s.get("bound_s") is not None:
         lines.append(f"lower bound {s['bound_s']:.2f} s/step ({s['bound_total_s']:.2f} s in all): the run is "
                      f"{s['makespan_over_bound']:.3f}x the bound")

@@ -113,3 +113,21 @@ def test_render_summary_mentions_every_headline() -> None:
     for word in ("makespan 8.00 s/step", "prefix hit rate 0.356", "recomputed tokens 48", "tail bubble 5.06",
                  "trajectory p50 6.00", "2 groups", "3.7 tok/s"):
         assert word in text
+
+
+def test_critical_trajectory_split() -> None:
+    # Step 0's last trajectory is s (0-9): r0 queued 0-1, served 1-3; its tool call; r2 queued 3.5-4, served 4-8;
+    # its verifier to 9: queue 1 + 0.5, service 2 + 4, the rest 9 - 7.5. Step 1's is u (10-16): r3 queued 10-12,
+    # served 12-15: queue 2, service 3, the rest 1. t (ended at 4) is not critical, so its 5 s queue is not counted.
+    times = {"r0": ("s", 0.0, 1.0, 3.0), "r1": ("t", 0.0, 5.0, 6.0), "r2": ("s", 3.5, 4.0, 8.0),
+             "r3": ("u", 10.0, 12.0, 15.0)}
+    req = _requests()
+    cols = list(zip(*(times[r] for r in req.column("request_id").to_pylist())))
+    for name, values in zip(("session_id", "arrival_s", "first_scheduled_s", "finish_s"), cols):
+        i = req.schema.get_field_index(name)
+        req = req.set_column(i, req.schema.field(i), pa.array(values, req.schema.field(i).type))
+    s = summarize(_workload(), req, _steps(), TRAJECTORIES, RL_STEPS)
+    assert s["critical_queue_s"] == pytest.approx((1.5 + 2.0) / 2)
+    assert s["critical_service_s"] == pytest.approx((6.0 + 3.0) / 2)
+    assert s["critical_other_s"] == pytest.approx((1.5 + 1.0) / 2)
+    assert "critical trajectory (the step's last): queued 1.8 s, served 4.5 s" in render_summary(s)
