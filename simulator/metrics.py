@@ -150,8 +150,6 @@ def summarize(
 def _critical_split(requests: pa.Table, trajectories: Sequence[TrajectoryRecord],
                     rl_steps: Sequence[StepRecord]) -> tuple[float, float, float]:
     """(queue, service, other) seconds of each RL step's last-ending trajectory, means over steps."""
-    if not trajectories or not rl_steps or not requests.num_rows:
-        return 0.0, 0.0, 0.0
     session = np.asarray(requests.column("session_id").to_pylist(), dtype=object)
     arrival, first, finish = (_np(requests, c) for c in ("arrival_s", "first_scheduled_s", "finish_s"))
     splits = []
@@ -213,10 +211,9 @@ def render_summary(summary: dict[str, Any]) -> str:
          f"group completion p50 {s['group_completion_p50_s']:.2f} s  p99 {s['group_completion_p99_s']:.2f} s  "
          f"mean {s['group_completion_mean_s']:.2f} s ({len(s['group_completion_s'])} groups)"),
         f"tail bubble {s['tail_bubble_s']:.2f} s/step",
+        (f"critical trajectory (the step's last): queued {s['critical_queue_s']:.1f} s, served "
+         f"{s['critical_service_s']:.1f} s, tools and verifier {s['critical_other_s']:.1f} s (per step)"),
     ]
-    if "critical_queue_s" in s:
-        lines.append(f"critical trajectory (the step's last): queued {s['critical_queue_s']:.1f} s, served "
-                     f"{s['critical_service_s']:.1f} s, tools and verifier {s['critical_other_s']:.1f} s (per step)")
     if s.get("bound_s") is not None:
         lines.append(f"lower bound {s['bound_s']:.2f} s/step ({s['bound_total_s']:.2f} s in all): the run is "
                      f"{s['makespan_over_bound']:.3f}x the bound")
