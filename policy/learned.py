@@ -25,10 +25,13 @@ the learned preemption head chose victims whose recompute cost about twice that
 of vLLM's tail victim, so vLLM's own choice is kept; ``preempt=True`` uses the
 head.
 
-**Starvation.** A request that has waited ``max_wait_steps`` engine steps or
-``max_wait_s`` seconds since it (re-)entered the queue goes first, FCFS among
-the starved, whatever its score; such a decision is deterministic
-(propensity 1).
+**Precedence.** A preempted request goes back first, as in vLLM's own queue
+(``resume_preempted``, on by default: ranked by score, a preempted turn of a
+long session could wait behind fresh work until the starvation bound, and its
+session ended the RL step minutes late). Then a request that has waited
+``max_wait_steps`` engine steps or ``max_wait_s`` seconds since it
+(re-)entered the queue goes first, FCFS among the starved, whatever its score.
+Such a decision is deterministic (propensity 1).
 
 **Inputs per step.** Candidates' features live in a per-request table
 (:class:`policy.learned_table.FeatureTable`) refreshed on change events, so a
@@ -96,6 +99,10 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "epsilon": 0.1,
     "max_wait_steps": 20_000,
     "max_wait_s": 300.0,
+    # A preempted request is admitted before the scored order (vLLM's precedence). Measured on a held-out agentic
+    # step at KV 0.1 (README, "The learned policy on held-out agentic steps"): without it, a preempted turn waited
+    # out max_wait_s and its session ended the step 100 s late.
+    "resume_preempted": True,
     # Off by default: vLLM's own victim (the tail of the running list) is used. The learned preemption head
     # picked costly victims: measured, its victims' recompute was about 2x that of vLLM's tail victim (issue #7).
     "preempt": False,
@@ -326,7 +333,7 @@ STATE_KIND, STATE_VERSION = "kvpilot.learned", 1
 
 
 class _Sampler(Policy):
-    """What both exploring policies share: the rng, starvation, predictions, step phase."""
+    """What both exploring policies share: the rng, precedence (preempted, starved), predictions, step phase."""
 
     uses_admission = True
     uses_preemption = True
@@ -334,13 +341,14 @@ class _Sampler(Policy):
     lazy_candidates = True  # the feature table reads candidates only for new or changed rows
 
     def __init__(self, predictor: Any, max_wait_steps: Optional[float], max_wait_s: Optional[float],
-                 seed: Optional[int]) -> None:
+                 seed: Optional[int], resume_preempted: bool) -> None:
         self.predictor = predictor
         self.lengths = LengthCache(predictor) if predictor is not None else None
         self.phase = StepPhase()
         self.table = FeatureTable(self._raw, self.phase.phase,
                                   check_positive("max_wait_steps", max_wait_steps, allow_none=True),
-                                  check_positive("max_wait_s", max_wait_s, allow_none=True))
+                                  check_positive("max_wait_s", max_wait_s, allow_none=True),
+                                  resume_preempted=bool(resume_preempted))
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
         self._observe = getattr(predictor, "observe", None)
@@ -387,7 +395,8 @@ class _Sampler(Policy):
 
     def _order(self, first: list[int], keys: np.ndarray, waiting: Sequence[CandidateRequest],
                state: EngineState) -> list[str]:
-        """Request ids: ``first`` (starved), then the rest by descending ``keys``, up to vLLM's admission limit.
+        """Request ids: ``first`` (preempted, starved), then the rest by descending ``keys``, up to vLLM's admission
+        limit.
 
         ``waiting`` must be the candidates of the table's last :meth:`FeatureTable.features` call (their ids are
         kept there as an array)."""
@@ -424,6 +433,7 @@ class LearnedPolicy(_Sampler):
         epsilon: float = RUNTIME_DEFAULTS["epsilon"],
         max_wait_steps: Optional[float] = RUNTIME_DEFAULTS["max_wait_steps"],
         max_wait_s: Optional[float] = RUNTIME_DEFAULTS["max_wait_s"],
+        resume_preempted: bool = RUNTIME_DEFAULTS["resume_preempted"],
         seed: Optional[int] = 0,
         preempt: bool = RUNTIME_DEFAULTS["preempt"],
         offload: bool = RUNTIME_DEFAULTS["offload"],
@@ -432,11 +442,12 @@ class LearnedPolicy(_Sampler):
     ) -> None:
         if mode not in ("serve", "log"):
             raise ValueError(f"option mode must be 'serve' or 'log', got {mode!r}")
-        super().__init__(predictor, max_wait_steps, max_wait_s, seed)
+        super().__init__(predictor, max_wait_steps, max_wait_s, seed, resume_preempted)
         self.uses_preemption = bool(preempt)  # False: vLLM chooses the victims
         self.uses_offload = bool(offload)
         self.runtime = {"temperature": temperature, "epsilon": epsilon, "max_wait_steps": max_wait_steps,
-                        "max_wait_s": max_wait_s, "preempt": bool(preempt), "offload": bool(offload)}
+                        "max_wait_s": max_wait_s, "resume_preempted": bool(resume_preempted),
+                        "preempt": bool(preempt), "offload": bool(offload)}
         self.mode = mode
         self.temperature = check_positive("temperature", temperature)
         self.epsilon = float(epsilon)
@@ -471,12 +482,12 @@ class LearnedPolicy(_Sampler):
         if not waiting:
             return None
         s, idx = self.scores(waiting, state, ADMIT)
-        starved = self.table.starved(idx, state)
+        first = self.table.first(idx, state)
         if self.mode == "serve":
-            return AdmissionDecision(order=self._order(starved, s, waiting, state))
+            return AdmissionDecision(order=self._order(first, s, waiting, state))
         predictions = self._logged(waiting, idx)
-        if starved:
-            return AdmissionDecision(order=self._order(starved, s, waiting, state), propensity=1.0,
+        if first:
+            return AdmissionDecision(order=self._order(first, s, waiting, state), propensity=1.0,
                                      predictions=predictions)
         n = len(waiting)
         if self.rng.random() < self.epsilon:
@@ -484,8 +495,8 @@ class LearnedPolicy(_Sampler):
         else:  # a Plackett-Luce sample: Gumbel-perturbed scores
             keys = s / self.temperature + self.np_rng.gumbel(size=n)
         order = self._order([], keys, waiting, state)
-        first = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
-        return AdmissionDecision(order=order, propensity=float(self._probs(s)[first]), predictions=predictions)
+        head = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
+        return AdmissionDecision(order=order, propensity=float(self._probs(s)[head]), predictions=predictions)
 
     def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:
         if not running:
@@ -649,6 +660,7 @@ class LoggingPolicy(_Sampler):
         preempt_weights: Optional[Mapping[str, float]] = None,
         max_wait_steps: Optional[float] = RUNTIME_DEFAULTS["max_wait_steps"],
         max_wait_s: Optional[float] = RUNTIME_DEFAULTS["max_wait_s"],
+        resume_preempted: bool = RUNTIME_DEFAULTS["resume_preempted"],
         seed: Optional[int] = 0,
         offload: bool = RUNTIME_DEFAULTS["offload"],
     ) -> None:
@@ -660,7 +672,7 @@ class LoggingPolicy(_Sampler):
             from policy.predictors import DomainMeanLengthPredictor
 
             predictor = DomainMeanLengthPredictor()
-        super().__init__(predictor, max_wait_steps, max_wait_s, seed)
+        super().__init__(predictor, max_wait_steps, max_wait_s, seed, resume_preempted)
         self.admit_w = _weights("admit_weights", admit_weights, LOGGING_ADMIT)
         self.preempt_w = _weights("preempt_weights", preempt_weights, LOGGING_PREEMPT)
         self.uses_offload = bool(offload)  # log in the regime the learned policy serves in
@@ -700,7 +712,7 @@ class LoggingPolicy(_Sampler):
         if not waiting:
             return None
         rem, idx = self._remaining(waiting, state)
-        starved = self.table.starved(idx, state)
+        first = self.table.first(idx, state)
         n = len(waiting)
         kind = self._pick(self.admit_w)
         if kind == "fcfs":
@@ -711,12 +723,12 @@ class LoggingPolicy(_Sampler):
             keys = rem - np.arange(n) * 1e-9
         else:
             keys = self.np_rng.random(n)
-        order = self._order(starved, keys, waiting, state)
+        order = self._order(first, keys, waiting, state)
         predictions = self._predicted(waiting, idx)
-        if starved:
+        if first:
             return AdmissionDecision(order=order, propensity=1.0, predictions=predictions)
-        first = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
-        return AdmissionDecision(order=order, propensity=self._propensity(self.admit_w, rem, 0, first),
+        head = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
+        return AdmissionDecision(order=order, propensity=self._propensity(self.admit_w, rem, 0, head),
                                  predictions=predictions)
 
     def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:

@@ -14,8 +14,9 @@ scheduler).
 
 Until the table has received an event (a policy used outside the hook), and for
 running candidates (their tokens change in every step), every row is refreshed
-from the candidates in each call. It also keeps the starvation clock: when each
-waiting request (re-)entered the queue.
+from the candidates in each call. It also keeps the starvation clock (when each
+waiting request (re-)entered the queue) and which waiting requests were preempted: both go before the scored
+order (:meth:`FeatureTable.first`).
 
 A :class:`policy.interface.CandidateView` (the hook's candidates built on demand) is read by its ids; only
 the candidates whose rows are new or changed are built. At a hot swap :meth:`FeatureTable.export_state`
@@ -37,6 +38,7 @@ from policy.interface import CandidateRequest, CandidateView, EngineState, Event
 from policy.learned_features import FEATURES, R, row_features, set_features, step_features
 
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
+_PREEMPTIONS = R["preemptions"]
 #: The scorer input's wait column, and the first of its engine-state columns (see step_features).
 _X_WAIT, _X_ENG = FEATURES.index("log_wait_s"), FEATURES.index("kv_usage")
 #: Rows beyond which a table that receives no FINISHED events starts afresh.
@@ -64,12 +66,13 @@ class FeatureTable:
 
     def __init__(self, raw_of: Callable[[Sequence[CandidateRequest], EngineState], np.ndarray],
                  phase_of: Callable[[Optional[int]], float], max_wait_steps: Optional[float],
-                 max_wait_s: Optional[float], capacity: int = 256) -> None:
+                 max_wait_s: Optional[float], resume_preempted: bool = True, capacity: int = 256) -> None:
         #: (candidates, state) -> their raw matrix (length predictions included)
         self.raw_of = raw_of
         self.phase_of = phase_of
         self.max_wait_steps = math.inf if max_wait_steps is None else float(max_wait_steps)
         self.max_wait_s = math.inf if max_wait_s is None else float(max_wait_s)
+        self.resume_preempted = bool(resume_preempted)
         self.tracking = False  # set by the first event: from then on, rows change only on events
         self._alloc(capacity)
 
@@ -82,6 +85,7 @@ class FeatureTable:
         self.lr = np.zeros(cap)  # log1p(predicted remaining output)
         self.arrival = np.zeros(cap)
         self.running = np.zeros(cap, dtype=bool)
+        self.preempted = np.zeros(cap, dtype=bool)  # waiting again after a preemption
         self.preds = np.full((cap, 2), math.nan)  # length p50, p90
         self.step = np.zeros(cap, dtype=np.int64)  # index into self.steps
         self.since = np.full((cap, 2), math.nan)  # (engine step, time) it (re-)entered the queue
@@ -92,10 +96,11 @@ class FeatureTable:
         self.request_ids = np.empty(0, dtype=object)  # the last call's candidates' ids
         self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
         self._clock_idx: Optional[np.ndarray] = None  # the rows whose oldest queue entry is cached
+        self._none = self._preempted = np.empty(0, dtype=np.int64)  # positions of the last input's preempted rows
 
     def _grow(self) -> None:
         cap = len(self.x)
-        for name in ("x", "lr", "arrival", "running", "preds", "step", "since", "dirty"):
+        for name in ("x", "lr", "arrival", "running", "preempted", "preds", "step", "since", "dirty"):
             a = getattr(self, name)
             b = np.full((2 * cap,) + a.shape[1:], math.nan) if name in ("preds", "since") else \
                 np.zeros((2 * cap,) + a.shape[1:], dtype=a.dtype)
@@ -168,6 +173,8 @@ class FeatureTable:
         self.x[rows] = x
         self.lr[rows] = lr
         self.running[rows] = raw[:, _RUNNING] > 0
+        # a waiting request with a preemption was preempted in this turn (only a preemption sends one back)
+        self.preempted[rows] = (raw[:, _PREEMPTIONS] > 0) & ~self.running[rows]
         self.preds[rows] = raw[:, [_P50, _P90]]
         self.arrival[rows] = [c.arrival_s for c in cands]
         steps = self.steps
@@ -227,6 +234,7 @@ class FeatureTable:
         self._x_idx = idx
         self._arrival = np.where(self.running[idx], math.inf, self.arrival[idx])
         self._step = self.step[idx]
+        self._preempted = np.flatnonzero(self.preempted[idx]) if self.resume_preempted else self._none
         self._wait = np.empty(len(idx))  # features' buffer for the wait times
         self._eng = self._phases = None  # step columns not filled yet
 
@@ -251,8 +259,26 @@ class FeatureTable:
         self.steps, self.tracking = st.steps, st.tracking
         self.dirty[:] = True
 
-    # ------------------------------------------------------------------ starvation
-    def starved(self, idx: np.ndarray, state: EngineState) -> list[int]:
+    # ------------------------------------------------------------------ precedence
+    def first(self, idx: np.ndarray, state: EngineState) -> list[int]:
+        """Positions (in ``idx``, the last :meth:`features` call's rows) that go before the scored order.
+
+        The preempted requests first, as vLLM puts them back at the head of its queue (a learned order that let
+        one wait behind fresh work until the starvation bound stretched its session by minutes), then the
+        starved ones; each FCFS by the time it (re-)entered the queue.
+        """
+        starved = self._starved(idx, state)
+        pre = self._preempted
+        if not pre.size:
+            return starved
+        s = self.since[idx[pre]]
+        first = pre[np.lexsort((pre, s[:, 1], s[:, 0]))].tolist()
+        if starved:
+            taken = set(first)
+            first += [p for p in starved if p not in taken]
+        return first
+
+    def _starved(self, idx: np.ndarray, state: EngineState) -> list[int]:
         """Positions (in ``idx``) of the requests waiting for ``max_wait_steps`` steps or ``max_wait_s`` seconds
         since they (re-)entered the queue, FCFS by that time; the clock of a request starts at its first sight."""
         now = (state.engine_step, state.time_s)

@@ -1,4 +1,5 @@
-"""The learned policy: numpy and torch scorers agree, POLICY_DIR round trip and load errors, starvation bound."""
+"""The learned policy: numpy and torch scorers agree, POLICY_DIR round trip and load errors, precedence of the
+preempted and the starved."""
 
 from __future__ import annotations
 
@@ -143,6 +144,38 @@ def test_starvation_bound_in_steps_and_seconds() -> None:
         pol.on_event(Event(EventKind.SCHEDULED, 0.0, "r0", waiting[0].meta))
         rest = [c for c in waiting if c.request_id != "r0"]
         assert pol.admit(rest, _state(*clock(7))).order[0] == "r1", kw
+
+
+def test_a_preempted_request_goes_back_first_then_the_starved() -> None:
+    """vLLM's precedence: a preempted request resumes before the scored order (unless switched off)."""
+    lengths = {f"r{i}": 100.0 * (i + 1) for i in range(4)}
+
+    def preempted(c: CandidateRequest) -> CandidateRequest:
+        c.status, c.num_preemptions, c.num_output_tokens = RequestStatus.PREEMPTED, 1, 50
+        return c
+
+    for mode in ("serve", "log"):
+        pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), mode=mode, epsilon=0.0,
+                            max_wait_steps=None, max_wait_s=3.0)
+        waiting = [_cand(i) for i in range(4)]
+        first = pol.admit(waiting, _state(1, 0.0))
+        assert first.order[0] == "r3"  # the longest predicted, by score
+        assert mode == "serve" or first.propensity < 1.0
+        # r3 and r1 run; r1 is preempted and comes back to the queue
+        for c in (waiting[3], waiting[1]):
+            pol.on_event(Event(EventKind.SCHEDULED, 0.5, c.request_id, c.meta))
+        pol.on_event(Event(EventKind.PREEMPTED, 1.0, "r1", waiting[1].meta))
+        queue = [waiting[0], preempted(waiting[1]), waiting[2]]
+        dec = pol.admit(queue, _state(2, 1.0))
+        assert dec.order[:3] == ["r1", "r2", "r0"], mode  # r1 first; then by score
+        assert mode == "serve" or dec.propensity == 1.0  # deterministic, so logged as such
+        # r0 starves (3 s since first seen): after the preempted request, before the scored rest
+        assert pol.admit(queue, _state(3, 3.5)).order[:3] == ["r1", "r0", "r2"], mode
+    off = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), resume_preempted=False)
+    waiting = [_cand(i) for i in range(4)]
+    off.admit(waiting, _state(1, 0.0))
+    off.on_event(Event(EventKind.PREEMPTED, 1.0, "r1", waiting[1].meta))
+    assert off.admit([waiting[0], preempted(waiting[1]), waiting[2]], _state(2, 1.0)).order[0] == "r2"
 
 
 # ------------------------------------------------------------------------------------ POLICY_DIR
