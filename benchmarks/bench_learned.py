@@ -40,7 +40,7 @@ former step-by-step alternation, a cold-cache worst case (every variant, stock i
 Then the verdict per size: stock ``schedule()`` ms per step, the learned
 decisions' ms per step, and the share they add (target: <= 10%). A second table
 splits the policy's time into its parts (a separate, instrumented run: table
-features, scorer, starvation clock, ranking), and a last line times one
+features, scorer, precedence of the preempted and the starved, ranking), and a last line times one
 preemption decision over all running requests.
 
 POLICY_DIR: ``--model DIR`` (e.g. one written by ``kvpilot train policy``), or by
@@ -232,7 +232,7 @@ def breakdown(engine, model: Path, running: int, steps: int, clock) -> dict[str,
     try:
         pol.table.features = timed("features", pol.table.features)
         pol.scorer.head = timed("scorer", pol.scorer.head)
-        pol.table.starved = timed("starvation", pol.table.starved)
+        pol.table.first = timed("precedence", pol.table.first)
         pol._order = timed("ranking", pol._order)
         pol.admit = timed("admit", pol.admit)
         gc.collect()
