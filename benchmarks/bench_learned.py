@@ -18,7 +18,10 @@ timed ones (default 20) before the next one runs:
 * ``full``:    ``VllmDefaultPolicy(explicit=True)`` (every lever consulted);
 * ``learned``: the ``learned`` policy in serving mode (greedy), from a POLICY_DIR, with the hook's
   candidates on demand (``lazy_candidates``: only new or changed requests' candidates are built);
-* ``eager``:   the same policy with ``lazy_candidates`` off (every candidate object refreshed each step).
+* ``eager``:   the same policy with ``lazy_candidates`` off (every candidate object refreshed each step);
+* ``exact``:   the same policy with ``rescore_tol`` 0: its scorer computes in every step, where ``learned``
+  reuses the last step's scores while no input has moved by more than 1% of its standard deviation (the
+  share of steps that reused them is printed).
 
 Printed per size: the median ``schedule()`` time of each; the ratio to stock
 (median over steps of the paired per-step ratio; target for ``learned``: <= 1.10);
@@ -132,18 +135,22 @@ def schedulers(engine, model: Path, running: int) -> dict:
         p.lazy_candidates = False
         return p
 
+    def exact():
+        return create_policy("learned", model=str(model), rescore_tol=0.0)
+
     variants = {
         "stock": Scheduler,
         "default": KVPilotScheduler,
         "full": with_policy(KVPilotScheduler, lambda: VllmDefaultPolicy(explicit=True), cfg),
         "learned": with_policy(KVPilotScheduler, lambda: create_policy("learned", model=str(model)), cfg),
         "eager": with_policy(KVPilotScheduler, eager, cfg),
+        "exact": with_policy(KVPilotScheduler, exact, cfg),
     }
     return {k: build(engine, cls, running, "kv", meta=synth_meta) for k, cls in variants.items()}
 
 
 #: The variants running the learned policy.
-LEARNED = ("learned", "eager")
+LEARNED = ("learned", "eager", "exact")
 
 
 def policy_time(s) -> float:
@@ -315,6 +322,9 @@ def main(argv=None):
 
             pm = statistics.median(r["policy"])
             dm, em = statistics.median(r["decision"]["learned"]), statistics.median(r["decision"]["eager"])
+            xm = statistics.median(r["decision"]["exact"])
+            scorer = r["scheduler"].kvpilot_policy.scorer
+            reused = scorer.reused / max(scorer.reused + scorer.computed, 1)
             print(
                 f"{n:>7} | {sm * MS:>7.3f} | {statistics.median(t['default']) * MS:>7.3f} {ratio('default'):>6.3f} | "
                 f"{statistics.median(t['full']) * MS:>7.3f} {ratio('full'):>6.3f} | "
@@ -327,7 +337,9 @@ def main(argv=None):
             rows.append((n, r["scheduler"]))
             verdicts.append(f"{n:>7} running: schedule() {sm * MS:.3f} ms, learned decisions {dm * MS:.3f} ms "
                             f"(without candidates on demand {em * MS:.3f} ms), added {dm / sm:.1%} "
-                            f"(target <= {TARGET:.0%}): {'met' if dm / sm <= TARGET else 'NOT met'}")
+                            f"(target <= {TARGET:.0%}): {'met' if dm / sm <= TARGET else 'NOT met'}; scores "
+                            f"reused in {reused:.0%} of steps; computed in every step (rescore_tol 0) "
+                            f"{xm * MS:.3f} ms, {xm / sm:.1%}")
         print(
             "ratio = median over steps of variant/stock schedule() time, paired step by step (target for learned: "
             "<= 1.10); decide = the learned policy's decision time per step, as the hook spends it (its admission "

@@ -103,6 +103,10 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # step at KV 0.1 (README, "The learned policy on held-out agentic steps"): without it, a preempted turn waited
     # out max_wait_s and its session ended the step 100 s late.
     "resume_preempted": True,
+    # The admission scores of a step are the last step's while no row's wait time or the engine state has moved
+    # by more than this share of its standard deviation (NumpyScorer.head): most steps admit nobody and change
+    # the input by a hair, and the forward pass is most of a decision's time. 0: computed in every step.
+    "rescore_tol": 0.01,
     # Off by default: vLLM's own victim (the tail of the running list) is used. The learned preemption head
     # picked costly victims: measured, its victims' recompute was about 2x that of vLLM's tail victim (issue #7).
     "preempt": False,
@@ -163,7 +167,12 @@ BLOCK = 256
 class NumpyScorer:
     """The scorer's forward pass in numpy, from its state_dict (serving: no torch call per step)."""
 
-    def __init__(self, state: Mapping[str, Any]) -> None:
+    def __init__(self, state: Mapping[str, Any], rescore_tol: float = 0.0) -> None:
+        """``rescore_tol``: see :meth:`head` (0: every call computes)."""
+        if not rescore_tol >= 0.0:
+            raise ValueError(f"option rescore_tol must be >= 0, got {rescore_tol!r}")
+        self.rescore_tol = float(rescore_tol)
+
         def arr(v: Any) -> np.ndarray:
             return np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v, dtype=np.float32)
 
@@ -184,12 +193,16 @@ class NumpyScorer:
         self._step_w = np.zeros_like(w1)
         self._step_w[step] = w1[step] * self.inv_scale[step, None]
         self._step_b = b1 - (self.mean[step] * self.inv_scale[step]) @ w1[step]
-        self._const = const
+        self._const, self._step = const, step
+        self._step_inv = self.inv_scale[step]
         self._const_mean, self._const_inv, self._const_w = self.mean[const], self.inv_scale[const], w1[const].copy()
         self._last_heads = [(w[:, h].copy(), b[h:h + 1].copy()) for w, b in self.layers[-1:] for h in range(2)]
         # ReLU's 0 as a row (measured: numpy's maximum against a row is ~1.5x faster than against a scalar)
         self._zeros = [np.zeros(w.shape[1], dtype=np.float32) for w, _ in self.layers]
         self._kept: Optional[tuple[np.ndarray, np.ndarray]] = None  # (input array, its first layer's fixed part)
+        self._memo: Optional[tuple[int, np.ndarray, np.ndarray]] = None  # (head, step columns, scores) of the last
+        #: :meth:`head` calls on a kept input: those that computed, and those that returned the last scores
+        self.computed = self.reused = 0
 
     @property
     def n_in(self) -> int:
@@ -210,14 +223,31 @@ class NumpyScorer:
         computes only the step columns' part and the layers after the first (9 numpy calls in all: inside the
         scheduler each costs microseconds, as vLLM's ``schedule()`` leaves numpy's code and data out of the
         CPU caches).
+
+        With ``rescore_tol`` > 0, such a call returns the last call's scores (the same array) while no step
+        column of any row has moved by more than ``rescore_tol`` of its standard deviation (the scorer's
+        ``scale``) since they were computed: in a step that admits nobody only the wait times and the engine
+        state move, by a hair, and the forward pass is most of a decision's time.
         """
         if len(self.layers) < 2:
             return self(x)[:, head].astype(np.float64)
         x = np.asarray(x, dtype=np.float32)
         k = self._kept
+        memo = None
         if kept and k is not None and k[0] is x:
             fixed = k[1]
+            if self.rescore_tol > 0.0:
+                m = self._memo
+                steps = x[:, self._step]
+                if m is not None and m[0] == head:
+                    d = steps - m[1]
+                    d *= self._step_inv
+                    if np.abs(d, out=d).max(initial=0.0) <= self.rescore_tol:
+                        self.reused += 1
+                        return m[2]
+                memo = steps
         else:
+            self._memo = None
             c = x[:, self._const]
             c -= self._const_mean
             c *= self._const_inv
@@ -237,7 +267,12 @@ class NumpyScorer:
         w, b = self._last_heads[head]
         out = _matmul(h, w)
         out += b
-        return out.astype(np.float64)
+        out = out.astype(np.float64)
+        if kept:
+            self.computed += 1
+            if self.rescore_tol > 0.0:
+                self._memo = (head, x[:, self._step] if memo is None else memo, out)
+        return out
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
         h = x - self.mean
@@ -352,6 +387,7 @@ class _Sampler(Policy):
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
         self._observe = getattr(predictor, "observe", None)
+        self._last_order: Optional[tuple[np.ndarray, int, list[str]]] = None  # (keys, limit, order): see _order
 
     def _raw(self, cands: Sequence[CandidateRequest], state: EngineState) -> np.ndarray:
         return candidate_raw(cands, _predict(self.lengths, cands), state, self.phase)
@@ -399,8 +435,12 @@ class _Sampler(Policy):
         limit.
 
         ``waiting`` must be the candidates of the table's last :meth:`FeatureTable.features` call (their ids are
-        kept there as an array)."""
+        kept there as an array). The same ``keys`` array as the last call's (scores the scorer reused), with no
+        ``first`` and the same limit, gives the last call's order again (a copy)."""
         k = admission_limit(state, len(waiting))
+        last = self._last_order
+        if not first and last is not None and last[0] is keys and last[1] == k:
+            return list(last[2])
         if first:
             keys = keys.copy()
             keys[first] = -np.inf
@@ -413,7 +453,9 @@ class _Sampler(Policy):
         top = top[:take]
         ids = self.table.request_ids
         if not first:
-            return ids[top].tolist()
+            order = ids[top].tolist()
+            self._last_order = (keys, k, order)
+            return list(order)
         return ids[first].tolist() + ids[top[~np.isin(top, first)]].tolist()
 
 
@@ -434,6 +476,7 @@ class LearnedPolicy(_Sampler):
         max_wait_steps: Optional[float] = RUNTIME_DEFAULTS["max_wait_steps"],
         max_wait_s: Optional[float] = RUNTIME_DEFAULTS["max_wait_s"],
         resume_preempted: bool = RUNTIME_DEFAULTS["resume_preempted"],
+        rescore_tol: float = RUNTIME_DEFAULTS["rescore_tol"],
         seed: Optional[int] = 0,
         preempt: bool = RUNTIME_DEFAULTS["preempt"],
         offload: bool = RUNTIME_DEFAULTS["offload"],
@@ -447,14 +490,14 @@ class LearnedPolicy(_Sampler):
         self.uses_offload = bool(offload)
         self.runtime = {"temperature": temperature, "epsilon": epsilon, "max_wait_steps": max_wait_steps,
                         "max_wait_s": max_wait_s, "resume_preempted": bool(resume_preempted),
-                        "preempt": bool(preempt), "offload": bool(offload)}
+                        "rescore_tol": rescore_tol, "preempt": bool(preempt), "offload": bool(offload)}
         self.mode = mode
         self.temperature = check_positive("temperature", temperature)
         self.epsilon = float(epsilon)
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"option epsilon must be in [0, 1], got {epsilon!r}")
         self.scorer_state = {k: v for k, v in scorer_state.items()}
-        self.scorer = NumpyScorer(self.scorer_state)
+        self.scorer = NumpyScorer(self.scorer_state, rescore_tol)
         if self.scorer.n_in != len(FEATURES):
             raise ValueError(f"scorer takes {self.scorer.n_in} features, the policy computes {len(FEATURES)}")
         self.manifest = dict(manifest or {})

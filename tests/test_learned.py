@@ -111,6 +111,38 @@ def test_numpy_scorer_head_matches_torch_with_the_first_layer_kept(hidden) -> No
                     np.testing.assert_allclose(got, want[:, head], rtol=1e-5, atol=1e-5)
 
 
+def test_scores_are_reused_while_the_step_columns_move_less_than_the_tolerance() -> None:
+    import torch
+
+    from policy.learned_features import STEP_X
+
+    torch.manual_seed(3)
+    s = build_scorer(len(FEATURES), (16, 16))
+    with torch.no_grad():
+        s.scale.uniform_(0.5, 2.0)
+    state = s.state_dict()
+    scale = state["scale"].numpy()
+    rng = np.random.default_rng(1)
+    x = (rng.random((40, len(FEATURES))) * 5).astype(np.float32)
+    exact, lazy = NumpyScorer(state), NumpyScorer(state, rescore_tol=0.01)
+    first = lazy.head(x, ADMIT, kept=True)
+    w = STEP_X[0]
+    x[:, w] += 0.004 * scale[w]  # every row's wait moves by 0.4% of its standard deviation
+    again = lazy.head(x, ADMIT, kept=True)
+    assert again is first and (lazy.computed, lazy.reused) == (1, 1)
+    assert np.abs(again - exact.head(x, ADMIT, kept=True)).max() > 0  # stale, by design
+    assert lazy.head(x, PREEMPT, kept=True) is not first  # another head computes
+    x[7, w] += 0.008 * scale[w]  # one row has now moved 1.2% since the admission scores were computed
+    got = lazy.head(x, ADMIT, kept=True)
+    assert got is not first and lazy.reused == 1
+    np.testing.assert_allclose(got, exact.head(x, ADMIT, kept=True), rtol=1e-6)
+    x2 = x.copy()  # a new input array (the table's rows changed): computed, whatever moved
+    np.testing.assert_allclose(lazy.head(x2, ADMIT, kept=True), got, rtol=1e-6)
+    assert lazy.computed == 4 and exact.reused == 0
+    with pytest.raises(ValueError, match="rescore_tol"):
+        NumpyScorer(state, rescore_tol=-1.0)
+
+
 def test_serve_mode_ranks_by_score_and_preempts_the_top() -> None:
     lengths = {f"r{i}": 100.0 * (i + 1) for i in range(6)}
     pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths))
