@@ -323,8 +323,8 @@ def main(argv=None):
             pm = statistics.median(r["policy"])
             dm, em = statistics.median(r["decision"]["learned"]), statistics.median(r["decision"]["eager"])
             xm = statistics.median(r["decision"]["exact"])
-            scorer = r["scheduler"].kvpilot_policy.scorer
-            reused = scorer.reused / max(scorer.reused + scorer.computed, 1)
+            learned = r["scheduler"].kvpilot_policy
+            reused = learned.reused / max(learned.reused + learned.computed, 1)
             print(
                 f"{n:>7} | {sm * MS:>7.3f} | {statistics.median(t['default']) * MS:>7.3f} {ratio('default'):>6.3f} | "
                 f"{statistics.median(t['full']) * MS:>7.3f} {ratio('full'):>6.3f} | "

@@ -74,7 +74,7 @@ from policy.interface import (
     StateMismatch,
 )
 from policy.learned_features import FEATURES, RAW, STEP_X
-from policy.learned_table import FeatureTable
+from policy.learned_table import _X_ENG, _X_WAIT, FeatureTable
 
 __all__ = [
     "FORMAT",
@@ -105,8 +105,9 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # 795 s without and 816 s with. A bound on a failure mode, at a small cost where there is none.
     "resume_preempted": True,
     # The admission scores of a step are the last step's while no row's wait time or the engine state has moved
-    # by more than this share of its standard deviation (NumpyScorer.head): most steps admit nobody and change
-    # the input by a hair, and the forward pass is most of a decision's time. 0: computed in every step.
+    # by more than this share of its standard deviation (LearnedPolicy.scores): most steps admit nobody and
+    # change the input by a hair, and the features and the forward pass are most of a decision's time. 0: they
+    # are computed in every step.
     "rescore_tol": 0.01,
     # Off by default: vLLM's own victim (the tail of the running list) is used. The learned preemption head
     # picked costly victims: measured, its victims' recompute was about 2x that of vLLM's tail victim (issue #7).
@@ -168,12 +169,7 @@ BLOCK = 256
 class NumpyScorer:
     """The scorer's forward pass in numpy, from its state_dict (serving: no torch call per step)."""
 
-    def __init__(self, state: Mapping[str, Any], rescore_tol: float = 0.0) -> None:
-        """``rescore_tol``: see :meth:`head` (0: every call computes)."""
-        if not rescore_tol >= 0.0:
-            raise ValueError(f"option rescore_tol must be >= 0, got {rescore_tol!r}")
-        self.rescore_tol = float(rescore_tol)
-
+    def __init__(self, state: Mapping[str, Any]) -> None:
         def arr(v: Any) -> np.ndarray:
             return np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v, dtype=np.float32)
 
@@ -194,16 +190,12 @@ class NumpyScorer:
         self._step_w = np.zeros_like(w1)
         self._step_w[step] = w1[step] * self.inv_scale[step, None]
         self._step_b = b1 - (self.mean[step] * self.inv_scale[step]) @ w1[step]
-        self._const, self._step = const, step
-        self._step_inv = self.inv_scale[step]
+        self._const = const
         self._const_mean, self._const_inv, self._const_w = self.mean[const], self.inv_scale[const], w1[const].copy()
         self._last_heads = [(w[:, h].copy(), b[h:h + 1].copy()) for w, b in self.layers[-1:] for h in range(2)]
         # ReLU's 0 as a row (measured: numpy's maximum against a row is ~1.5x faster than against a scalar)
         self._zeros = [np.zeros(w.shape[1], dtype=np.float32) for w, _ in self.layers]
         self._kept: Optional[tuple[np.ndarray, np.ndarray]] = None  # (input array, its first layer's fixed part)
-        self._memo: Optional[tuple[int, np.ndarray, np.ndarray]] = None  # (head, step columns, scores) of the last
-        #: :meth:`head` calls on a kept input: those that computed, and those that returned the last scores
-        self.computed = self.reused = 0
 
     @property
     def n_in(self) -> int:
@@ -224,31 +216,14 @@ class NumpyScorer:
         computes only the step columns' part and the layers after the first (9 numpy calls in all: inside the
         scheduler each costs microseconds, as vLLM's ``schedule()`` leaves numpy's code and data out of the
         CPU caches).
-
-        With ``rescore_tol`` > 0, such a call returns the last call's scores (the same array) while no step
-        column of any row has moved by more than ``rescore_tol`` of its standard deviation (the scorer's
-        ``scale``) since they were computed: in a step that admits nobody only the wait times and the engine
-        state move, by a hair, and the forward pass is most of a decision's time.
         """
         if len(self.layers) < 2:
             return self(x)[:, head].astype(np.float64)
         x = np.asarray(x, dtype=np.float32)
         k = self._kept
-        memo = None
         if kept and k is not None and k[0] is x:
             fixed = k[1]
-            if self.rescore_tol > 0.0:
-                m = self._memo
-                steps = x[:, self._step]
-                if m is not None and m[0] == head:
-                    d = steps - m[1]
-                    d *= self._step_inv
-                    if np.abs(d, out=d).max(initial=0.0) <= self.rescore_tol:
-                        self.reused += 1
-                        return m[2]
-                memo = steps
         else:
-            self._memo = None
             c = x[:, self._const]
             c -= self._const_mean
             c *= self._const_inv
@@ -268,12 +243,7 @@ class NumpyScorer:
         w, b = self._last_heads[head]
         out = _matmul(h, w)
         out += b
-        out = out.astype(np.float64)
-        if kept:
-            self.computed += 1
-            if self.rescore_tol > 0.0:
-                self._memo = (head, x[:, self._step] if memo is None else memo, out)
-        return out
+        return out.astype(np.float64)
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
         h = x - self.mean
@@ -366,6 +336,15 @@ def _softmax(z: np.ndarray) -> np.ndarray:
 
 #: :meth:`_Sampler.export_state`'s kind and layout version (LearnedPolicy and LoggingPolicy read each other's).
 STATE_KIND, STATE_VERSION = "kvpilot.learned", 1
+
+
+def _engine_x(state: EngineState) -> tuple[float, float, float, float]:
+    """The engine-state feature columns (kv_usage, pinned_frac, log_num_running, log_num_waiting), as
+    :func:`policy.learned_features.step_features` computes them."""
+    v = (state.kv_usage, state.num_pinned_blocks / max(state.num_total_blocks, 1), state.num_running,
+         state.num_waiting)
+    kv, pinned, running, waiting = (a if a >= 0.0 else 0.0 for a in v)  # NaN counts as 0, as fmax(v, 0) does
+    return kv, pinned, math.log1p(running), math.log1p(waiting)
 
 
 class _Sampler(Policy):
@@ -498,7 +477,15 @@ class LearnedPolicy(_Sampler):
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"option epsilon must be in [0, 1], got {epsilon!r}")
         self.scorer_state = {k: v for k, v in scorer_state.items()}
-        self.scorer = NumpyScorer(self.scorer_state, rescore_tol)
+        self.scorer = NumpyScorer(self.scorer_state)
+        if not rescore_tol >= 0.0:
+            raise ValueError(f"option rescore_tol must be >= 0, got {rescore_tol!r}")
+        self.rescore_tol = float(rescore_tol)
+        inv = self.scorer.inv_scale.astype(np.float64)
+        self._inv_wait, self._inv_eng = float(inv[_X_WAIT]), inv[_X_ENG:_X_ENG + 4].tolist()
+        self._memo: Optional[tuple] = None  # the last computed admission scores and what they were computed at
+        #: admission decisions that computed their scores, and those that reused the last ones (see scores)
+        self.computed = self.reused = 0
         if self.scorer.n_in != len(FEATURES):
             raise ValueError(f"scorer takes {self.scorer.n_in} features, the policy computes {len(FEATURES)}")
         self.manifest = dict(manifest or {})
@@ -509,10 +496,46 @@ class LearnedPolicy(_Sampler):
     # --------------------------------------------------------------------------- scoring
     def scores(self, cands: Sequence[CandidateRequest], state: EngineState, head: int,
                refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """The ``head`` score (ADMIT or PREEMPT) of each candidate (one forward pass for all), and their table rows."""
+        """The ``head`` score (ADMIT or PREEMPT) of each candidate (one forward pass for all), and their table rows.
+
+        Admission scores are the last ones (the same array, no feature computed) while the candidates' rows stand
+        (:meth:`FeatureTable.unchanged`), the RL steps' phases are the same, and no step column has moved by
+        more than ``rescore_tol`` of its standard deviation (the scorer's ``scale``) since they were computed:
+        every waiting row's wait grows by the same time, so the youngest row's moves most, and the engine
+        columns are shared by every row: a few scalars say it. In a step that admits nobody that is all that
+        moves, by a hair, and the features and the forward pass are most of a decision's time.
+        """
+        admit = head == ADMIT and self.rescore_tol > 0.0
+        if admit and not refresh:
+            m = self._memo
+            if m is not None and self.table.unchanged(cands) and self._close(m, state):
+                self.reused += 1
+                return m[0], m[1]
         x, idx = self.table.features(cands, state, refresh)
         # the table's input array changes only in its step columns while it is the same object
-        return self.scorer.head(x, head, kept=True), idx
+        s = self.scorer.head(x, head, kept=True)
+        if admit:
+            self.computed += 1
+            self._memo = (s, idx, state.time_s, self.table.youngest, _engine_x(state), self._phases())
+        return s, idx
+
+    def _phases(self) -> list[float]:
+        return [self.phase.phase(s) for s in self.table.steps]
+
+    def _close(self, memo: tuple, state: EngineState) -> bool:
+        """No step column has moved by more than ``rescore_tol`` standard deviations since ``memo``'s scores."""
+        _, _, t0, youngest, eng0, phases0 = memo
+        tol = self.rescore_tol
+        w0 = t0 - youngest  # the youngest waiting row's wait then (-inf: no waiting row)
+        if w0 > -math.inf:
+            w1 = w0 + (state.time_s - t0)
+            moved = math.log1p(w1 if w1 > 0.0 else 0.0) - math.log1p(w0 if w0 > 0.0 else 0.0)
+            if abs(moved) * self._inv_wait > tol:
+                return False
+        for a, b, inv in zip(_engine_x(state), eng0, self._inv_eng):
+            if abs(a - b) * inv > tol:
+                return False
+        return self._phases() == phases0
 
     def _logged(self, cands: Sequence[CandidateRequest], idx: np.ndarray) -> Optional[dict[str, dict]]:
         """Predictions to return with a decision: in ``log`` mode only (serving logs no features)."""

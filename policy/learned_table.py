@@ -61,6 +61,12 @@ class TableState:
     tracking: bool
 
 
+def _ids_of(cands: Sequence[CandidateRequest]) -> tuple:
+    """The candidates' request ids: a view's tuple is the same object while the requests are (then no comparison
+    at all)."""
+    return tuple(cands.request_ids) if isinstance(cands, CandidateView) else tuple([c.request_id for c in cands])
+
+
 class FeatureTable:
     """Rows of per-request features keyed by request id; :meth:`features` assembles one decision's scorer input."""
 
@@ -97,6 +103,7 @@ class FeatureTable:
         self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
         self._clock_idx: Optional[np.ndarray] = None  # the rows whose oldest queue entry is cached
         self._none = self._preempted = np.empty(0, dtype=np.int64)  # positions of the last input's preempted rows
+        self.youngest = -math.inf
 
     def _grow(self) -> None:
         cap = len(self.x)
@@ -189,8 +196,7 @@ class FeatureTable:
 
         ``refresh``: refill every row from the candidates (running candidates change in every step).
         """
-        # a tuple; a view's is the same object while the requests are (then no comparison at all)
-        ids = tuple(cands.request_ids) if isinstance(cands, CandidateView) else tuple([c.request_id for c in cands])
+        ids = _ids_of(cands)
         prev = self._ids
         cached = prev is not None and (prev is ids or prev == ids)  # no event since: the same rows, none dirty
         idx = self._idx if cached else self._rows(cands, ids)
@@ -226,6 +232,15 @@ class FeatureTable:
         self._eng, self._phases = eng, phases
         return x, idx
 
+    def unchanged(self, cands: Sequence[CandidateRequest]) -> bool:
+        """True when the last :meth:`features` call's rows stand for ``cands``: the same requests, no event since,
+        rows tracked by events; then only its step columns (wait times, engine state) would change."""
+        prev = self._ids
+        if prev is None or not self.tracking or self._x_idx is not self._idx:
+            return False
+        ids = _ids_of(cands)
+        return prev is ids or prev == ids
+
     def _assemble(self, idx: np.ndarray) -> None:
         """Cache what stays fixed while the rows do: their features, set columns, arrival times and RL steps."""
         x = self.x[idx]
@@ -233,6 +248,8 @@ class FeatureTable:
         self._x = x.astype(np.float32)
         self._x_idx = idx
         self._arrival = np.where(self.running[idx], math.inf, self.arrival[idx])
+        #: the latest arrival among the waiting rows (the row whose wait feature moves fastest), -inf if none
+        self.youngest = float(np.max(self._arrival, where=~self.running[idx], initial=-math.inf))
         self._step = self.step[idx]
         self._preempted = np.flatnonzero(self.preempted[idx]) if self.resume_preempted else self._none
         self._wait = np.empty(len(idx))  # features' buffer for the wait times

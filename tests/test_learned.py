@@ -111,36 +111,42 @@ def test_numpy_scorer_head_matches_torch_with_the_first_layer_kept(hidden) -> No
                     np.testing.assert_allclose(got, want[:, head], rtol=1e-5, atol=1e-5)
 
 
-def test_scores_are_reused_while_the_step_columns_move_less_than_the_tolerance() -> None:
-    import torch
+def test_admission_scores_are_reused_while_the_step_columns_move_less_than_the_tolerance() -> None:
+    import dataclasses
 
-    from policy.learned_features import STEP_X
+    lengths = {f"r{i}": 100.0 * (i + 1) for i in range(4)}
+    waiting = [_cand(i) for i in range(4)]
+    for c in waiting:
+        c.arrival_s = 0.0
+    waiting[2].arrival_s = 9.0  # the youngest: its wait moves fastest
+    lazy = LearnedPolicy(_state_dict(5), FixedLengths(lengths), rescore_tol=0.01)
+    exact = LearnedPolicy(_state_dict(5), FixedLengths(lengths), rescore_tol=0.0)
+    for p in (lazy, exact):  # an event: from now on the table's rows change only on events
+        p.on_event(Event(EventKind.ARRIVED, 0.0, "r9", waiting[0].meta))
 
-    torch.manual_seed(3)
-    s = build_scorer(len(FEATURES), (16, 16))
-    with torch.no_grad():
-        s.scale.uniform_(0.5, 2.0)
-    state = s.state_dict()
-    scale = state["scale"].numpy()
-    rng = np.random.default_rng(1)
-    x = (rng.random((40, len(FEATURES))) * 5).astype(np.float32)
-    exact, lazy = NumpyScorer(state), NumpyScorer(state, rescore_tol=0.01)
-    first = lazy.head(x, ADMIT, kept=True)
-    w = STEP_X[0]
-    x[:, w] += 0.004 * scale[w]  # every row's wait moves by 0.4% of its standard deviation
-    again = lazy.head(x, ADMIT, kept=True)
+    def scores(p: LearnedPolicy, state: EngineState) -> np.ndarray:
+        return p.scores(waiting, state, ADMIT)[0]
+
+    first = scores(lazy, _state(1, 10.0))
+    # the youngest wait goes 1.000 s -> 1.005 s: log1p moves by 0.0025 (the scale is 1)
+    again = scores(lazy, _state(2, 10.005))
     assert again is first and (lazy.computed, lazy.reused) == (1, 1)
-    assert np.abs(again - exact.head(x, ADMIT, kept=True)).max() > 0  # stale, by design
-    assert lazy.head(x, PREEMPT, kept=True) is not first  # another head computes
-    x[7, w] += 0.008 * scale[w]  # one row has now moved 1.2% since the admission scores were computed
-    got = lazy.head(x, ADMIT, kept=True)
-    assert got is not first and lazy.reused == 1
-    np.testing.assert_allclose(got, exact.head(x, ADMIT, kept=True), rtol=1e-6)
-    x2 = x.copy()  # a new input array (the table's rows changed): computed, whatever moved
-    np.testing.assert_allclose(lazy.head(x2, ADMIT, kept=True), got, rtol=1e-6)
-    assert lazy.computed == 4 and exact.reused == 0
+    assert np.abs(again - scores(exact, _state(2, 10.005))).max() > 0  # stale, by design
+    # 1.000 s -> 1.05 s moves it by 0.024: computed, equal to the exact policy's
+    got = scores(lazy, _state(3, 10.05))
+    assert got is not first and lazy.computed == 2
+    np.testing.assert_allclose(got, scores(exact, _state(3, 10.05)))
+    # one more running request moves log1p(num_running) by 0.29: computed
+    busier = dataclasses.replace(_state(4, 10.05), num_running=3)
+    assert scores(lazy, busier) is not got and lazy.computed == 3
+    np.testing.assert_allclose(scores(lazy, busier), scores(exact, busier))
+    # an event (a candidate scheduled) refreshes the rows: computed
+    same = scores(lazy, busier)
+    lazy.on_event(Event(EventKind.SCHEDULED, 10.0, "r0", waiting[0].meta))
+    assert scores(lazy, busier) is not same
+    assert exact.reused == 0
     with pytest.raises(ValueError, match="rescore_tol"):
-        NumpyScorer(state, rescore_tol=-1.0)
+        LearnedPolicy(_state_dict(5), FixedLengths(lengths), rescore_tol=-1.0)
 
 
 def test_serve_mode_ranks_by_score_and_preempts_the_top() -> None:
