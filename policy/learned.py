@@ -74,7 +74,7 @@ from policy.interface import (
     StateMismatch,
 )
 from policy.learned_features import FEATURES, RAW, STEP_X
-from policy.learned_table import _X_ENG, _X_WAIT, FeatureTable
+from policy.learned_table import _X_ENG, _X_WAIT, FeatureTable, engine_raw
 
 __all__ = [
     "FORMAT",
@@ -341,9 +341,7 @@ STATE_KIND, STATE_VERSION = "kvpilot.learned", 1
 def _engine_x(state: EngineState) -> tuple[float, float, float, float]:
     """The engine-state feature columns (kv_usage, pinned_frac, log_num_running, log_num_waiting), as
     :func:`policy.learned_features.step_features` computes them."""
-    v = (state.kv_usage, state.num_pinned_blocks / max(state.num_total_blocks, 1), state.num_running,
-         state.num_waiting)
-    kv, pinned, running, waiting = (a if a >= 0.0 else 0.0 for a in v)  # NaN counts as 0, as fmax(v, 0) does
+    kv, pinned, running, waiting = (a if a >= 0.0 else 0.0 for a in engine_raw(state))  # NaN as 0, as fmax does
     return kv, pinned, math.log1p(running), math.log1p(waiting)
 
 

@@ -61,6 +61,13 @@ class TableState:
     tracking: bool
 
 
+def engine_raw(state: EngineState) -> tuple[float, float, int, int]:
+    """The engine-state inputs shared by every row (kv_usage, pinned fraction, running, waiting), before
+    :func:`policy.learned_features.step_features` transforms them."""
+    return (state.kv_usage, state.num_pinned_blocks / max(state.num_total_blocks, 1), state.num_running,
+            state.num_waiting)
+
+
 def _ids_of(cands: Sequence[CandidateRequest]) -> tuple:
     """The candidates' request ids: a view's tuple is the same object while the requests are (then no comparison
     at all)."""
@@ -218,8 +225,7 @@ class FeatureTable:
             np.subtract(state.time_s, self._arrival, out=buf)  # -inf (clipped to 0) for running requests
             np.fmax(buf, 0.0, out=buf)
             np.log1p(buf, out=x[:, _X_WAIT])
-        eng = (state.kv_usage, state.num_pinned_blocks / max(state.num_total_blocks, 1), state.num_running,
-               state.num_waiting)
+        eng = engine_raw(state)
         last = self._eng
         if eng != last and last is not None and eng[2:] == last[2:]:
             # only the usage fractions changed (the usual step): step_features' fmax(v, 0) on two scalars
