@@ -128,6 +128,7 @@ def test_guide_keeps_the_two_setup_commands():
     assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
 
 
+@pytest.mark.slow
 def test_quick_commands_run_as_written(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
