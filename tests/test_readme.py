@@ -1,4 +1,5 @@
-"""The user's guide holds: its quick commands run as written, and no link in README.md or docs/ is broken or leaves the repository.
+"""The user's guide holds: its quick commands run as written, no link in README.md or docs/ is broken or leaves the
+repository, and every study in docs/results/ is dated, with its commands and the commit it ran on.
 
 Quick commands are the fenced blocks tagged ```` ```bash quick ```` in README.md. They run in order, in one
 temporary folder, with ``kvpilot`` on ``PATH`` as a shim for ``python -m training.cli`` of the repository
@@ -180,3 +181,15 @@ def test_quick_blocks_are_read_from_tagged_fences_only():
 ])
 def test_slug_matches_github(heading, anchor):
     assert slug(heading) == anchor
+
+
+def test_results_are_dated_with_commands_and_commit():
+    index = (ROOT / "docs" / "results" / "README.md").read_text()
+    studies = sorted(p for p in (ROOT / "docs" / "results").glob("*.md") if p.name != "README.md")
+    assert studies, "docs/results/ holds no study"
+    for study in studies:
+        text = study.read_text()
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md", study.name), f"{study.name}: not YYYY-MM-DD-topic.md"
+        assert any(info.split()[:1] == ["bash"] for info, _ in split_fences(text)[1]), f"{study.name}: no commands"
+        assert re.search(r"`[0-9a-f]{7,40}`", text), f"{study.name}: no commit it ran on"
+        assert f"]({study.name})" in index, f"{study.name} is not listed in docs/results/README.md"
