@@ -23,12 +23,12 @@ logger = logging.getLogger("kvpilot.hook")
 
 EMPTY_META = RequestMeta()
 
-#: key -> (RequestMeta field, kind, lower bound).
+#: key -> (RequestMeta field, kind, lower bound); kind "str" accepts str or int (ids
+#: given as numbers), "int" an int or an integral string, "float" a finite number
+#: or a numeric string.
 KeySpec = dict[str, tuple[str, str, int]]
 
-# key -> (RequestMeta field, kind, lower bound); kind "str" accepts str or int (ids
-# given as numbers), "int" an int or an integral string, "float" a number or a
-# numeric string.
+# kvpilot's extra_args keys.
 _KEYS: KeySpec = {
     "kvpilot_domain": ("domain", "str", 0),
     "kvpilot_paradigm": ("paradigm", "str", 0),
