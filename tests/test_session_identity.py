@@ -187,9 +187,9 @@ def _completed(engine: Any, request: Any) -> Any:
 def _agentic_workload() -> Any:
     """The search-agent domain alone (1-5 turns, GRPO groups of 4), two RL steps whose prompts recur, no
     reward-model requests (they extend the trajectory's chain, so inference calls them its next turn)."""
-    from data.synth import SynthConfig, _short_domains, generate
+    from data.synth import SynthConfig, generate
 
-    agent = dataclasses.replace(_short_domains()["agentic"], share=1.0, score_fraction=0.0)
+    agent = dataclasses.replace(SynthConfig.preset("short").domains["agentic"], share=1.0, score_fraction=0.0)
     return generate(SynthConfig(steps=2, prompts_per_step=12, group_size=4, seed=5, domains={"agentic": agent}))
 
 
