@@ -63,8 +63,10 @@ class RequestMeta:
     Read by the hook from ``SamplingParams.extra_args`` (``kvpilot_domain``,
     ``kvpilot_paradigm``, ``kvpilot_group_id``, ``kvpilot_group_size``,
     ``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``, ``kvpilot_step``,
-    ``kvpilot_prompt_id``). ``prompt_id`` names the dataset prompt, stable
-    across RL steps when the prompt recurs.
+    ``kvpilot_prompt_id``, ``kvpilot_expected_pause_s``). ``prompt_id`` names the dataset prompt, stable
+    across RL steps when the prompt recurs. The session identity (``session_id``, ``turn``, ``tool``,
+    ``expected_pause_s``) may also come from vLLM's typed ``Request.session_id``, a kvpilot KV-hint action, or
+    (session and turn) the block-hash chain (``docs/session-identity.md``).
     """
 
     domain: Optional[str] = None
@@ -76,6 +78,8 @@ class RequestMeta:
     tool: Optional[str] = None
     step: Optional[int] = None
     prompt_id: Optional[str] = None
+    #: Seconds the orchestrator expects the tool call after this turn to take (a hint, not a promise).
+    expected_pause_s: Optional[float] = None
 
 
 #: Names of :meth:`CandidateRequest.features`, in order.
@@ -120,7 +124,7 @@ class CandidateRequest:
     arrival_s: float
     wait_s: float  # now - arrival for waiting requests; 0 once running
     num_preemptions: int = 0
-    priority: int = 0
+    priority: int = 0  # vLLM's ``Request.priority`` (the ``priority`` field or header): lower goes first there
     group_finished: int = 0  # siblings (same group_id) finished so far
     group_running: int = 0  # siblings currently running
     sibling_output_tokens: tuple[int, ...] = ()  # output lengths of finished siblings

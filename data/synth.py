@@ -343,7 +343,8 @@ class SynthConfig:
     @classmethod
     def from_file(cls, path: str | Path, base: SynthConfig | None = None) -> SynthConfig:
         """Read a TOML config over ``base`` (default: the defaults); keys it leaves out keep their values there
-        (domains merge by name)."""
+        (domains merge by name), and a table that picks one of a pair of :data:`ALTERNATIVES` (a domain's
+        ``turns`` or ``turn_probs``) replaces the base's pick."""
         path = Path(path)
         try:
             with path.open("rb") as fh:
@@ -381,6 +382,16 @@ class _ConfigError(Exception):
     """A bad key or value, named by its dotted path."""
 
 
+#: Fields that are alternative ways to give one thing, per config class: a table that names one of them replaces
+#: the base's choice (the other goes back to its default), so a config overrides a preset field by field.
+ALTERNATIVES: dict[type, tuple[tuple[str, str], ...]] = {DomainConfig: (("turns", "turn_probs"),)}
+
+
+def _field_default(cls: type, name: str) -> Any:
+    f = next(f for f in fields(cls) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def _build(cls: type, data: Any, base: Any, where: str) -> Any:
     """An instance of dataclass ``cls`` from a TOML table, over ``base`` (None: field defaults)."""
     if not isinstance(data, dict):
@@ -391,6 +402,11 @@ def _build(cls: type, data: Any, base: Any, where: str) -> Any:
             raise _ConfigError(f"unknown key {where + key!r} (known: {', '.join(sorted(names))})")
     hints = typing.get_type_hints(cls)
     values = {k: _coerce(v, hints[k], getattr(base, k, None), where + k) for k, v in data.items()}
+    if base is not None:
+        for a, b in ALTERNATIVES.get(cls, ()):
+            for given, other in ((a, b), (b, a)):
+                if given in data and other not in data:
+                    values[other] = _field_default(cls, other)
     if base is None:
         missing = [
             f.name

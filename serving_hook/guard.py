@@ -55,6 +55,8 @@ class HookStats:
     model_swaps: int = 0  # policy ``registry``: versions swapped in after start-up
     state_carried: int = 0  # swaps that handed the old model's session state to the new one
     state_dropped: int = 0  # swaps whose state the new model could not take (logged; it started afresh)
+    #: requests by where their session came from: typed, kv_hints, extra_args, chain (continued), new (opened)
+    session_sources: dict = field(default_factory=dict)
 
 
 class Guard:

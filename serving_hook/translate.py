@@ -1,8 +1,9 @@
 """vLLM's requests as kvpilot's plain records: what the policy sees is never a vLLM object.
 
 :class:`Translator` keeps what the hook knows of each live request (:class:`ReqInfo`: its
-:class:`RequestMeta`, read once from ``SamplingParams.extra_args`` by :mod:`serving_hook.metadata`, and its
-times), the progress of GRPO groups and of sessions paused on a tool, and builds from them the records of
+:class:`RequestMeta`, resolved once by :mod:`serving_hook.identity` from vLLM's session id, KV hints and
+``SamplingParams.extra_args`` or the block-hash chain, and its times), the progress of GRPO groups and of
+sessions paused on a tool, and builds from them the records of
 :mod:`policy.interface` (:mod:`data.records`): :class:`CandidateRequest` (one object per request, refreshed in
 place each time it is offered; for a policy with ``lazy_candidates``, :class:`LazyCandidates` builds them only
 when the policy reads them), :class:`EngineState` and :class:`Event`. A finished request's cached blocks
@@ -31,7 +32,7 @@ from policy.interface import (
 )
 from serving_hook.events import hash_to_int64
 from serving_hook.guard import Guard
-from serving_hook.metadata import request_meta
+from serving_hook.identity import SessionIdentity
 
 _MAX_GROUPS = 1 << 16
 
@@ -50,6 +51,7 @@ class EngineView(Protocol):
     kv_cache_manager: Any
     connector: Any
     block_size: int
+    hash_block_size: int
     max_num_running_reqs: int
     max_num_active_reqs: int
     max_num_scheduled_tokens: int
@@ -161,6 +163,8 @@ class Translator:
         self.infos: dict[str, ReqInfo] = {}
         self.groups: dict[str, list] = {}  # group_id -> [finished, running, (output lens,)]
         self.sessions: dict[str, int] = {}  # session_id -> last turn seen finishing with a tool
+        #: each request's session identity, from the sources frameworks send or the block-hash chain
+        self.identity = SessionIdentity(sched.hash_block_size, guard.stats.session_sources)
         self.prefilling: set[str] = set()  # scheduled, first token not seen yet
         self._last_step_time: Optional[float] = None
         self._last_duration = 0.0
@@ -220,7 +224,7 @@ class Translator:
         for r in reqs:
             info = infos.get(r.request_id)
             if info is None:
-                info = infos[r.request_id] = ReqInfo(request_meta(r), r.arrival_time)
+                info = infos[r.request_id] = ReqInfo(self.identity.meta(r), r.arrival_time)
             c = info.cand
             if c is None:
                 append(self._new_candidate(r, info, now))
@@ -278,7 +282,7 @@ class Translator:
     def freed(self, request: Any, blocks: list, hashes: list) -> Freed:
         """The record of a finished request's cached ``blocks`` (their ``hashes`` at free time)."""
         info = self.infos.get(request.request_id)
-        meta = info.meta if info is not None else request_meta(request)
+        meta = info.meta if info is not None else self.identity.meta(request)
         aborted = request.status == VRS.FINISHED_ABORTED
         state = OwnerState.PAUSED_TOOL if (meta.tool and not aborted) else OwnerState.FINISHED
         return Freed(request.request_id, meta, state, blocks, hashes, self.sched.kvpilot_clock())
@@ -318,7 +322,7 @@ class Translator:
         rid = request.request_id
         if rid in self.infos:  # streaming update of an existing request
             return None
-        meta = request_meta(request)
+        meta = self.identity.meta(request)
         self.infos[rid] = ReqInfo(meta, request.arrival_time)
         sid = meta.session_id
         # The next turn of a session whose last turn ended in a tool call: the tool returned.
@@ -422,6 +426,8 @@ class Translator:
         rs = str(reason) if reason is not None else "abort"
         if rs not in ("stop", "length", "abort"):
             rs = "abort"  # vLLM's "error"
+        if rs != "abort":
+            self.identity.finished(request, meta)
         if meta.tool and rs != "abort":
             rs = "tool_call"
             if meta.session_id is not None:

@@ -92,6 +92,9 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     #: A session's later turns and its scoring requests go to the replica of its first turn.
     sticky_sessions: bool = True
+    #: Requests carry their session identity (``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``); False
+    #: sends none, as verl and AReaL do, and the hook infers sessions from the block-hash chain.
+    session_ids: bool = True
     decision_budget_s: float | None = SIM_DECISION_BUDGET_S
     #: Simulated length of an engine step that schedules nothing (so that TTLs run out).
     idle_step_s: float = 0.004

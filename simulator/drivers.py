@@ -97,9 +97,12 @@ class StepDriver:
     :meth:`finished` (the fleet's ``on_finished``)."""
 
     def __init__(self, workload: PreparedWorkload, fleet: Fleet, clock: EventClock, runner: ScriptedRunner,
-                 overprovision: Overprovision | None, progress: Any = None, *, reset_at_weight_sync: bool = True
-                 ) -> None:
+                 overprovision: Overprovision | None, progress: Any = None, *, reset_at_weight_sync: bool = True,
+                 session_ids: bool = True) -> None:
         self.workload = w = workload
+        #: Send each request's session identity (``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``);
+        #: False sends none, as verl and AReaL do, and the hook infers sessions from the block-hash chain.
+        self.session_ids = session_ids
         #: New weights at every RL step: the replicas' prefix caches are reset before each step (or round) after
         #: the first, as RL frameworks do at weight sync, so no KV crosses a step.
         self.reset_at_weight_sync = reset_at_weight_sync
@@ -172,13 +175,14 @@ class StepDriver:
             "kvpilot_paradigm": w.paradigm[row],
             "kvpilot_group_id": w.group_id[row],
             "kvpilot_group_size": w.group_size[row],
-            "kvpilot_session_id": w.session_id[row],
-            "kvpilot_turn": w.turn[row],
             "kvpilot_step": w.step[row],
             "kvpilot_prompt_id": w.prompt_id[row],
         }
-        if w.tool[row] is not None:
-            extra["kvpilot_tool"] = w.tool[row]
+        if self.session_ids:
+            extra["kvpilot_session_id"] = w.session_id[row]
+            extra["kvpilot_turn"] = w.turn[row]
+            if w.tool[row] is not None:
+                extra["kvpilot_tool"] = w.tool[row]
         self.runner.script(rid, row)
         req = engine.make_request(rid, w.tokens.prompt_ids(row).tolist(), w.max_tokens[row], arrival_time=t,
                                   extra_args=extra, stop_token_ids=(engine.EOS_TOKEN_ID,))

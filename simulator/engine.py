@@ -290,8 +290,13 @@ def make_request(
     block_size: int = BLOCK_SIZE,
     priority: int = 0,
     stop_token_ids: Optional[Sequence[int]] = None,
+    session_id: Optional[str] = None,
+    kv_hints: Any = None,
 ):
-    """A vLLM request; it ends at ``max_tokens``, or earlier when it emits one of ``stop_token_ids``."""
+    """A vLLM request; it ends at ``max_tokens``, or earlier when it emits one of ``stop_token_ids``.
+
+    ``session_id`` and ``kv_hints`` (a ``KvHintsEnvelope``) are vLLM's typed fields, as the OpenAI server and
+    ``AsyncLLM.generate`` fill them."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -309,6 +314,8 @@ def make_request(
         arrival_time=time.time() if arrival_time is None else arrival_time,
         block_hasher=block_hasher(block_size),
         priority=priority,
+        session_id=session_id,
+        kv_hints=kv_hints,
     )
 
 

@@ -152,6 +152,7 @@ class Simulation:
             model_version=replicas[0].sched.kvpilot_stats.model_version,
             model_swaps=sum(rep.sched.kvpilot_stats.model_swaps for rep in replicas),
             prefix_cache_resets=fleet.cache_resets, keep_cache_across_steps=config.keep_cache_across_steps,
+            session_ids=config.session_ids,
             # the KV per replica as a fraction of the largest step's need (= kv_fraction when that was given)
             kv_share_of_need=(self.kv_blocks - 1) / self.workload.kv_need if self.workload.kv_need else None,
         )
@@ -209,10 +210,12 @@ class Simulation:
                        dynamic_ncols=True)
         if self.tail is not None:
             driver = TailBatchingDriver(w, fleet, clock, runner, None, bar, spec=self.tail,
-                                        reset_at_weight_sync=not config.keep_cache_across_steps)
+                                        reset_at_weight_sync=not config.keep_cache_across_steps,
+                                        session_ids=config.session_ids)
         else:
             driver = StepDriver(w, fleet, clock, runner, config.overprovision, bar,
-                                reset_at_weight_sync=not config.keep_cache_across_steps)
+                                reset_at_weight_sync=not config.keep_cache_across_steps,
+                                session_ids=config.session_ids)
         self.driver = driver
         fleet.on_finished = driver.finished
         driver.start()

@@ -16,6 +16,7 @@ import pytest
 from data.stats import render_stats, workload_stats
 from data.synth import PRESETS, SynthConfig, generate, swe_domain
 from data.validate import validate_table
+from data.errors import DataValidationError
 from data.schemas import WORKLOAD
 
 SWE = swe_domain(share=1.0)
@@ -122,3 +123,67 @@ def test_cli_preset_and_config_over_it(tmp_path: Path) -> None:
     assert pc.max(table.column("step")).as_py() == 0
     bad = subprocess.run([*cli, "--preset", "nope", "-o", str(out)], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown workload preset 'nope'" in bad.stdout + bad.stderr
+
+
+# ---------------------------------------------------------------- a config's alternatives over a preset's
+
+#: A TOML value for each field of :data:`data.synth.ALTERNATIVES`, and the most turns it allows.
+_ALT_VALUES = {
+    "turns": ("{ median = 3, sigma = 0.4, min = 2, max = 4 }", 4),
+    "turn_probs": ("[0.5, 0.5]", 2),
+}
+
+
+def _alternative_cases() -> list[tuple[str, str, str]]:
+    """(domain of the default preset, the field its preset uses, the config's alternative), each pair both ways."""
+    from data.synth import ALTERNATIVES, DomainConfig
+
+    unset = {f.name: f.default for f in dataclasses.fields(DomainConfig)}
+    cases = []
+    for a, b in ALTERNATIVES[DomainConfig]:
+        for preset_uses, config_gives in ((a, b), (b, a)):
+            dom = next(n for n, d in SynthConfig().domains.items() if getattr(d, preset_uses) != unset[preset_uses])
+            cases.append((dom, preset_uses, config_gives))
+    return cases
+
+
+def test_every_alternative_has_a_test_value() -> None:
+    from data.synth import ALTERNATIVES
+
+    assert {f for pairs in ALTERNATIVES.values() for pair in pairs for f in pair} == set(_ALT_VALUES)
+
+
+@pytest.mark.parametrize(("domain", "preset_uses", "config_gives"), _alternative_cases())
+def test_a_config_alternative_replaces_the_presets(tmp_path: Path, domain: str, preset_uses: str,
+                                                  config_gives: str) -> None:
+    """A config that picks the other alternative replaces the preset's choice instead of failing with 'not both'."""
+    value, most = _ALT_VALUES[config_gives]
+    path = tmp_path / "alt.toml"
+    path.write_text(f"[domains.{domain}]\n{config_gives} = {value}\n")
+    cfg = SynthConfig.from_file(path, SynthConfig.preset("default")).domains[domain]
+    preset = SynthConfig().domains[domain]
+    unset = {f.name: f.default for f in dataclasses.fields(preset)}[preset_uses]
+    assert getattr(cfg, preset_uses) == unset and getattr(cfg, preset_uses) != getattr(preset, preset_uses)
+    assert cfg.max_turns == most
+    assert dataclasses.replace(cfg, turns=preset.turns, turn_probs=preset.turn_probs) == preset  # nothing else moved
+    path.write_text(f"[domains.{domain}]\n{config_gives} = {value}\n{preset_uses} = {_ALT_VALUES[preset_uses][0]}\n")
+    with pytest.raises(DataValidationError, match="not both"):  # a config that gives both is still an error
+        SynthConfig.from_file(path, SynthConfig())
+
+
+@pytest.mark.parametrize("config_gives", ["turn_probs", "turns"])
+def test_cli_config_alternative_over_the_agentic_preset(tmp_path: Path, config_gives: str) -> None:
+    """``workload synth --preset agentic --config``: the config's turn distribution wins in each domain."""
+    value, most = _ALT_VALUES[config_gives]
+    cfg = tmp_path / "alt.toml"
+    cfg.write_text(f"steps = 1\nprompts_per_step = 4\n[domains.swe]\n{config_gives} = {value}\n"
+                   f"[domains.agentic]\n{config_gives} = {value}\n")
+    out = tmp_path / "w.parquet"
+    done = subprocess.run([sys.executable, "-m", "training.cli", "workload", "synth", "--preset", "agentic",
+                           "--config", str(cfg), "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out, columns=["domain", "turn"]).to_pandas()
+    turns = table[table.domain != "reward"].groupby("domain").turn.max()
+    assert set(turns.index) == {"swe", "agentic"} and (turns < most).all()

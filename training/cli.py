@@ -195,10 +195,15 @@ def simulate(
         "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
         "every step, as RL frameworks do at weight sync).")] = False,
     offload_gib: OffloadGib = DEFAULT_OFFLOAD_GIB,
+    session_ids: Annotated[bool, typer.Option(
+        "--session-ids/--no-session-ids", help="Send each request's session id, turn and tool (kvpilot_* keys); "
+        "--no-session-ids sends none, as verl and AReaL do, and the hook infers sessions from the block-hash "
+        "chain.")] = True,
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
     summary = _simulate(workload, out_dir, policy, policy_options, replicas, router, kv_blocks, kv_fraction, preset,
-                        max_num_seqs, max_num_batched_tokens, progress, decode_stride, keep_cache, offload_gib)
+                        max_num_seqs, max_num_batched_tokens, progress, decode_stride, keep_cache, offload_gib,
+                        session_ids)
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -238,7 +243,7 @@ def bound(
 def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Optional[str], replicas: int, router: str,
               kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: int,
               max_num_batched_tokens: int, progress: bool, decode_stride: int = 1, keep_cache: bool = False,
-              offload_gib: float = DEFAULT_OFFLOAD_GIB) -> dict:
+              offload_gib: float = DEFAULT_OFFLOAD_GIB, session_ids: bool = True) -> dict:
     """Read, check and simulate; user errors exit with status 2 before anything runs."""
     from simulator.workload import load_workload
 
@@ -263,7 +268,7 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
             prepared, policy, policy_options=options, replicas=replicas, router=router, kv_blocks=kv_blocks,
             kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, progress=progress, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
-            keep_cache_across_steps=keep_cache, offload_gib=offload_gib,
+            keep_cache_across_steps=keep_cache, offload_gib=offload_gib, session_ids=session_ids,
         )
     except SimulationError as err:
         raise _fail(str(err)) from None

@@ -23,7 +23,9 @@ Admission: highest progress first (ties: shorter predicted output first when a
 ``length_predictor`` is given, then arrival). Preemption: the victim is the
 least-progressed trajectory among the candidates (ties: the latest arrival). A
 request without a session is a fresh one-turn trajectory (progress = its own
-``turn`` and generated tokens), so without metadata the policy is FCFS.
+``turn`` and generated tokens), so without metadata the policy is FCFS. In
+vLLM a request always has one: when the framework sends none, the serving hook
+infers it from the block-hash chain (``docs/session-identity.md``).
 
 **Simplified.** No placement or migration across replicas (routing is
 elsewhere), and no runtime predictor by default (``length_predictor=None``;
