@@ -193,6 +193,7 @@ class CachedPrefix:
     hits: int = 0  # admissions that hit this prefix (its first block) while it was protected
     protected_until_s: Optional[float] = None  # set while the hook pins the blocks
     group_pending: int = 0  # siblings of the owner not finished yet
+    tier_blocks: int = 0  # blocks held in the CPU offload tier (host-tier eviction candidates only)
 
     @property
     def num_blocks(self) -> int:

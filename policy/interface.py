@@ -23,7 +23,11 @@ Each engine step a policy may answer three questions:
   cached blocks, which cached prefixes (among all whose blocks are free and
   still cached) go first. Retention decides once, when blocks are freed;
   eviction compares every cached prefix at the moment space is needed
-  (KVFlow, Marconi, LRB, Belady).
+  (KVFlow, Marconi, LRB, Belady);
+* **host-tier eviction** (:meth:`Policy.evict_host`): when vLLM's CPU offload tier is full and must make
+  room for a store, whose blocks leave host memory first, one candidate per session (or per request
+  without a session), the storing request's among them: listing the storer before the room is found skips
+  that store (:mod:`serving_hook.host_tier`, vLLM's ``CachePolicy`` seam).
 
 It also receives :class:`Event` objects (arrived, scheduled, preempted,
 finished, tool call started, tool call ended) to keep its own state.
@@ -267,6 +271,9 @@ class Policy:
     #: Needs the CPU offload tier: the simulator builds this policy's engines with vLLM's native KV
     #: offloading (serving: ``--kv-offloading-size``); see :mod:`simulator.offload`.
     uses_offload: bool = False
+    #: Decides the CPU offload tier's eviction order (:meth:`evict_host`), through kvpilot's ``CachePolicy``
+    #: (:mod:`serving_hook.host_tier`); without it the tier is vLLM's LRU.
+    uses_host_eviction: bool = False
 
     #: Eviction lever: offer :meth:`evict` at most this many candidates, the
     #: least recently freed first (LRU order); ``None`` offers all of them.
@@ -331,6 +338,22 @@ class Policy:
         """
         return None
 
+    def evict_host(
+        self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int, state: EngineState
+    ) -> Optional[EvictionDecision]:
+        """Order the CPU offload tier's contents for eviction (only called when :attr:`uses_host_eviction` is set).
+
+        Called when a store needs ``num_blocks_needed`` blocks more than the full tier has free, at most once
+        per engine step (later stores of the step reuse the order). ``prefixes`` has one entry per owner of
+        host blocks (a session, or a request without one: the last request that stored or reused them) and
+        per running request's session, with ``tier_blocks`` its blocks in the tier, ``block_ids`` empty,
+        ``owner_state`` RUNNING / PAUSED_TOOL / FINISHED and ``last_used_s`` the last time one of its requests
+        used the tier. The listed owners' blocks go first (deepest block first), the rest in vLLM's LRU
+        order; a store whose own owner is listed before enough room is found is skipped (Belady's bypass:
+        the tier keeps what it holds). ``None``: vLLM's LRU.
+        """
+        return None
+
     def on_event(self, event: Event) -> None:
         """Observe an event (only called when :attr:`uses_events` is set)."""
         return None
@@ -364,6 +387,7 @@ class Policy:
         """True when the policy uses no lever at all (the hook short-circuits)."""
         return not (
             self.uses_admission or self.uses_preemption or self.uses_retention or self.uses_eviction or self.uses_events
+            or self.uses_host_eviction
         )
 
     def __repr__(self) -> str:

@@ -62,10 +62,13 @@ from typing import Any, Optional
 import numpy as np
 
 from policy.baselines._common import LengthCache, admission_limit, check_positive
+from policy.baselines._eviction import furthest_first
 from policy.interface import (
     AdmissionDecision,
+    CachedPrefix,
     CandidateRequest,
     EngineState,
+    EvictionDecision,
     Event,
     EventKind,
     Policy,
@@ -119,6 +122,10 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # (tests/test_offline.py's loop), and hindsight LPT itself starved near-finished sessions, whose contexts
     # then left both tiers (agentic preset, KV 0.2: 915 s per step against vllm-offload's 710 s).
     "offload": False,
+    # Over the tier, the host-tier eviction order (Policy.evict_host) comes from the reuse predictor bundled in
+    # predictors/reuse: the owner whose predicted next use is furthest leaves first, and a store further off than
+    # all the full tier holds is skipped (Belady on predictions). Ignored without the tier or the reuse model.
+    "host_eviction": True,
 }
 
 
@@ -376,11 +383,16 @@ class _Sampler(Policy):
             return None
         return {c.request_id: {"len_p50": p[0], "len_p90": p[1]} for c, p in zip(cands, self.table.predictions(idx))}
 
+    #: the reuse predictor's ``observe`` (the learned policy over the tier), else None
+    _observe_reuse: Any = None
+
     def on_event(self, event: Event) -> None:
         self.phase.observe(event)
         self.table.observe(event)
         if self._observe is not None:
             self._observe(event)
+        if self._observe_reuse is not None:
+            self._observe_reuse(event)
         if event.kind is EventKind.FINISHED and self.lengths is not None:
             self.lengths.forget(event.request_id)
 
@@ -458,17 +470,24 @@ class LearnedPolicy(_Sampler):
         seed: Optional[int] = 0,
         preempt: bool = RUNTIME_DEFAULTS["preempt"],
         offload: bool = RUNTIME_DEFAULTS["offload"],
+        host_eviction: bool = RUNTIME_DEFAULTS["host_eviction"],
         manifest: Optional[dict] = None,
         predictors_dir: Optional[Path] = None,
+        reuse: Any = None,
     ) -> None:
         if mode not in ("serve", "log"):
             raise ValueError(f"option mode must be 'serve' or 'log', got {mode!r}")
         super().__init__(predictor, max_wait_steps, max_wait_s, seed, resume_preempted)
         self.uses_preemption = bool(preempt)  # False: vLLM chooses the victims
         self.uses_offload = bool(offload)
+        #: the reuse predictor (predictors/reuse) that orders the CPU tier's evictions (None: vLLM's LRU there)
+        self.reuse = reuse if offload and host_eviction else None
+        self.uses_host_eviction = self.reuse is not None
+        self._observe_reuse = getattr(self.reuse, "observe", None)
         self.runtime = {"temperature": temperature, "epsilon": epsilon, "max_wait_steps": max_wait_steps,
                         "max_wait_s": max_wait_s, "resume_preempted": bool(resume_preempted),
-                        "rescore_tol": rescore_tol, "preempt": bool(preempt), "offload": bool(offload)}
+                        "rescore_tol": rescore_tol, "preempt": bool(preempt), "offload": bool(offload),
+                        "host_eviction": bool(host_eviction)}
         self.mode = mode
         self.temperature = check_positive("temperature", temperature)
         self.epsilon = float(epsilon)
@@ -490,6 +509,15 @@ class LearnedPolicy(_Sampler):
         self.predictors_dir = Path(predictors_dir) if predictors_dir is not None else None
         if mode == "log":
             self.name = "learned-log"
+
+    # ------------------------------------------------------------------------- host tier
+    def evict_host(self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int,
+                   state: EngineState) -> Optional[EvictionDecision]:
+        """The CPU tier's owners, furthest predicted next use first (the reuse predictor's Belady; a store whose
+        owner comes first is skipped)."""
+        if not prefixes:
+            return None
+        return EvictionDecision(order=furthest_first(prefixes, self.reuse.next_use_s(prefixes, state.time_s)))
 
     # --------------------------------------------------------------------------- scoring
     def scores(self, cands: Sequence[CandidateRequest], state: EngineState, head: int,
@@ -602,8 +630,10 @@ class LearnedPolicy(_Sampler):
         predictor = _read_predictor(d / "predictors")
         runtime = {**RUNTIME_DEFAULTS, **manifest.get("config", {}).get("runtime", {}), **options}
         manifest = {**manifest, "config": {**manifest.get("config", {}), "runtime": runtime}}  # saved as in use
+        reuse = _read_reuse(d / "predictors") if runtime.get("offload") and runtime.get("host_eviction") else None
         try:
-            return cls(state, predictor, mode=mode, manifest=manifest, predictors_dir=d / "predictors", **runtime)
+            return cls(state, predictor, mode=mode, manifest=manifest, predictors_dir=d / "predictors", reuse=reuse,
+                       **runtime)
         except (KeyError, ValueError) as e:
             raise PolicyLoadError(f"{d / 'policy.pt'}: {e}") from e
 
@@ -687,6 +717,19 @@ def _read_predictor(d: Path) -> Any:
         raise PolicyLoadError(f"{f}: cannot load the length predictor: {e}") from e
 
 
+def _read_reuse(d: Path) -> Any:
+    """The reuse predictor of a POLICY_DIR's predictors (None when it was trained without one)."""
+    from predictors.reuse import ReuseModel
+
+    f = d / "reuse"
+    if not f.is_dir():
+        return None
+    try:
+        return ReuseModel.load(f, num_threads=1)
+    except Exception as e:  # noqa: BLE001 - ModelSchemaError, corrupt model files
+        raise PolicyLoadError(f"{f}: cannot load the reuse predictor: {e}") from e
+
+
 def create_learned(model: Optional[str] = None, mode: str = "serve", **options: Any) -> LearnedPolicy:
     """Registry factory of ``learned``: ``model`` is a POLICY_DIR (required)."""
     if not model:
@@ -727,7 +770,7 @@ class LoggingPolicy(_Sampler):
         max_wait_s: Optional[float] = RUNTIME_DEFAULTS["max_wait_s"],
         resume_preempted: bool = RUNTIME_DEFAULTS["resume_preempted"],
         seed: Optional[int] = 0,
-        offload: bool = RUNTIME_DEFAULTS["offload"],
+        offload: bool = True,
     ) -> None:
         if isinstance(predictors, (str, Path)):
             predictor = _read_predictor(Path(predictors))
@@ -740,7 +783,10 @@ class LoggingPolicy(_Sampler):
         super().__init__(predictor, max_wait_steps, max_wait_s, seed, resume_preempted)
         self.admit_w = _weights("admit_weights", admit_weights, LOGGING_ADMIT)
         self.preempt_w = _weights("preempt_weights", preempt_weights, LOGGING_PREEMPT)
-        self.uses_offload = bool(offload)  # log in the regime the learned policy serves in
+        # Log in the regime the learned policy serves in. On by default: where the workload runs over a CPU tier
+        # (the simulator's --offload-gib, serving's --kv-offloading-size), the logs carry it and `kvpilot train`
+        # trains a policy over it (policy.offline.OfflineConfig.offload); off: no tier.
+        self.uses_offload = bool(offload)
 
     def _remaining(self, cands: Sequence[CandidateRequest], state: EngineState,
                    refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:

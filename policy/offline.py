@@ -83,12 +83,14 @@ class OfflineConfig:
     #: give (measured on a shared 2-core machine: 4.2 s CPU per epoch with 1 thread, 17.1 s with 2)
     threads: int = 1
     #: whether the trained policy chooses preemption victims with its preemption head (``policy.json``'s runtime
-    #: option ``preempt``). Off: vLLM's own victim (the tail of the running list) is used, since the learned head
-    #: picked victims whose recompute cost about 2x that of vLLM's tail victim. The head is trained either way.
-    preempt: bool = False
-    #: whether the trained policy runs over vLLM's CPU offload tier (``policy.json``'s runtime option ``offload``);
-    #: train it on logs of an exploring policy with the same tier.
-    offload: bool = False
+    #: option ``preempt``). None (default): when the logs hold preemption decisions, i.e. every lever found in the
+    #: logs is learned (issue #30); False: vLLM's own victim (the tail of the running list), as issue #7 measured
+    #: the head's victims recomputing about 2x vLLM's. The head is trained either way.
+    preempt: Optional[bool] = None
+    #: whether the trained policy runs over vLLM's CPU offload tier (``policy.json``'s runtime option ``offload``).
+    #: None (default): when the logs were taken over one (their ``steps`` stored blocks to it), so the plain recipe
+    #: (``simulate --policy logging``, whose exploring policy uses the tier, then ``train``) serves over the tier.
+    offload: Optional[bool] = None
     runtime: dict = field(default_factory=lambda: dict(RUNTIME_DEFAULTS))
 
     def __post_init__(self) -> None:
@@ -564,6 +566,23 @@ def heldout_mask(data: Decisions, split: str, holdout_fraction: float, n_logs: i
     return np.isin(g, first.index[-k:].to_numpy())
 
 
+def logged_levers(log_dirs: Sequence[Path], data: "Decisions") -> dict[str, bool]:
+    """Which levers the logs exercised: ``preempt`` (preemption decisions to learn from) and ``offload`` (a CPU
+    offload tier: some ``steps`` row stored blocks to it)."""
+    from data.io import read_telemetry
+
+    tier = False
+    for log in log_dirs:
+        try:
+            steps = read_telemetry(_telemetry_dir(log), "steps", ["offload_stored_blocks"])
+        except Exception:  # noqa: BLE001 - logs from before the tier's columns: no tier
+            continue
+        if steps.num_rows and sum(v or 0 for v in steps.column("offload_stored_blocks").to_pylist()) > 0:
+            tier = True
+            break
+    return {"preempt": bool(np.any(data.kind == KINDS["preempt"])), "offload": tier}
+
+
 def train_policy(
     log_dirs: Sequence[Path],
     predictors_dir: Path,
@@ -602,8 +621,11 @@ def train_policy(
     metrics.update(evaluate_policy_on(fn, q_train, test, config))
     cfg = asdict(config)
     cfg["hidden"] = list(config.hidden)
-    runtime = {**RUNTIME_DEFAULTS, **config.runtime, "temperature": config.temperature, "preempt": config.preempt,
-               "offload": config.offload}
+    levers = logged_levers(log_dirs, data)
+    runtime = {**RUNTIME_DEFAULTS, **config.runtime, "temperature": config.temperature,
+               "preempt": levers["preempt"] if config.preempt is None else config.preempt,
+               "offload": levers["offload"] if config.offload is None else config.offload}
+    cfg["preempt"], cfg["offload"] = runtime["preempt"], runtime["offload"]
     cfg["runtime"] = runtime
     trained_on = {"logs": [str(p) for p in log_dirs], "predictors": str(predictors_dir), "split": split,
                   "decisions_train": int(len(train)), "decisions_test": int(len(test)),

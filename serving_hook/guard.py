@@ -47,6 +47,9 @@ class HookStats:
     eviction_calls: int = 0  # evict() asked (at most once per step, only when LRU would evict)
     eviction_orders: int = 0  # evict() answers that moved blocks
     evict_first_blocks: int = 0  # blocks moved to the head of the free list by evict()
+    host_evict_calls: int = 0  # evict_host() asked (the CPU tier full, at most once per step)
+    host_evicted_listed: int = 0  # host-tier chunks evicted in the policy's order (the rest: LRU)
+    host_bypassed: int = 0  # stores skipped: the storer came first in the policy's host-tier order
     prefix_queries: int = 0
     prefix_hits: int = 0
     hook_time_s: float = 0.0  # the hook's own time (telemetry-enabled or policy mode)

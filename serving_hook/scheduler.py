@@ -68,6 +68,7 @@ from serving_hook.block_pool import install_eviction_counter
 from serving_hook.config import HookConfig, build_policy, load_config
 from serving_hook.eviction import EvictionLever
 from serving_hook.guard import Guard, HookStats
+from serving_hook.host_tier import HostTierLever, bind
 from serving_hook.model_source import RegistryPolicy, carry_state
 from serving_hook.offload import OffloadTier, tier_of
 from serving_hook.preemption import PreemptionLever
@@ -94,6 +95,7 @@ class KVPilotMixin:
     _kvp_rows: Optional[Rows] = None
     _kvp_retention: Optional[RetentionLever] = None
     _kvp_tier: Optional[OffloadTier] = None
+    _kvp_host: Optional[HostTierLever] = None
     _kvp_registry: Optional[RegistryPolicy] = None
 
     #: Overrides for the simulator and tests (``with_policy`` sets them on a
@@ -149,7 +151,8 @@ class KVPilotMixin:
         if policy.uses_offload and tier is None:
             logger.warning("kvpilot: policy %s expects a CPU offload tier, but vLLM runs without native KV "
                            "offloading (--kv-offloading-size); its OFFLOAD answers act as KEEP", policy.name)
-        active = admission or preemption or retention or eviction or policy.uses_events
+        host = policy.uses_host_eviction and tier is not None
+        active = admission or preemption or retention or eviction or host or policy.uses_events
         #: Everything off: every override just calls vLLM.
         self._kvp_passthrough = not active and writer is None
         if isinstance(policy, RegistryPolicy):
@@ -170,6 +173,11 @@ class KVPilotMixin:
         max_pinned = int(cfg.max_pinned_fraction * tr.num_blocks)
         self._kvp_retention = RetentionLever(*parts, max_pinned) if retention else None
         self._kvp_eviction = EvictionLever(*parts) if eviction else None
+        self._kvp_host = bind(self, *parts) if host else None
+        if host and self._kvp_host is None:
+            logger.warning("kvpilot: policy %s orders the CPU tier's evictions, but vLLM's tier runs another cache "
+                           "policy (set the connector's eviction_policy / cache_policy_module_path: "
+                           "serving_hook.host_tier); its LRU is kept", policy.name)
         if preemption or retention:
             self._kvp_orig_allocate = self.kv_cache_manager.allocate_slots
             self.kv_cache_manager.allocate_slots = self._kvp_allocate_slots
@@ -318,6 +326,8 @@ class KVPilotMixin:
             self._kvp_retention.release_all()
         if self._kvp_eviction is not None:
             self._kvp_eviction.index.clear()
+        if self._kvp_host is not None:
+            self._kvp_host.forget_step()
         return super().reset_prefix_cache(*args, **kwargs)
 
     def shutdown(self) -> None:

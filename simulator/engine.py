@@ -160,11 +160,14 @@ def make_vllm_config(
     enable_kv_cache_events: bool = False,
     policy: str = "fcfs",
     offload_blocks: int = 0,
+    host_policy: bool = False,
 ):
     """A CPU ``VllmConfig`` for the tiny model (cheap after the first call).
 
     ``offload_blocks`` > 0: vLLM's native CPU offloading with room for that many blocks (vLLM sizes the tier
     in bytes; the tiny model's bytes per block convert it, so the tier holds exactly that many blocks).
+    ``host_policy``: the tier's cache policy is kvpilot's (:mod:`serving_hook.host_tier`, loaded by vLLM from
+    the connector's ``cache_policy_module_path``), else vLLM's LRU.
     """
     from vllm.config import (
         CacheConfig,
@@ -209,12 +212,20 @@ def make_vllm_config(
         kv_offloading_backend="native",
     )
     kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if enable_kv_cache_events else None
+    transfer = None
+    if offload_blocks and host_policy:
+        from vllm.config import KVTransferConfig
+
+        from serving_hook.host_tier import connector_extra_config
+
+        transfer = KVTransferConfig(kv_connector_extra_config=connector_extra_config())
     cfg = VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
         device_config=DeviceConfig(device="cpu"),
         kv_events_config=kv_events,
+        kv_transfer_config=transfer,
     )
     cfg.cache_config.num_gpu_blocks = num_blocks
     return cfg

@@ -106,9 +106,10 @@ class Replica:
 
 def build_replicas(config: SimConfig, workload: PreparedWorkload, kv_blocks: int,
                    policy_factory: Callable[[], Policy], router: Router, writer: Any,
-                   offload_blocks: int = 0) -> list[Replica]:
+                   offload_blocks: int = 0, host_policy: bool = False) -> list[Replica]:
     """The run's replicas, each a hooked scheduler of ``kv_blocks`` blocks with a fresh policy, sharing ``writer``;
-    with ``offload_blocks`` > 0 each has a CPU offload tier of that many blocks (vLLM's native offloading)."""
+    with ``offload_blocks`` > 0 each has a CPU offload tier of that many blocks (vLLM's native offloading), whose
+    cache policy is kvpilot's with ``host_policy`` (:mod:`serving_hook.host_tier`), else vLLM's LRU."""
     from serving_hook import KVPilotScheduler, with_policy
     from serving_hook.config import HookConfig
 
@@ -130,6 +131,7 @@ def build_replicas(config: SimConfig, workload: PreparedWorkload, kv_blocks: int
             max_num_batched_tokens=config.max_num_batched_tokens * config.decode_stride,  # see simulator.runner
             max_model_len=max_model_len,
             offload_blocks=offload_blocks,
+            host_policy=host_policy,
         )
         sched = engine.make_scheduler(cls, num_blocks=kv_blocks, vllm_config=cfg)
         rep = Replica(i, sched, OffloadWorker(config.cost, block_bytes) if offload_blocks else None)

@@ -89,6 +89,8 @@ class Simulation:
         self.tail = tail_batching_spec(probe, config, w)
         #: Blocks of each replica's CPU offload tier: only for a policy that uses one (0: none).
         self.offload_blocks = config.offload_blocks() if probe.uses_offload else 0
+        #: The tier's cache policy is kvpilot's (the policy orders its evictions), else vLLM's LRU.
+        self.host_policy = bool(self.offload_blocks and probe.uses_host_eviction)
         self.router = config.make_router()
         self.kv_blocks = config.kv_blocks_for(w)
         self.driver: StepDriver | None = None  # the run's, once it ran
@@ -121,7 +123,7 @@ class Simulation:
                                  metadata=meta, tables=tables)
         try:
             replicas = build_replicas(config, self.workload, self.kv_blocks, self.policy_factory, self.router, writer,
-                                      offload_blocks=self.offload_blocks)
+                                      offload_blocks=self.offload_blocks, host_policy=self.host_policy)
             policy_name = replicas[0].sched.kvpilot_policy.name
             # The block pools are millions of long-lived objects: keep them out of the collector's scans.
             gc.collect()
@@ -194,6 +196,8 @@ class Simulation:
             "offload_load_bytes": sum(w.load_bytes for w in workers),
             "offload_store_bytes": sum(w.store_bytes for w in workers),
             "offload_wait_s": sum(w.blocking_s for w in workers),
+            "offload_host_evict_calls": sum(r.sched.kvpilot_stats.host_evict_calls for r in replicas),
+            "offload_host_bypassed": sum(r.sched.kvpilot_stats.host_bypassed for r in replicas),
         }
 
     def _loop(self, replicas: list[Replica]) -> tuple[SimResult, Fleet]:

@@ -52,7 +52,8 @@ def learned_runs(vllm_engine, tmp_path_factory) -> dict[str, Path]:
     """Logs of the exploring policy on two training workloads and one held-out workload (another seed), the
     predictors trained on the first, and the held-out workload itself (``"heldout_workload"``)."""
     root = tmp_path_factory.mktemp("learned")
-    runs = {name: simulate(tiny_workload(seed), "logging", root / name)
+    # without the CPU tier (the exploring policy's default uses it): these logs test what is learned from outcomes
+    runs = {name: simulate(tiny_workload(seed), "logging", root / name, offload=False)
             for name, seed in (("train1", 1), ("train2", 2), ("heldout", 3))}
     runs["predictors"] = predictors_from(runs["train1"], root / "pred")
     runs["root"] = root

@@ -31,7 +31,7 @@ def logged_run(root: Path, steps: int = 3) -> Path:
     wl = tiny_workload(root / "train.parquet", seed=0, steps=steps, prompts=8)
     run = root / "logging"
     run_simulation(load_workload(wl), "logging", kv_fraction=KV, out_dir=run, progress=False,
-                   decode_stride=HELDOUT_DECODE_STRIDE)
+                   decode_stride=HELDOUT_DECODE_STRIDE, policy_options={"offload": False})  # the loop, not the tier
     shutil.copy(wl, run / "workload.parquet")
     return run
 

@@ -66,7 +66,8 @@ def test_resolve_policies() -> None:
     assert sorted(every) == sorted(["vllm-default", "vllm-priority", "sjf-predicted", "sortedrl", "rollpacker",
                                     "heddle", "rolloutpipe", "seer", "continuum", "kvflow", "marconi", "lrb",
                                     "oracle", "infercept", "infercept-offload", "working-set",
-                                    "working-set-offload", "vllm-offload", "continuum-offload", "kvflow-offload"])
+                                    "working-set-offload", "vllm-offload", "continuum-offload", "kvflow-offload",
+                                    "oracle-offload"])
     assert resolve_policies("lrb-online") == [DEFAULT, "lrb-online"]  # still runnable by name
     # names beside "all" are added to it, in place, once each
     assert resolve_policies("all,lrb-online") == every + ["lrb-online"]
@@ -155,6 +156,37 @@ def test_evaluate_grid(vllm_engine: Any, workload_path: Path, tmp_path: Path) ->
         w, h = _png_size(out / name)
         assert w > 400 and h > 300
     assert all(len(v) > 0 for k, v in result.trajectory_s.items() if "kv0.3" in k or "kv0.6" in k)
+
+
+def test_cpu_tier_sizes_are_a_dimension_of_the_tier_policies_only() -> None:
+    cases = build_cases([DEFAULT, "vllm-offload"], [0.2], [1], tier_gibs=[64, 16, 16.0],
+                        tier_users=["vllm-offload"])
+    assert [c.name for c in cases] == ["vllm-default-kv0.2-r1", "vllm-offload-kv0.2-off16-r1",
+                                       "vllm-offload-kv0.2-off64-r1"]
+    assert [c.tier_gib for c in cases] == [None, 16.0, 64.0]
+    assert [c.tier_gib for c in build_cases(["vllm-offload"], [0.2], [1])] == [None]  # no sweep: one case
+    with pytest.raises(EvaluationError, match="GiB >= 0"):
+        build_cases(["vllm-offload"], [0.2], [1], tier_gibs=[-1.0], tier_users=["vllm-offload"])
+
+
+@pytest.mark.vllm
+def test_cli_sweeps_the_cpu_tier(vllm_engine: Any, workload_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "evaltier"
+    res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(out), "--policies",
+                                   "vllm-offload", "--kv-fractions", "0.3", "--offload-gib", "0.01,0.5",
+                                   "--no-progress"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "summary.json").read_text())
+    got = {(r["policy"], r["tier_gib"]): r for r in rows}
+    assert set(got) == {(DEFAULT, None), ("vllm-offload", 0.01), ("vllm-offload", 0.5)}
+    small, big = got[("vllm-offload", 0.01)], got[("vllm-offload", 0.5)]
+    assert small["offload_gib"] == 0.01 and big["offload_gib"] == 0.5 and small["offload_blocks"] < big["offload_blocks"]
+    assert got[(DEFAULT, None)]["offload_blocks"] == 0
+    assert (out / "runs" / "vllm-offload-kv0.3-off0.5-r1" / "summary.json").is_file()
+    assert "tier 0.01 GiB" in res.output
+    bad = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "bad"),
+                                   "--offload-gib", "16,-1", "--no-progress"])
+    assert bad.exit_code == 2 and "--offload-gib" in bad.output
 
 
 @pytest.mark.vllm

@@ -36,10 +36,36 @@ def test_train_policy_writes_a_policy_dir(learned_runs: dict, tmp_path: Path) ->
     manifest = json.loads((out / "policy.json").read_text())
     assert manifest["config"]["epochs"] == 1 and manifest["trained_on"]["decisions_train"] > 0
     assert (out / "predictors" / "length").is_dir()
-    # by default the trained policy leaves preemption victims to vLLM; the head stays available as an option
-    assert manifest["config"]["preempt"] is False and manifest["config"]["runtime"]["preempt"] is False
-    assert not LearnedPolicy.load(out).uses_preemption
-    assert LearnedPolicy.load(out, preempt=True).uses_preemption
+    # by default every lever found in the logs is learned: these logs preempt (no CPU tier), so the head is on
+    assert manifest["config"]["preempt"] is True and manifest["config"]["runtime"]["preempt"] is True
+    assert manifest["config"]["offload"] is False and not LearnedPolicy.load(out).uses_offload
+    assert LearnedPolicy.load(out).uses_preemption
+    assert not LearnedPolicy.load(out, preempt=False).uses_preemption
+    off = tmp_path / "pol-vllm-victim"
+    train_policy([learned_runs["train1"]], learned_runs["predictors"], off, OfflineConfig(epochs=1, preempt=False),
+                 progress=False)
+    assert not LearnedPolicy.load(off).uses_preemption  # an explicit setting wins
+
+
+def test_plain_recipe_trains_a_policy_over_the_tier(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811
+    """``simulate --policy logging`` (the tier on by default) then training with no config: the policy uses the
+    tier, and orders its evictions by the reuse predictor when the predictors hold one."""
+    from policy.learned import LearnedPolicy
+    from policy.offline import train_policy
+    from predictors.logs import load_logs
+    from predictors.pipeline import train_bundle
+    from simulator.simulation import run_simulation
+
+    log = tmp_path / "log"
+    run_simulation(tiny_workload(5, prompts=3, steps=1), "logging", kv_fraction=0.25, out_dir=log, progress=False,
+                   decode_stride=16, offload_gib=0.05)
+    pred = train_bundle(load_logs([log]), num_trees=10, num_threads=1).save(tmp_path / "pred")
+    out = tmp_path / "pol"
+    train_policy([log], pred, out, OfflineConfig(epochs=1), progress=False)
+    pol = LearnedPolicy.load(out)
+    assert pol.uses_offload and json.loads((out / "policy.json").read_text())["config"]["offload"] is True
+    assert (pred / "reuse").is_dir() and pol.uses_host_eviction
+    assert not LearnedPolicy.load(out, host_eviction=False).uses_host_eviction
 
 
 def test_informative_logs_beat_shuffled_outcomes(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from enum import Enum
 from pathlib import Path
@@ -339,7 +340,11 @@ def evaluate_cmd(
     keep_cache: Annotated[bool, typer.Option(
         "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
         "every step, as RL frameworks do at weight sync).")] = False,
-    offload_gib: OffloadGib = DEFAULT_OFFLOAD_GIB,
+    offload_gib: Annotated[str, typer.Option(
+        "--offload-gib", help="Host memory (GiB) per replica of the CPU offload tier (vLLM's native KV offloading) "
+        "for the policies that use it (vllm-offload, *-offload, learned over the tier); comma-separated sizes "
+        "(16,64,256) are a grid dimension for those policies; 0 turns the tier off. Default: a quarter of a DGX "
+        "H200's host memory per GPU.")] = f"{DEFAULT_OFFLOAD_GIB:g}",
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import (BACKENDS, DEFAULT_KV_FRACTIONS, EvaluationError, build_cases, evaluate,
@@ -357,6 +362,9 @@ def evaluate_cmd(
         if not kvs:
             raise _fail("--kv-fractions is empty")
     reps = _number_list(replicas, int, "--replicas")
+    tiers = _number_list(offload_gib, float, "--offload-gib")
+    if any(not (g >= 0 and math.isfinite(g)) for g in tiers):
+        raise _fail(f"--offload-gib: sizes must be numbers of GiB >= 0, got {offload_gib!r}")
     if jobs < 1:
         raise _fail(f"--jobs must be >= 1, got {jobs}")
     if backend not in BACKENDS:
@@ -391,7 +399,7 @@ def evaluate_cmd(
                           preset=preset, jobs=jobs, backend=backend, address=address, progress=progress,
                           decode_stride=decode_stride, resume=resume,
                           full_telemetry=full_telemetry,
-                          sim_options={"keep_cache_across_steps": keep_cache, "offload_gib": offload_gib},
+                          sim_options={"keep_cache_across_steps": keep_cache}, offload_gibs=tiers,
                           policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None
@@ -406,6 +414,8 @@ def evaluate_cmd(
                if r.get("offload_blocks") else "")
             if ratio is not None and whole is not None else f"makespan {r['makespan_s']:.2f} s/step")
         kv = "gpu" if r["kv_fraction"] is None else f"{r['kv_fraction']:g}"
+        if r.get("tier_gib") is not None:
+            kv += f" tier {r['tier_gib']:g} GiB"
         rr = r.get("makespan_ratio_vs_round_robin_default")
         typer.echo(f"{r['policy']:<16} kv {kv:<5} r{r['replicas']}{' ' + r['router'] if r['router'] else ''}  "
                    f"{status}{f'  x{rr:.3f} vs round-robin default' if rr is not None else ''}")

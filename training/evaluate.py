@@ -109,6 +109,9 @@ class Case:
     kv_fraction: float | None  # None: the preset GPU's own KV capacity
     replicas: int
     router: str | None = None
+    #: The CPU offload tier's GiB per replica, when the grid sweeps it (``offload_gibs``; only for policies that
+    #: use the tier); None: the run's one tier size (``sim_options["offload_gib"]``).
+    tier_gib: float | None = None
 
     def __post_init__(self) -> None:
         if (self.router is None) != (self.replicas == 1):
@@ -118,12 +121,13 @@ class Case:
     @property
     def name(self) -> str:
         kv = "gpu" if self.kv_fraction is None else f"{self.kv_fraction:g}"
-        return f"{self.policy}-kv{kv}-r{self.replicas}" + (f"-{self.router}" if self.router else "")
+        tier = f"-off{self.tier_gib:g}" if self.tier_gib is not None else ""
+        return f"{self.policy}-kv{kv}{tier}-r{self.replicas}" + (f"-{self.router}" if self.router else "")
 
     def row(self) -> dict[str, Any]:
         """The grid keys a row of this case starts with, and ``error`` (``None``: it ran)."""
         return {"policy": self.policy, "kv_fraction": self.kv_fraction, "replicas": self.replicas,
-                "router": self.router, "error": None}
+                "router": self.router, "tier_gib": self.tier_gib, "error": None}
 
 
 @dataclass
@@ -178,9 +182,12 @@ def _expand_names(given: str | Sequence[str], every: Sequence[str], known: Seque
 
 def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None] | None,
                 replicas: Iterable[int], routers: Sequence[str] = (ROUND_ROBIN,), *,
-                kv_totals: Iterable[float] | None = None) -> list[Case]:
+                kv_totals: Iterable[float] | None = None, tier_gibs: Iterable[float] | None = None,
+                tier_users: Iterable[str] = ()) -> list[Case]:
     """The grid; a KV fraction of ``None`` is the preset GPU's own capacity (listed last). Each router is a case
-    only with several replicas; at one replica there is one case per policy and KV fraction.
+    only with several replicas; at one replica there is one case per policy and KV fraction. ``tier_gibs``: CPU
+    offload tier sizes (GiB per replica), a dimension for the policies in ``tier_users`` only (the others run
+    once; a tier they do not use changes nothing).
 
     ``kv_totals`` instead of ``kv_fractions``: KV fractions of the whole fleet, each split evenly over each replica
     count's replicas (0.2 at 4 replicas: 0.05 per replica; at 8: 0.025), so that every replica count has the same
@@ -205,8 +212,31 @@ def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None] | 
         if None in given:
             kvs.append(None)
         per_replica = {r: kvs for r in reps}
-    return [Case(p, k, r, rt) for r in reps for k in per_replica[r] for rt in (routers if r > 1 else [None])
-            for p in policies]
+    tiers: list[float | None] = [None]
+    if tier_gibs is not None:
+        tiers = sorted({float(g) for g in tier_gibs})
+        if not tiers or any(not (g >= 0 and math.isfinite(g)) for g in tiers):
+            raise EvaluationError(f"CPU tier sizes must be numbers of GiB >= 0, got {sorted(set(tier_gibs))}")
+    users = set(tier_users)
+    return [Case(p, k, r, rt, g) for r in reps for k in per_replica[r] for rt in (routers if r > 1 else [None])
+            for p in policies for g in (tiers if p in users else [None])]
+
+
+def tier_users(policies: Sequence[str], workload: Any, policy_options: dict[str, dict[str, Any]] | None) -> list[str]:
+    """The policies (by name) that run over the CPU offload tier (``Policy.uses_offload``), built once each."""
+    from simulator.config import SimConfig
+
+    out = []
+    for p in policies:
+        opts = (policy_options or {}).get(p, {})
+        try:
+            probe = SimConfig(p, policy_options=opts).policy_factory(workload)()
+        except Exception as e:  # noqa: BLE001 - a bad policy fails in its own case, with its error in the row
+            del e
+            continue
+        if probe.uses_offload:
+            out.append(p)
+    return out
 
 
 # ---------------------------------------------------------------- running cases
@@ -259,6 +289,8 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, preset: str = "H200-7B
         shutil.rmtree(run_dir)  # an earlier evaluation's run of this case
     try:
         opts = dict(sim_options or {})
+        if case.tier_gib is not None:
+            opts["offload_gib"] = case.tier_gib
         if policy_options and case.policy in policy_options:
             opts["policy_options"] = {**opts.get("policy_options", {}), **policy_options[case.policy]}
         # one replica never asks its router: round-robin stands in
@@ -274,7 +306,8 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, preset: str = "H200-7B
 
 
 def _row(row: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
-    row.update({k: v for k, v in summary.items() if k not in ("policy", "kv_fraction", "replicas", "router")})
+    row.update({k: v for k, v in summary.items()
+                if k not in ("policy", "kv_fraction", "replicas", "router", "tier_gib")})
     return row
 
 
@@ -337,6 +370,7 @@ def evaluate(
     policy_options: dict[str, dict[str, Any]] | None = None,
     full_telemetry: bool = False,
     kv_totals: Sequence[float] | None = None,
+    offload_gibs: Sequence[float] | None = None,
 ) -> EvaluationResult:
     """Run the grid (see the module docstring); bad requests raise :class:`EvaluationError` before running.
 
@@ -347,12 +381,18 @@ def evaluate(
     CPU each: with no ``address`` on a local Ray instance of ``jobs`` CPUs started here, else on the cluster at
     ``address``, as many at once as it schedules; see :func:`_run_ray`).
     ``policy_options``: per-policy keyword options, by policy name (``learned`` needs ``model``).
+    ``offload_gibs``: CPU offload tier sizes (GiB per replica) to sweep, a grid dimension for the policies that use
+    the tier (one size: the same as ``sim_options["offload_gib"]``).
     ``full_telemetry``: also write each run's ``decisions`` (every candidate's features at every decision: what
     training and OPE read) and ``kv_events`` telemetry (every block stored or removed); off by default, since
     the comparison needs only the summaries, which read ``requests`` and ``steps``.
     """
     names = resolve_policies(policies)
-    cases = build_cases(names, kv_fractions, replicas, resolve_routers(routers), kv_totals=kv_totals)
+    if offload_gibs is not None and len(set(offload_gibs)) == 1:
+        sim_options = {**(sim_options or {}), "offload_gib": float(next(iter(offload_gibs)))}
+        offload_gibs = None
+    cases = build_cases(names, kv_fractions, replicas, resolve_routers(routers), kv_totals=kv_totals,
+                        tier_gibs=offload_gibs)
     if jobs < 1:
         raise EvaluationError(f"jobs must be >= 1, got {jobs}")
     if backend not in BACKENDS:
@@ -370,6 +410,9 @@ def evaluate(
         workload = load_workload(workload_path)
     except Exception as e:  # noqa: BLE001 - any unreadable workload is a bad request
         raise EvaluationError(f"cannot read workload {workload_path}: {e}") from None
+    if offload_gibs is not None:  # the tier's sizes are a dimension for the policies that use it
+        cases = build_cases(names, kv_fractions, replicas, resolve_routers(routers), kv_totals=kv_totals,
+                            tier_gibs=offload_gibs, tier_users=tier_users(names, workload, policy_options))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[Case, tuple[dict[str, Any], list[float]]] = {}
@@ -387,7 +430,7 @@ def evaluate(
         todo = []
         for case in cases:
             earlier = finished_case(case, out, decode_stride, bool(sim_options.get("keep_cache_across_steps")),
-                                    sim_options.get("offload_gib")) \
+                                    case.tier_gib if case.tier_gib is not None else sim_options.get("offload_gib")) \
                 if resume else None
             if earlier is not None:
                 done(case, earlier)
@@ -543,7 +586,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------- reports
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
-    head = ["policy", "kv_fraction", "replicas", "router", *RATIOS, RR_RATIO, "makespan_over_bound", "gap_closed"]
+    head = ["policy", "kv_fraction", "replicas", "router", "tier_gib", *RATIOS, RR_RATIO, "makespan_over_bound", "gap_closed"]
     rest: list[str] = []
     for r in rows:
         for k, v in r.items():
@@ -614,11 +657,13 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
 
     several = len({r["router"] for r in rows if r.get("router")}) > 1
 
-    def label(policy: str, router: str | None) -> str:
-        """A line's legend label: the policy, with its router when the grid has several."""
-        return f"{policy} @ {router}" if several and router else policy
+    def label(policy: str, router: str | None, tier: float | None = None) -> str:
+        """A line's legend label: the policy, with its router when the grid has several, and its CPU tier's size
+        when the grid sweeps it."""
+        name = f"{policy} @ {router}" if several and router else policy
+        return f"{name} ({tier:g} GiB tier)" if tier is not None else name
 
-    labels = list(dict.fromkeys(label(r["policy"], r.get("router")) for r in rows))
+    labels = list(dict.fromkeys(label(r["policy"], r.get("router"), r.get("tier_gib")) for r in rows))
     style = _styles(labels)
     reps = sorted({r["replicas"] for r in rows})
     xlabel = "KV cache per replica (fraction of the largest step's need)"
@@ -631,7 +676,7 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
         for ax, r in zip(axes[0], reps):
             for p in labels:
                 pts = sorted((_kv_x(x), x.get(key)) for x in rows
-                             if label(x["policy"], x.get("router")) == p and x["replicas"] == r
+                             if label(x["policy"], x.get("router"), x.get("tier_gib")) == p and x["replicas"] == r
                              and not x.get("error")
                              and _kv_x(x) is not None
                              and x.get(key) is not None)
@@ -655,7 +700,7 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
     fig, axes = plt.subplots(1, len(reps), figsize=(5.2 * len(reps) + 1.5, 4.2), squeeze=False)
     for ax, r in zip(axes[0], reps):
         for c in (c for c in cases if c.kv_fraction == kv0 and c.replicas == r):
-            p = label(c.policy, c.router)
+            p = label(c.policy, c.router, c.tier_gib)
             d = np.sort(np.asarray(trajectory_s.get(c.name) or [], dtype=float))
             if d.size:
                 ax.step(d, np.arange(1, d.size + 1) / d.size, where="post", label=p, color=style[p]["color"],

@@ -28,4 +28,5 @@ BASELINES: dict[str, str] = {
     "vllm-offload": "policy.baselines.offload_tier:VllmOffloadPolicy",
     "continuum-offload": "policy.baselines.offload_tier:ContinuumOffloadPolicy",
     "kvflow-offload": "policy.baselines.offload_tier:NextUseOffloadPolicy",
+    "oracle-offload": "policy.baselines.offload_tier:HindsightOracleOffloadPolicy",
 }

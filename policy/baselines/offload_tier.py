@@ -16,6 +16,12 @@ their namesakes do:
   does not pin, or whose pin ends, comes back from the tier instead of being recomputed;
 * ``kvflow-offload``: KVFlow's next-use eviction (:mod:`policy.baselines.kvflow`) with the CPU tier that
   its paper pairs it with.
+* ``oracle-offload``: the hindsight oracle (:mod:`policy.baselines.oracle`: true lengths for admission,
+  Belady on the GPU, pins for known returns) deciding the tier too: Belady's next use orders the tier's
+  evictions, and a store whose owner returns later than everything the full tier holds is skipped
+  (``Policy.evict_host`` through :mod:`serving_hook.host_tier`). The upper reference for the tier's lever. What
+  it cannot do through vLLM's seam: decline a store while the tier has room, or drop a session's host copy
+  before room is needed (see :mod:`serving_hook.host_tier`).
 
 **Simplified.** KVFlow prefetches a prefix from CPU ahead of its next use; vLLM's connector loads it when
 its request is admitted (asynchronously: only that request waits). Continuum's own system keeps its pins
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 from policy.baselines.continuum import ToolPauseTTLPolicy
 from policy.baselines.kvflow import NextUseEvictionPolicy
+from policy.baselines.oracle import HindsightOraclePolicy
 from policy.interface import Policy
 
 
@@ -49,3 +56,11 @@ class NextUseOffloadPolicy(NextUseEvictionPolicy):
 
     name = "kvflow-offload"
     uses_offload = True
+
+
+class HindsightOracleOffloadPolicy(HindsightOraclePolicy):
+    """The hindsight oracle over both tiers: Belady on the GPU and on the CPU offload tier (with bypass)."""
+
+    name = "oracle-offload"
+    uses_offload = True
+    uses_host_eviction = True

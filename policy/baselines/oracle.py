@@ -251,6 +251,13 @@ class HindsightOraclePolicy(Policy):
         keys = [nxt(p.meta, t) if t < p.num_blocks else -math.inf for p, t in zip(prefixes, tail_starts(prefixes))]
         return EvictionDecision(order=furthest_first(prefixes, keys))
 
+    def evict_host(self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int, state: EngineState):
+        """Belady on the CPU tier: the owner used furthest in the future leaves first (a store further off is
+        skipped); used by ``oracle-offload`` (:attr:`uses_host_eviction`)."""
+        if not prefixes:
+            return None
+        return EvictionDecision(order=furthest_first(prefixes, self.reuse.next_use_s(prefixes, state.time_s)))
+
     def on_event(self, event: Event) -> None:
         self.reuse.observe(event)
         if self.blocks is not None:

@@ -1,0 +1,306 @@
+"""Host-tier lever: kvpilot's ``CachePolicy`` for vLLM's CPU offload tier, whose eviction order a policy decides.
+
+How it reaches vLLM (vllm 0.33.0): the native offloading connector's CPU manager
+(``v1/kv_offload/cpu/manager.py``) builds its cache policy by name from the connector's extra config,
+``eviction_policy`` and ``cache_policy_module_path`` (``cpu/spec.py``, ``cpu/policies/factory.py``), with no
+vLLM change: :func:`connector_extra_config` gives both (serving: ``--kv-offloading-size G
+--kv-transfer-config '{"kv_connector_extra_config": {"eviction_policy": "KVPilotCachePolicy",
+"cache_policy_module_path": "serving_hook.host_tier"}}'``; the simulator sets them for every engine with a
+tier). :class:`KVPilotCachePolicy` is vLLM's own ``LRUCachePolicy`` plus, once the hook binds a
+:class:`HostTierLever` to it (:func:`bind`, when the policy sets ``Policy.uses_host_eviction``), an owner
+for each chunk: the session (else the request) that stored it or last reused it. When the manager's
+``prepare_store`` needs room (``evict(n, protected)``), the lever asks the policy's
+:meth:`~policy.interface.Policy.evict_host` for an order over owners (at most once per engine step, under the
+step's budget, :meth:`~serving_hook.guard.Guard.decide`), and the chunks of the listed owners go first, each
+owner's deepest chunk first; unlisted chunks keep LRU order behind them. Unbound (or ``None`` from the
+policy, an exception, an overrun) it is exactly LRU.
+
+**Skipping a store.** ``CachePolicy.insert`` cannot decline a chunk, and a tier with free chunks stores
+everything (write-through). Only a full tier can refuse: ``evict`` returns ``None`` when the storing
+request's own owner comes before enough room is found in the policy's order (Belady's bypass), and vLLM then
+skips that store this step (``prepare_store`` returns ``None``; the connector counts an allocation failure,
+logs a warning and offers the blocks again next step). Counted in ``bypassed``.
+
+**Not reachable through this seam** (docs/results/2026-12-03-memory-binds.md describes the upstream
+change): declining a store while the tier has room (an ``admit(keys, req_context)`` in ``CachePolicy``, or
+``insert`` allowed to decline), and dropping a session's host copy at once (a ``CachePolicy`` cannot free
+chunks; the manager owns the chunk pool). Dropping is approximated by listing the owner first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+from policy.interface import CachedPrefix, EvictionDecision, OwnerState, RequestMeta
+from serving_hook.lever import Lever
+
+__all__ = ["KVPilotCachePolicy", "HostTierLever", "connector_extra_config", "find_cache_policy", "bind"]
+
+CACHE_POLICY_NAME = "KVPilotCachePolicy"
+CACHE_POLICY_MODULE = "serving_hook.host_tier"
+#: vLLM's connector logs a warning for every store the cache policy refuses (an allocation failure to it).
+_CONNECTOR_LOGGER = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+
+
+class _BypassLogFilter(logging.Filter):
+    """Drops vLLM's "cannot store chunks" warning right after a store kvpilot skipped (counted instead)."""
+
+    pending = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _BypassLogFilter.pending and "cannot store chunks" in str(record.msg):
+            _BypassLogFilter.pending -= 1
+            return False
+        return True
+
+
+_FILTER = _BypassLogFilter()
+
+
+def connector_extra_config() -> dict[str, str]:
+    """The offloading connector's extra config that makes vLLM load :class:`KVPilotCachePolicy`."""
+    return {"eviction_policy": CACHE_POLICY_NAME, "cache_policy_module_path": CACHE_POLICY_MODULE}
+
+
+class KVPilotCachePolicy(LRUCachePolicy):
+    """vLLM's LRU host-tier policy, whose eviction order (and store bypass) a bound :class:`HostTierLever` decides."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.kvpilot_lever: Optional[HostTierLever] = None
+        self.owner: dict[Any, str] = {}  # chunk key -> owner
+        self.owned: dict[str, dict[Any, None]] = {}  # owner -> its chunk keys, in prefix order (an ordered set)
+        self.storer: Optional[str] = None  # owner of the request whose store asks for room
+        self._rid: Optional[str] = None  # the last inserting request and its owner (inserts come in runs)
+        self._rid_owner = ""
+
+    # ---------------------------------------------------------- ownership
+    def _own(self, keys: Iterable[Any], owner: str) -> None:
+        own, owned = self.owner, self.owned
+        mine = owned.get(owner)
+        if mine is None:
+            mine = owned[owner] = {}
+        for k in keys:
+            old = own.get(k)
+            if old == owner or k not in self.chunks:
+                continue
+            if old is not None:
+                prev = owned.get(old)
+                if prev is not None:
+                    prev.pop(k, None)
+                    if not prev:
+                        del owned[old]
+            own[k] = owner
+            mine[k] = None
+        if not mine:
+            del owned[owner]
+
+    def _forget(self, key: Any) -> None:
+        old = self.owner.pop(key, None)
+        if old is not None:
+            mine = self.owned.get(old)
+            if mine is not None:
+                mine.pop(key, None)
+                if not mine:
+                    del self.owned[old]
+
+    # ------------------------------------------------- CachePolicy overrides
+    def insert(self, key: Any, chunk: Any, req_context: Any) -> None:
+        super().insert(key, chunk, req_context)
+        lever = self.kvpilot_lever
+        if lever is None:
+            return
+        rid = req_context.req_id
+        if rid != self._rid:
+            self._rid, self._rid_owner = rid, lever.owner_of(rid)
+        owner = self._rid_owner
+        if self.owner.get(key) is None:  # a new chunk (the common case): no previous owner to leave
+            self.owner[key] = owner
+            mine = self.owned.get(owner)
+            if mine is None:
+                mine = self.owned[owner] = {}
+            mine[key] = None
+        else:
+            self._own((key,), owner)
+
+    def remove(self, key: Any) -> None:
+        super().remove(key)
+        self._forget(key)
+
+    def on_store_miss(self, keys: Iterable[Any], req_context: Any) -> None:
+        super().on_store_miss(keys, req_context)
+        lever = self.kvpilot_lever
+        self.storer = lever.used(req_context.req_id) if lever is not None else None
+
+    def on_request_finished(self, key_groups: Sequence[Sequence[Any]], insertion_only_keys: set,
+                            reused_keys: set, req_context: Any) -> None:
+        super().on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context)
+        lever = self.kvpilot_lever
+        if lever is not None and reused_keys:  # what it reused is its session's now
+            self._own((k for g in key_groups for k in g if k in reused_keys), lever.used(req_context.req_id))
+
+    def clear(self) -> None:
+        super().clear()
+        self.owner.clear()
+        self.owned.clear()
+
+    def evict(self, n: int, protected: set) -> Optional[list]:
+        lever = self.kvpilot_lever
+        if n == 0 or lever is None:
+            return super().evict(n, protected)
+        order = lever.order(self, n, self.storer)
+        if order is None:
+            return super().evict(n, protected)
+        storer = self.storer
+        evictable, owned = self._evictable, self.owned
+        picked: list = []
+        for o in order:
+            if o == storer:
+                lever.stats.host_bypassed += 1
+                _BypassLogFilter.pending = 1  # the connector warns next; not a failure
+                return None  # keeping what the tier holds is worth more than this store
+            for k in reversed(owned.get(o, ())):  # deepest chunk first
+                if k in evictable and k not in protected:
+                    picked.append(k)
+                    if len(picked) == n:
+                        break
+            if len(picked) == n:
+                break
+        rest: list = []
+        if len(picked) < n:
+            got = super().evict(n - len(picked), protected.union(picked))
+            if got is None:
+                return None
+            rest = got
+        out = []
+        chunks, ranks = self.chunks, self._ranks
+        for k in picked:
+            evictable.remove(k)
+            out.append((k, chunks.pop(k)))
+            del ranks[k]
+            self._forget(k)
+        for k, _ in rest:
+            self._forget(k)
+        self._maybe_compact_heap()
+        lever.stats.host_evicted_listed += len(picked)
+        return out + rest
+
+
+class HostTierLever(Lever):
+    """Builds the host-tier candidates for the policy's ``evict_host`` and keeps its order for the step."""
+
+    def __init__(self, *parts: Any) -> None:
+        super().__init__(*parts)
+        self.metas: dict[str, RequestMeta] = {}  # owner -> the meta of its latest request
+        self.last_used: dict[str, float] = {}
+        self._req_owner: dict[str, str] = {}  # request id -> owner (kept while the tier may still see it)
+        self._step = -1
+        self._order: Optional[list] = None
+        self._ranked: set = set()  # the owners the step's order ranked
+
+    def owner_of(self, req_id: str) -> str:
+        """The owner of what ``req_id`` stores or reuses: its session, else itself (meta noted for later)."""
+        owner = self._req_owner.get(req_id)
+        if owner is None:
+            info = self.tr.infos.get(req_id)
+            if info is None:
+                return req_id
+            meta = info.meta
+            owner = meta.session_id if meta.session_id is not None else req_id
+            self._req_owner[req_id] = owner
+            self.metas[owner] = meta
+            if len(self._req_owner) > 100_000:  # bound it: the oldest requests are long gone
+                for r in list(self._req_owner)[:50_000]:
+                    del self._req_owner[r]
+        else:
+            info = self.tr.infos.get(req_id)
+            if info is not None:
+                self.metas[owner] = info.meta
+        return owner
+
+    def used(self, req_id: str) -> str:
+        """``req_id`` stores to or reused the tier now: its owner (the owner's last use is now)."""
+        owner = self.owner_of(req_id)
+        self.last_used[owner] = self.sched.kvpilot_clock()
+        return owner
+
+    def order(self, cp: KVPilotCachePolicy, n: int, storer: Optional[str]) -> Optional[list]:
+        """The policy's owner order for this step (computed at the step's first eviction, again for a storer it
+        did not rank); None: LRU."""
+        step = self.guard.step_no
+        if step == self._step and (storer is None or storer in self._ranked or storer not in self.metas):
+            return self._order
+        self._step = step
+        self._order = None
+        try:
+            prefixes = self._prefixes(cp, storer)
+            self._ranked = {p.prefix_id for p in prefixes}
+            if not prefixes:
+                return None
+            now = self.sched.kvpilot_clock()
+            self.stats.host_evict_calls += 1
+            dec = self.guard.decide("evict_host", self.policy.evict_host, EvictionDecision, prefixes, n,
+                                    self.tr.state(now))
+            if dec is not None and dec.order:
+                self._order = list(dec.order)
+        except Exception as e:  # never into vLLM: LRU for this step
+            self.guard.internal_error("evict_host", e)
+        return self._order
+
+    def _prefixes(self, cp: KVPilotCachePolicy, storer: Optional[str]) -> list[CachedPrefix]:
+        sched = self.sched
+        running = {}
+        for r in sched.running:
+            info = self.tr.infos.get(r.request_id)
+            if info is not None:
+                m = info.meta
+                running[m.session_id if m.session_id is not None else r.request_id] = m
+        paused = self.tr.sessions
+        metas, last = self.metas, self.last_used
+        out = []
+        for owner, keys in cp.owned.items():
+            meta = running.get(owner) or metas.get(owner)
+            if meta is None:
+                continue
+            state = (OwnerState.RUNNING if owner in running
+                     else OwnerState.PAUSED_TOOL if owner in paused else OwnerState.FINISHED)
+            out.append(CachedPrefix(owner, owner, state, meta, (), (), last.get(owner, 0.0), tier_blocks=len(keys)))
+        for owner, meta in running.items():
+            if owner not in cp.owned:
+                out.append(CachedPrefix(owner, owner, OwnerState.RUNNING, meta, (), (), last.get(owner, 0.0)))
+        if storer is not None and storer not in running and storer not in cp.owned and storer in metas:
+            # a finished request storing its last blocks, nothing of it in the tier yet
+            state = OwnerState.PAUSED_TOOL if storer in paused else OwnerState.FINISHED
+            out.append(CachedPrefix(storer, storer, state, metas[storer], (), (), last.get(storer, 0.0)))
+        return out
+
+    def forget_step(self) -> None:
+        """A prefix-cache reset cleared the tier: the step's order is stale."""
+        self._step = -1
+        self._order = None
+
+
+def find_cache_policy(sched: Any) -> Optional[KVPilotCachePolicy]:
+    """The scheduler's host-tier :class:`KVPilotCachePolicy`, or None (no tier, or another cache policy)."""
+    conn = getattr(sched, "connector", None)
+    cs = getattr(conn, "connector_scheduler", None)
+    manager = getattr(cs, "manager", None)
+    policy = getattr(manager, "_policy", None)
+    return policy if isinstance(policy, KVPilotCachePolicy) else None
+
+
+def bind(sched: Any, *parts: Any) -> Optional[HostTierLever]:
+    """Bind a new :class:`HostTierLever` to the scheduler's :class:`KVPilotCachePolicy`; None when there is none."""
+    cp = find_cache_policy(sched)
+    if cp is None:
+        return None
+    lever = HostTierLever(*parts)
+    cp.kvpilot_lever = lever
+    log = logging.getLogger(_CONNECTOR_LOGGER)
+    if _FILTER not in log.filters:
+        log.addFilter(_FILTER)
+    return lever

@@ -1,0 +1,187 @@
+"""kvpilot's host-tier CachePolicy (serving_hook.host_tier) inside vLLM's real CPU offloading manager.
+
+* unbound, it evicts exactly as vLLM's LRU does;
+* bound, the policy's owner order decides which chunks leave first (deepest first), unlisted ones keep LRU
+  order, and a store whose owner comes first is skipped with nothing changed;
+* on the real scheduler and OffloadingConnector, a paused session's context survives a filler's stores when the
+  policy skips them, and returns from the tier, where vLLM's LRU lets the filler push it out;
+* ``oracle-offload`` (Belady on both tiers) runs a whole simulation through the seam.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from policy.interface import EvictionDecision, OwnerState, Policy
+from tests.hooks import hook_scheduler
+
+pytestmark = pytest.mark.vllm
+
+
+def _ctx(rid: str, keys=(), start: int = 0):
+    from vllm.v1.kv_offload.base import ReqContext
+
+    c = ReqContext(req_id=rid)
+    for i, k in enumerate(keys):
+        c.set_offload_key_position(k, (start + i + 1) * 16)
+    return c
+
+
+class FakeLever:
+    """The lever's two calls, with a fixed owner order."""
+
+    def __init__(self, order):
+        self.fixed = order
+        self.stats = SimpleNamespace(host_bypassed=0, host_evicted_listed=0)
+
+    def owner_of(self, rid: str) -> str:
+        return rid.split("/")[0]  # "session/turn"
+
+    used = owner_of
+
+    def order(self, cp, n, storer):
+        return self.fixed
+
+
+def _fill(cp, stores):
+    from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+
+    cid = 0
+    for rid, keys in stores:
+        ctx = _ctx(rid, keys)
+        cp.on_store_miss(keys, ctx)
+        for k in keys:
+            ch = ChunkStatus(cid)
+            ch.ref_cnt = 0
+            cid += 1
+            cp.insert(k, ch, ctx)
+        cp.on_request_finished((tuple(keys),), set(keys), set(), ctx)
+
+
+def _keys(tag: str, n: int):
+    return [f"{tag}{i}".encode() for i in range(n)]
+
+
+def test_unbound_policy_evicts_as_vllms_lru():
+    from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+    from serving_hook.host_tier import KVPilotCachePolicy
+
+    stores = [("a/0", _keys("a", 3)), ("b/0", _keys("b", 2)), ("c/0", _keys("c", 3))]
+    ours, lru = KVPilotCachePolicy(8), LRUCachePolicy(8)
+    _fill(ours, stores)
+    _fill(lru, stores)
+    got = ours.evict(4, {b"c0"})
+    want = lru.evict(4, {b"c0"})
+    assert [k for k, _ in got] == [k for k, _ in want]
+    assert ours.owned == {} and ours.owner == {}  # nothing is tracked without a lever
+
+
+def test_policy_order_decides_and_a_store_listed_first_is_skipped():
+    from serving_hook.host_tier import KVPilotCachePolicy
+
+    cp = KVPilotCachePolicy(8)
+    cp.kvpilot_lever = lever = FakeLever(["b"])
+    _fill(cp, [("a/0", _keys("a", 3)), ("b/0", _keys("b", 2)), ("c/0", _keys("c", 3))])
+    assert cp.owned["b"] == dict.fromkeys(_keys("b", 2))
+    # b listed: its chunks go first, deepest first; the third comes from LRU (a's, the oldest), not from c
+    got = [k for k, _ in cp.evict(3, set())]
+    assert got == [b"b1", b"b0", b"a2"] or got == [b"b1", b"b0", b"a0"]
+    assert "b" not in cp.owned and b"b0" not in cp.chunks and lever.stats.host_evicted_listed == 2
+    # the storer ("c", set by on_store_miss) listed before enough room is found: skipped, nothing changed
+    cp.kvpilot_lever = FakeLever(["c", "a"])
+    cp.kvpilot_lever.stats = lever.stats
+    cp.on_store_miss([b"c9"], _ctx("c/1"))
+    before = (dict(cp.chunks), {o: dict(k) for o, k in cp.owned.items()})
+    assert cp.evict(2, set()) is None
+    assert (dict(cp.chunks), {o: dict(k) for o, k in cp.owned.items()}) == before
+    assert lever.stats.host_bypassed == 1
+    # a later request that reuses a's chunks takes them over (its session's next use is what counts)
+    ctx = _ctx("d/0", [b"a0"])
+    cp.on_request_finished(((b"a0",),), set(), {b"a0"}, ctx)
+    assert cp.owner[b"a0"] == "d" and b"a0" not in cp.owned.get("a", {})
+
+
+class TierOrder(Policy):
+    """Host tier: the storer's and finished owners first (their blocks are not worth keeping), paused last."""
+
+    name = "test-tier-order"
+    uses_host_eviction = True
+    uses_offload = True
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def evict_host(self, prefixes, n, state):
+        self.calls.append([(p.prefix_id, p.owner_state, p.tier_blocks) for p in prefixes])
+        rank = {OwnerState.FINISHED: 0, OwnerState.RUNNING: 0, OwnerState.PAUSED_TOOL: 1}
+        return EvictionDecision(order=[p.prefix_id for p in sorted(prefixes, key=lambda p: rank[p.owner_state])])
+
+
+def _paused_session(engine, policy, host_policy: bool):
+    """Turn 0 of session s0 (10 blocks) pauses; four fillers of 10 blocks take the GPU; turn 1 returns. Tier: 12."""
+    from simulator.cost_model import CostModel
+    from simulator.offload import OffloadWorker
+    from tests.test_paused_sessions import Clock, _step
+
+    cls = hook_scheduler(policy, kv_block_bytes=1_000_000, host_link_gbps=1.0)
+    cfg = engine.make_vllm_config(num_blocks=40, offload_blocks=12, host_policy=host_policy)
+    s = engine.make_scheduler(cls, num_blocks=40, vllm_config=cfg)
+    clock = s.kvpilot_clock = Clock()
+    cost = CostModel.preset("H200-7B")
+    worker = OffloadWorker(cost, cost.kv_block_bytes(16))
+    meta = {"kvpilot_session_id": "s0", "kvpilot_turn": 0, "kvpilot_tool": "bash"}
+    prompt = engine.prompt_tokens("ctx", 160)
+
+    def drain():
+        while s.has_requests() or worker.busy:
+            _step(engine, s, worker, clock)
+
+    s.add_request(engine.make_request("t0", prompt, 4, arrival_time=0.0, extra_args=meta))
+    drain()
+    for i in range(4):  # one after another: each store fits the tier, together they take the whole GPU
+        s.add_request(engine.make_request(f"fill{i}", engine.prompt_tokens(f"fill{i}", 160), 4, arrival_time=clock.t))
+        drain()
+    turn2 = prompt + engine.output_tokens("t0", 3) + engine.prompt_tokens("tool", 30)
+    s.add_request(engine.make_request("t1", turn2, 4, arrival_time=clock.t,
+                                      extra_args={**meta, "kvpilot_turn": 1, "kvpilot_tool": None}))
+    loaded0 = worker.load_blocks
+    drain()
+    return worker.load_blocks - loaded0, s
+
+
+def test_tier_keeps_the_paused_session_that_lru_pushes_out(vllm_engine):
+    from serving_hook.host_tier import KVPilotCachePolicy, find_cache_policy
+
+    policy = TierOrder()
+    loaded, s = _paused_session(vllm_engine, policy, host_policy=True)
+    assert isinstance(find_cache_policy(s), KVPilotCachePolicy) and s._kvp_host is not None
+    assert loaded >= 9  # turn 0's context came back from host memory
+    st = s.kvpilot_stats
+    assert st.host_evict_calls >= 1 and st.host_bypassed >= 1  # the filler's stores were skipped
+    assert any(("s0", OwnerState.PAUSED_TOOL, 10) in c for c in policy.calls)
+    # vLLM's LRU (the same policy, but the tier runs vLLM's own cache policy): the filler pushed s0 out
+    lru_loaded, s2 = _paused_session(vllm_engine, TierOrder(), host_policy=False)
+    assert find_cache_policy(s2) is None and s2._kvp_host is None
+    assert lru_loaded <= 2
+
+
+@pytest.mark.slow
+def test_oracle_offload_runs_both_tiers_in_a_simulation(vllm_engine):
+    import dataclasses
+
+    from data.synth import SynthConfig, generate
+    from simulator.simulation import run_simulation
+
+    w = generate(dataclasses.replace(SynthConfig.preset("agentic"), steps=1, prompts_per_step=2))
+    kw = dict(kv_fraction=0.15, progress=False, decode_stride=32, decision_log=False, kv_event_log=False,
+              offload_gib=2.0)
+    orc = run_simulation(w, "oracle-offload", **kw).summary
+    lru = run_simulation(w, "vllm-offload", **kw).summary
+    assert orc["offload_host_evict_calls"] > 0 and lru["offload_host_evict_calls"] == 0
+    # Belady keeps what returns: more of what the tier stores comes back, and less is written to it
+    assert orc["offload_loaded_blocks"] / orc["offload_stored_blocks"] > \
+        lru["offload_loaded_blocks"] / lru["offload_stored_blocks"]
+    assert orc["makespan_over_bound"] >= 1.0
