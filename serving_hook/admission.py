@@ -12,11 +12,20 @@ starvation bound, ``KVPILOT_MAX_HOLD_S``) since its arrival is not held (counted
 Requests in
 ``kv_holding_waiting`` are not candidates (vLLM always drains them first). With
 ``--scheduling-policy priority`` the queue is a heap and this lever is left to vLLM (logged once).
+
+An engine whose every waiting request is held and nothing runs would otherwise spin through empty steps: the
+scheduler then waits a little before its next step (:meth:`idle_wait_s`, real-time engines only), and a
+decision that repeats on an unchanged queue while nothing runs is not logged again (``quiet_ids``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+#: An idle held step's wait before the next one: doubling from the first to the last (a new request then waits
+#: at most this long to be seen; a hold's release by ``max_hold_s`` is never delayed).
+IDLE_WAIT_FIRST_S = 0.002
+IDLE_WAIT_MAX_S = 0.05
 
 from policy.interface import AdmissionDecision, Policy
 from serving_hook.guard import Guard
@@ -43,6 +52,10 @@ class AdmissionLever(Lever):
                  max_hold_s: float) -> None:
         super().__init__(sched, policy, guard, tr, rows)
         self.max_hold_s = max_hold_s
+        #: The waiting queue's ids after an idle held step (nothing ran): the same queue next step logs no row.
+        self.quiet_ids: Optional[tuple] = None
+        self.logged = False  # this step's decision was logged
+        self._idle_s = 0.0
 
     def admit(self, now: float) -> tuple[list, Optional[list]]:
         """Ask the policy and re-order ``waiting``: ``(held-back requests, the full order)`` for :meth:`restore`.
@@ -82,7 +95,9 @@ class AdmissionLever(Lever):
             if starved:
                 self.stats.hold_overridden += len(starved)
                 held = [r for r in held if r.arrival_time > limit]
-        if self.rows.log_decisions:
+        self.logged = self.rows.log_decisions and (
+            bool(sched.running) or self.quiet_ids is None or self.quiet_ids != tuple(r.request_id for r in reqs))
+        if self.logged:
             first = ordered[0].request_id if ordered else None
             idx = next((i for i, c in enumerate(cands) if c.request_id == first), -1)
             action = f"hold:{len(held)}" if held else None
@@ -98,6 +113,19 @@ class AdmissionLever(Lever):
             st.admission_reorders += 1
         st.held += len(held)
         return held, ordered
+
+    def idle_wait_s(self, held: list, now: float) -> float:
+        """After a step that ran nothing because of ``held``: how long to wait before the next, growing while
+        idle, never past the first hold's release by ``max_hold_s``. Marks the queue quiet."""
+        self.quiet_ids = tuple(r.request_id for r in self.sched.waiting)
+        self._idle_s = min(max(2 * self._idle_s, IDLE_WAIT_FIRST_S), IDLE_WAIT_MAX_S)
+        release = min(r.arrival_time for r in held) + self.max_hold_s - now
+        return max(0.0, min(self._idle_s, release))
+
+    def busy(self) -> None:
+        """A step that ran something, or held nobody: the next idle step starts a fresh wait and logs."""
+        self.quiet_ids = None
+        self._idle_s = 0.0
 
     def restore(self, held: list, desired: Optional[list]) -> None:
         """Put held-back requests back into ``waiting`` in the policy's order.

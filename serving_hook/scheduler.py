@@ -220,11 +220,22 @@ class KVPilotMixin:
             t2 = _perf()
             if held:
                 admission.restore(held, desired)
+        idle = False
         try:
-            self._kvp_after_schedule(out, now, ev0, len(held))
+            if admission is not None:
+                idle = bool(held) and not out.total_num_scheduled_tokens and not self.running
+                quiet = idle and not admission.logged and admission.quiet_ids is not None
+                if idle:
+                    self._kvp_idle_wait(held, now)
+                else:
+                    admission.busy()
+            else:
+                quiet = False
+            self._kvp_after_schedule(out, now, ev0, len(held), log_step=not quiet)
         except Exception as e:
             guard.internal_error("post-schedule", e)
         st = self.kvpilot_stats
+        st.idle_held_steps += idle
         # The hook's own time: its work before and after vLLM's schedule(),
         # plus its work inside it (the allocate_slots wrapper: pins, victims).
         hook_s = (t1 - t0) + (_perf() - t2) + guard.inner_s
@@ -248,6 +259,8 @@ class KVPilotMixin:
                 self._kvp_guard.internal_error("update_from_output", e)
         outs = super().update_from_output(scheduler_output, model_runner_output)
         rows.end_step()
+        if rows.writer is not None and not self.get_num_unfinished_requests():
+            rows.writer.flush()  # idle: nothing of this engine waits in memory for a kill (telemetry module)
         try:
             if tr.prefilling:
                 tr.first_tokens()
@@ -358,15 +371,24 @@ class KVPilotMixin:
         return blocks
 
     # ====================================================== step bookkeeping
-    def _kvp_after_schedule(self, out: Any, now: float, ev0: int, held: int) -> None:
-        """After vLLM's ``schedule()``: note whom it admitted, count pin hits, stamp the ``steps`` row."""
+    def _kvp_idle_wait(self, held: list, now: float) -> None:
+        """Every waiting request held, nothing ran: wait a little (growing) before the next step instead of
+        spinning through empty ones. Only on a real-time engine (the simulator's clock jumps to its next event)."""
+        wait = self._kvp_admission.idle_wait_s(held, now)
+        if wait > 0 and self.kvpilot_clock is time.time:
+            self.kvpilot_stats.idle_wait_s += wait
+            time.sleep(wait)
+
+    def _kvp_after_schedule(self, out: Any, now: float, ev0: int, held: int, log_step: bool = True) -> None:
+        """After vLLM's ``schedule()``: note whom it admitted, count pin hits, stamp the ``steps`` row
+        (``log_step`` off: a repeated idle held step, not logged)."""
         ret = self._kvp_retention
         heads: Optional[list] = [] if ret is not None and ret.pin_info else None
         admitted, queries, hits = self._kvp_translate.scheduled(out, now, heads)
         if heads:
             ret.note_hits(heads, now)
         rows = self._kvp_rows
-        if rows.writer is None:
+        if rows.writer is None or not log_step:
             return
         pool = self._kvp_pool
         tier = self._kvp_tier
