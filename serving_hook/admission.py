@@ -14,16 +14,17 @@ Requests in
 ``--scheduling-policy priority`` the queue is a heap and this lever is left to vLLM (logged once).
 
 An engine whose every waiting request is held and nothing runs would otherwise spin through empty steps: the
-scheduler then waits a little before its next step (:meth:`idle_wait_s`, real-time engines only), and a
-decision that repeats on an unchanged queue while nothing runs is not logged again (``quiet_ids``).
+scheduler then waits (:mod:`serving_hook.idle`) for a new input or the first hold's release
+(:meth:`AdmissionLever.idle_release_s`), and a decision that repeats on an unchanged queue while nothing runs
+is not logged again (``quiet_ids``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-#: An idle held step's wait before the next one: doubling from the first to the last (a new request then waits
-#: at most this long to be seen; a hold's release by ``max_hold_s`` is never delayed).
+#: Without the engine's input queue (an in-process engine), an idle held step's wait before the next one:
+#: doubling from the first to the last (a new request then waits at most this long to be seen).
 IDLE_WAIT_FIRST_S = 0.002
 IDLE_WAIT_MAX_S = 0.05
 
@@ -114,13 +115,16 @@ class AdmissionLever(Lever):
         st.held += len(held)
         return held, ordered
 
-    def idle_wait_s(self, held: list, now: float) -> float:
-        """After a step that ran nothing because of ``held``: how long to wait before the next, growing while
-        idle, never past the first hold's release by ``max_hold_s``. Marks the queue quiet."""
+    def idle_release_s(self, held: list, now: float) -> float:
+        """After a step that ran nothing because of ``held``: seconds until the first hold's release by
+        ``max_hold_s``. Marks the queue quiet."""
         self.quiet_ids = tuple(r.request_id for r in self.sched.waiting)
+        return max(0.0, min(r.arrival_time for r in held) + self.max_hold_s - now)
+
+    def fallback_s(self) -> float:
+        """The next wait of an idle held engine that cannot wait for its inputs: growing while idle."""
         self._idle_s = min(max(2 * self._idle_s, IDLE_WAIT_FIRST_S), IDLE_WAIT_MAX_S)
-        release = min(r.arrival_time for r in held) + self.max_hold_s - now
-        return max(0.0, min(self._idle_s, release))
+        return self._idle_s
 
     def busy(self) -> None:
         """A step that ran something, or held nobody: the next idle step starts a fresh wait and logs."""
