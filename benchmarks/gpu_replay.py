@@ -133,6 +133,20 @@ def simulate(workload: Any, policy: str, preset: str, offload_gib: float, offloa
     return float(result.summary["makespan_s"])
 
 
+def champion_missing() -> Optional[str]:
+    """Why the ``champion`` case cannot run (no registry, no champion in it), or None."""
+    from serving_hook import model_registry
+
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not Path(model_registry.DB_FILE).exists():
+        return f"no MLflow registry (MLFLOW_TRACKING_URI unset and no ./{model_registry.DB_FILE})"
+    uri = os.environ.get("KVPILOT_MODEL_URI", model_registry.DEFAULT_MODEL_URI)
+    try:
+        model_registry.resolve_version(uri)
+    except model_registry.RegistryError as e:
+        return str(e)
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", type=Path, help="A workload file (default: one synthetic agentic step).")
@@ -165,6 +179,9 @@ def main() -> None:
         if case not in CASES:
             sys.exit(f"unknown case {case!r}; known: {', '.join(CASES)}")
         policy, offload = CASES[case]
+        if policy == "registry" and (why := champion_missing()) is not None:
+            print(f"\n[{case}] skipped: {why}", flush=True)
+            continue
         cmd = server_command(model, free_port(), max_len, args.offload_gib, offload)
         env = dict(os.environ, KVPILOT_POLICY=policy, PYTHONPATH=str(ROOT), VLLM_SERVER_DEV_MODE="1")
         if policy == "registry":
