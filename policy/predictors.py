@@ -336,13 +336,38 @@ LENGTH_PREDICTOR = PredictorOption(
     production="length_predictor='domain-mean' or a trained predictor object",
 )
 
+class OnlineNextUse:
+    """The online reuse model (:class:`predictors.online_reuse.OnlineReuseLearner`) as a reuse predictor that needs
+    no workload: it learns from the run's events and from the prefixes it is asked about (LRB's online labels);
+    before its first model every next use is ``inf`` (the policy's ties, LRU, decide)."""
+
+    def __init__(self, **options: Any) -> None:
+        from predictors.online_reuse import OnlineReuseLearner  # LightGBM: only when this predictor is used
+
+        self.learner = OnlineReuseLearner(**options)
+
+    def observe(self, event: Event) -> None:
+        self.learner.observe(event)
+
+    def next_use_s(self, prefixes: Sequence[CachedPrefix], now_s: float) -> list[float]:
+        from data.records import tail_starts
+
+        self.learner.observe_candidates(prefixes, tail_starts(prefixes), now_s)
+        return self.learner.next_use_s(prefixes, now_s)
+
+
+def _auto_reuse(workload: Any) -> Any:
+    """``"auto"``: the hindsight oracle where a simulated workload is given, else the online reuse model."""
+    return OracleReusePredictor.from_workload(workload) if workload is not None else OnlineNextUse()
+
+
 REUSE_PREDICTOR = PredictorOption(
     option="reuse_predictor",
     method="next_use_s",
     signature="next_use_s(prefixes, now_s)",
-    builders={"oracle": OracleReusePredictor.from_workload},
+    builders={"auto": _auto_reuse, "oracle": OracleReusePredictor.from_workload, "online": lambda _: OnlineNextUse()},
     hindsight={"oracle": "future requests; needs columns session_id, turn, block_hashes"},
-    production="a trained reuse predictor object",
+    production="reuse_predictor='online' (the default without a workload) or a trained reuse predictor object",
 )
 
 

@@ -12,11 +12,21 @@ starvation bound, ``KVPILOT_MAX_HOLD_S``) since its arrival is not held (counted
 Requests in
 ``kv_holding_waiting`` are not candidates (vLLM always drains them first). With
 ``--scheduling-policy priority`` the queue is a heap and this lever is left to vLLM (logged once).
+
+An engine whose every waiting request is held and nothing runs would otherwise spin through empty steps: the
+scheduler then waits (:mod:`serving_hook.idle`) for a new input or the first hold's release
+(:meth:`AdmissionLever.idle_release_s`), and a decision that repeats on an unchanged queue while nothing runs
+is not logged again (``quiet_ids``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+#: Without the engine's input queue (an in-process engine), an idle held step's wait before the next one:
+#: doubling from the first to the last (a new request then waits at most this long to be seen).
+IDLE_WAIT_FIRST_S = 0.002
+IDLE_WAIT_MAX_S = 0.05
 
 from policy.interface import AdmissionDecision, Policy
 from serving_hook.guard import Guard
@@ -43,6 +53,10 @@ class AdmissionLever(Lever):
                  max_hold_s: float) -> None:
         super().__init__(sched, policy, guard, tr, rows)
         self.max_hold_s = max_hold_s
+        #: The waiting queue's ids after an idle held step (nothing ran): the same queue next step logs no row.
+        self.quiet_ids: Optional[tuple] = None
+        self.logged = False  # this step's decision was logged
+        self._idle_s = 0.0
 
     def admit(self, now: float) -> tuple[list, Optional[list]]:
         """Ask the policy and re-order ``waiting``: ``(held-back requests, the full order)`` for :meth:`restore`.
@@ -82,7 +96,9 @@ class AdmissionLever(Lever):
             if starved:
                 self.stats.hold_overridden += len(starved)
                 held = [r for r in held if r.arrival_time > limit]
-        if self.rows.log_decisions:
+        self.logged = self.rows.log_decisions and (
+            bool(sched.running) or self.quiet_ids is None or self.quiet_ids != tuple(r.request_id for r in reqs))
+        if self.logged:
             first = ordered[0].request_id if ordered else None
             idx = next((i for i, c in enumerate(cands) if c.request_id == first), -1)
             action = f"hold:{len(held)}" if held else None
@@ -98,6 +114,22 @@ class AdmissionLever(Lever):
             st.admission_reorders += 1
         st.held += len(held)
         return held, ordered
+
+    def idle_release_s(self, held: list, now: float) -> float:
+        """After a step that ran nothing because of ``held``: seconds until the first hold's release by
+        ``max_hold_s``. Marks the queue quiet."""
+        self.quiet_ids = tuple(r.request_id for r in self.sched.waiting)
+        return max(0.0, min(r.arrival_time for r in held) + self.max_hold_s - now)
+
+    def fallback_s(self) -> float:
+        """The next wait of an idle held engine that cannot wait for its inputs: growing while idle."""
+        self._idle_s = min(max(2 * self._idle_s, IDLE_WAIT_FIRST_S), IDLE_WAIT_MAX_S)
+        return self._idle_s
+
+    def busy(self) -> None:
+        """A step that ran something, or held nobody: the next idle step starts a fresh wait and logs."""
+        self.quiet_ids = None
+        self._idle_s = 0.0
 
     def restore(self, held: list, desired: Optional[list]) -> None:
         """Put held-back requests back into ``waiting`` in the policy's order.

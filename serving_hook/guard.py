@@ -40,6 +40,8 @@ class HookStats:
     admission_reorders: int = 0
     held: int = 0  # requests held back, summed over steps
     hold_overridden: int = 0  # holds the starvation bound (max_hold_s) refused
+    idle_held_steps: int = 0  # steps that ran nothing because every waiting request was held
+    idle_wait_s: float = 0.0  # time the engine waited after such steps instead of spinning
     offloaded: int = 0  # prefixes the policy sent to the CPU tier (OFFLOAD)
     offload_unavailable: int = 0  # OFFLOAD answers without a tier (applied as KEEP)
     protected: int = 0

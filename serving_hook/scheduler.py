@@ -69,6 +69,7 @@ from serving_hook.config import HookConfig, build_policy, load_config
 from serving_hook.eviction import EvictionLever
 from serving_hook.guard import Guard, HookStats
 from serving_hook.host_tier import HostTierLever, bind
+from serving_hook.idle import engine_input_queue, wait_for_input
 from serving_hook.model_source import RegistryPolicy, carry_state
 from serving_hook.offload import OffloadTier, tier_of
 from serving_hook.preemption import PreemptionLever
@@ -169,6 +170,8 @@ class KVPilotMixin:
         parts = (self, policy, guard, tr, rows)
         # The levers the policy uses (None: left to vLLM); each module says how it reaches vLLM.
         self._kvp_admission = AdmissionLever(*parts, cfg.max_hold_s) if admission else None
+        #: The engine process's input queue, which an idle held engine waits on (None: in-process engine).
+        self._kvp_inputs = engine_input_queue() if admission else None
         self._kvp_preemption = PreemptionLever(*parts) if preemption else None
         max_pinned = int(cfg.max_pinned_fraction * tr.num_blocks)
         self._kvp_retention = RetentionLever(*parts, max_pinned) if retention else None
@@ -228,14 +231,24 @@ class KVPilotMixin:
             t2 = _perf()
             if held:
                 admission.restore(held, desired)
+        idle = quiet = False  # idle: every waiting request held and nothing ran; quiet: and nothing new to log
+        waited = 0.0
         try:
-            self._kvp_after_schedule(out, now, ev0, len(held))
+            if admission is not None:
+                idle = bool(held) and not out.total_num_scheduled_tokens and not self.running
+                quiet = idle and not admission.logged and admission.quiet_ids is not None
+                if idle:
+                    waited = self._kvp_idle_wait(held, now)
+                else:
+                    admission.busy()
+            self._kvp_after_schedule(out, now, ev0, len(held), log_step=not quiet)
         except Exception as e:
             guard.internal_error("post-schedule", e)
         st = self.kvpilot_stats
+        st.idle_held_steps += idle
         # The hook's own time: its work before and after vLLM's schedule(),
         # plus its work inside it (the allocate_slots wrapper: pins, victims).
-        hook_s = (t1 - t0) + (_perf() - t2) + guard.inner_s
+        hook_s = (t1 - t0) + (_perf() - t2 - waited) + guard.inner_s
         guard.inner_s = 0.0
         st.last_hook_time_s = hook_s
         st.hook_time_s += hook_s
@@ -256,6 +269,8 @@ class KVPilotMixin:
                 self._kvp_guard.internal_error("update_from_output", e)
         outs = super().update_from_output(scheduler_output, model_runner_output)
         rows.end_step()
+        if rows.writer is not None and not self.get_num_unfinished_requests():
+            rows.writer.flush()  # idle: nothing of this engine waits in memory for a kill (telemetry module)
         try:
             if tr.prefilling:
                 tr.first_tokens()
@@ -368,15 +383,32 @@ class KVPilotMixin:
         return blocks
 
     # ====================================================== step bookkeeping
-    def _kvp_after_schedule(self, out: Any, now: float, ev0: int, held: int) -> None:
-        """After vLLM's ``schedule()``: note whom it admitted, count pin hits, stamp the ``steps`` row."""
+    def _kvp_idle_wait(self, held: list, now: float) -> float:
+        """Every waiting request held, nothing ran: wait for a new input or the first hold's release instead of
+        spinning through empty steps (:mod:`serving_hook.idle`). Only on a real-time engine (the simulator's
+        clock jumps to its next event). Returns the seconds waited."""
+        release = self._kvp_admission.idle_release_s(held, now)
+        if release <= 0 or self.kvpilot_clock is not time.time:
+            return 0.0
+        t0 = _perf()
+        if self._kvp_inputs is not None:
+            wait_for_input(self._kvp_inputs, release)
+        else:
+            time.sleep(min(release, self._kvp_admission.fallback_s()))
+        waited = _perf() - t0
+        self.kvpilot_stats.idle_wait_s += waited
+        return waited
+
+    def _kvp_after_schedule(self, out: Any, now: float, ev0: int, held: int, log_step: bool = True) -> None:
+        """After vLLM's ``schedule()``: note whom it admitted, count pin hits, stamp the ``steps`` row
+        (``log_step`` off: a repeated idle held step, not logged)."""
         ret = self._kvp_retention
         heads: Optional[list] = [] if ret is not None and ret.pin_info else None
         admitted, queries, hits = self._kvp_translate.scheduled(out, now, heads)
         if heads:
             ret.note_hits(heads, now)
         rows = self._kvp_rows
-        if rows.writer is None:
+        if rows.writer is None or not log_step:
             return
         pool = self._kvp_pool
         tier = self._kvp_tier

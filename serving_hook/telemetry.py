@@ -6,7 +6,10 @@ writer is closed) the row is dropped and counted, never waited on. A daemon thre
 drains the queue, converts rows to Arrow per table and writes rotating Parquet part
 files ``<out_dir>/<table>/part-<seq:05d>.parquet`` through :mod:`data.io`: a file is
 cut every ``rows_per_file`` rows and at least every ``flush_interval_s`` seconds,
-so files stay bounded and a crash loses at most one interval. Rows are converted
+so files stay bounded and a crash loses at most one interval. :meth:`TelemetryWriter.flush` asks for every
+queued row to be written now without waiting for it; the hook calls it whenever its engine goes idle, so a
+server killed while idle (vLLM's default ``--shutdown-timeout 0`` kills the engine process right after its
+SIGTERM) has lost nothing, and one killed while busy at most the last interval's rows. Rows are converted
 to Arrow as soon as they are drained, so few Python objects stay alive for the
 garbage collector to scan. Rows that fail conversion, or
 :mod:`data.validate`'s checks when their part is written, are found by bisection,
@@ -66,6 +69,8 @@ class _Drain:
         self.written: dict[str, int] = {}
         self.wake = threading.Event()
         self.stop = threading.Event()
+        self.flush_asked = 0  # flush() calls so far; the drain writes everything when it has not seen them all
+        self.flush_done = 0
         self.schemas = {
             name: spec.schema.with_metadata(dict(metadata[name])) if name in metadata else spec.schema
             for name, spec in TELEMETRY_TABLES.items()
@@ -87,7 +92,9 @@ class _Drain:
         while not self.stop.is_set():
             self.wake.wait(self.poll_s)
             self.wake.clear()
-            self.drain(final=False)
+            asked = self.flush_asked
+            self.drain(final=asked != self.flush_done)
+            self.flush_done = asked
         self.drain(final=True)
 
     def close(self) -> None:
@@ -238,6 +245,12 @@ class TelemetryWriter:
         if n == d.wake_at:
             d.wake.set()
         return True
+
+    def flush(self) -> None:
+        """Have the drain thread write every row queued so far, now; returns at once (safe on a hot path)."""
+        d = self._drain
+        d.flush_asked += 1
+        d.wake.set()
 
     def close(self) -> None:
         """Write every queued row and stop the thread; later puts are dropped. Idempotent."""

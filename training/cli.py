@@ -529,6 +529,48 @@ def promote_cmd(
         raise typer.Exit(1)  # refused by the gate
 
 
+@app.command("replay")
+def replay_cmd(
+    url: Annotated[str, typer.Option("--url", help="The vLLM OpenAI server, e.g. http://127.0.0.1:8000.")],
+    workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Requests in flight at most.")] = 64,
+    time_scale: Annotated[float, typer.Option(
+        "--time-scale", help="Factor on the workload's tool and verifier latencies (0: no waits).")] = 1.0,
+    require_hook: Annotated[bool, typer.Option(
+        "--require-hook/--no-require-hook", help="Refuse a server that does not run the kvpilot hook.")] = True,
+    keep_cache: Annotated[bool, typer.Option(
+        "--keep-cache-across-steps", help="Do not reset the server's prefix cache between RL steps (default: "
+        "reset it, as RL frameworks do at weight sync; needs VLLM_SERVER_DEV_MODE=1 on the server).")] = False,
+    timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds one request may take.")] = 600.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+) -> None:
+    """Replay a workload's RL steps against a running vLLM server (a real client), and summarise what it measured."""
+    from simulator.workload import load_workload
+    from training.replay import ReplayConfig, ReplayError, render_replay, replay
+
+    try:
+        cfg = ReplayConfig(url, concurrency, time_scale, timeout_s, require_hook, not keep_cache, progress)
+        prepared = load_workload(workload)
+    except (DataValidationError, ValueError, OSError) as err:
+        raise _fail(str(err)) from None
+    bar = None
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+
+        def bar(total: int):
+            return tqdm(total=total, file=sys.stderr, unit="req", desc="replaying", mininterval=0.5)
+    try:
+        summary = replay(prepared, cfg, bar)
+    except ReplayError as err:
+        raise _fail(str(err)) from None
+    typer.echo(json.dumps(summary, indent=2) if as_json else render_replay(summary))
+    if summary["failed"]:
+        raise typer.Exit(1)
+
+
 @app.command("demo")
 def demo(
     out_dir: Annotated[Path, typer.Option("-o", "--out-dir", help="Where the demo writes its files.")] = Path(

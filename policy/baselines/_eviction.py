@@ -29,8 +29,9 @@ __all__ = [
 ]
 
 def resolve_reuse_predictor(spec: Any, workload: Any = None, *, policy: str = "policy") -> ReusePredictor:
-    """The ``reuse_predictor`` option's predictor: ``"oracle"`` (Belady's next use from ``workload``; hindsight,
-    not deployable) or an object with ``next_use_s(prefixes, now_s)`` (the LightGBM reuse model)."""
+    """The ``reuse_predictor`` option's predictor: ``"auto"`` (``"oracle"`` with a workload, else ``"online"``),
+    ``"oracle"`` (Belady's next use from ``workload``; hindsight, not deployable), ``"online"`` (the online reuse
+    model) or an object with ``next_use_s(prefixes, now_s)`` (the LightGBM reuse model)."""
     return resolve_predictor(REUSE_PREDICTOR, spec, workload, policy=policy)
 
 

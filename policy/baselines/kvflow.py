@@ -15,8 +15,10 @@ cached blocks, every cached prefix with a free block is a candidate; a
 and the order is furthest first (never used again first), ties broken by LRU.
 Every candidate is listed, so the order replaces LRU completely among the
 prefixes the hook tracks (finished requests' prefixes). ``reuse_predictor``:
+``"auto"`` (the default: the hindsight oracle where a simulated ``workload`` is given, else ``"online"``),
 ``"oracle"`` (:class:`policy.predictors.OracleReusePredictor` from the
-simulated ``workload``: hindsight, as in this issue) or any predictor object
+simulated ``workload``: hindsight, as in this issue), ``"online"`` (the online reuse model
+:class:`policy.predictors.OnlineNextUse`: works in a server) or any predictor object
 (the learned reuse model later). ``max_candidates`` caps the candidates (the
 least recently freed ones).
 
@@ -45,7 +47,7 @@ class NextUseEvictionPolicy(ReuseEventsMixin, Policy):
     uses_eviction = True
     uses_events = True  # the predictor learns which requests arrived / ran / finished
 
-    def __init__(self, reuse_predictor: Any = "oracle", max_candidates: Optional[int] = None, workload: Any = None):
+    def __init__(self, reuse_predictor: Any = "auto", max_candidates: Optional[int] = None, workload: Any = None):
         self.reuse = resolve_reuse_predictor(reuse_predictor, workload, policy=type(self).__name__)
         self.max_eviction_candidates = check_count("max_candidates", max_candidates, allow_none=True)
 

@@ -12,7 +12,8 @@ only needs to beat the "Belady boundary", not to rank everything. LPC
 allocation is about to evict cached blocks, draw ``sample_size`` (default 64)
 candidates uniformly without replacement (a ``random.Random(seed)`` owned by
 the policy, so runs repeat), predict their next use with the
-``reuse_predictor`` (``"oracle"`` from the simulated ``workload``, or any
+``reuse_predictor`` (default ``"auto"``: ``"oracle"`` from the simulated ``workload`` where one is given,
+else ``"online"``, the online reuse model that works in a server; or any
 :class:`policy.predictors.ReusePredictor` object), and list the sampled
 prefixes furthest-first until their blocks cover the allocation
 (``num_blocks_needed``; at least one prefix). Prefixes not listed keep LRU
@@ -53,7 +54,7 @@ class SampledNextUseEvictionPolicy(ReuseEventsMixin, Policy):
         self,
         sample_size: int = 64,
         seed: int = 0,
-        reuse_predictor: Any = "oracle",
+        reuse_predictor: Any = "auto",
         max_candidates: Optional[int] = None,
         workload: Any = None,
     ):

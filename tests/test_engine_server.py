@@ -1,0 +1,180 @@
+"""The hook inside a real vLLM OpenAI server (vLLM 0.32's CPU build, ``.venv-engine``), driven by ``kvpilot replay``.
+
+Two servers per module (start-up ~40 s each): the hook with ``vllm-default`` and telemetry, and stock vLLM.
+Both use 32-token blocks (the smallest the CPU attention kernel takes) and the shipped tiny model.
+
+* ``kvpilot replay`` and ``kvpilot simulate`` agree on the workload's requests, turns and prefix-cache hits.
+  The simulator's vLLM uses 16-token blocks: a request whose prompt shares L tokens with what is cached hits
+  ``L // 16 * 16`` there and ``L // 32 * 32`` here, so its hits are compared at 32-token blocks
+  (``c // 32 * 32`` of the simulator's ``c``). Without eviction the hits do not depend on timing.
+* Identity: under ``vllm-default`` the hook's server generates the same token ids and counts the same
+  ``/metrics`` prefix-cache queries, hits and preemptions as stock vLLM for the same replay.
+* Bad input: an unreachable URL, a server without the hook, a request longer than the model's max length.
+* Shutdown: after a SIGTERM to the API server with vLLM's default shutdown settings, every finished request
+  has its telemetry row (the last test of the module: it stops the hook's server).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from tests.engine_server import start_server
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+SERVER_ARGS = ("--block-size", "32", "--enforce-eager")
+SERVER_BLOCK = 32
+
+
+def tiny_workload(seed: int = 3, steps: int = 2, prompts: int = 8, max_tokens: int = 32):
+    """A small RL workload (math, code, a multi-turn agent, reward-model scoring) that fits the tiny model."""
+    from data.synth import SynthConfig, generate
+
+    base = SynthConfig.preset("short")
+    domains = {k: dataclasses.replace(d, max_tokens=max_tokens,
+                                      max_context_tokens=2048 if d.tool else d.max_context_tokens)
+               for k, d in base.domains.items()}
+    return generate(dataclasses.replace(base, steps=steps, prompts_per_step=prompts, group_size=2, seed=seed,
+                                        domains=domains))
+
+
+@pytest.fixture(scope="module")
+def workload_file(tmp_path_factory):
+    from data.io import write_workload
+
+    path = tmp_path_factory.mktemp("wl") / "workload.parquet"
+    write_workload(tiny_workload(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def telemetry_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("telemetry")
+
+
+@pytest.fixture(scope="module")
+def hook_server(tmp_path_factory, telemetry_dir):
+    with start_server(tmp_path_factory.mktemp("hook"), env={"KVPILOT_TELEMETRY_DIR": str(telemetry_dir)},
+                      args=SERVER_ARGS) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stock_server(tmp_path_factory):
+    with start_server(tmp_path_factory.mktemp("stock"), hook=False, args=SERVER_ARGS) as server:
+        yield server
+
+
+def cli(*args: str):
+    from training.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def replay_json(url: str, workload: Path, *extra: str) -> dict:
+    result = cli("replay", "--url", url, "-w", str(workload), "--time-scale", "0", "--no-progress", "--json", *extra)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_replay_agrees_with_simulate(hook_server, workload_file, tmp_path):
+    from simulator.simulation import run_simulation
+    from simulator.workload import load_workload
+
+    served = replay_json(hook_server.url, workload_file)
+    prepared = load_workload(workload_file)
+    sim = run_simulation(prepared, "vllm-default", out_dir=tmp_path / "sim", progress=False)
+    n = prepared.num_rows
+    assert served["failed"] == 0, served["failures"]
+    assert served["requests"] == sim.summary["requests"] == n
+    assert served["turns"] == sim.summary["turns"]
+    assert served["trajectories"] == sim.summary["trajectories"]
+    assert served["output_tokens"] == sim.summary["output_tokens"]
+    assert served["cache_resets"] == len(prepared.steps) - 1  # the weight sync between steps, as simulated
+    assert served["prefix_cache_queries"] == served["prompt_tokens"] == sum(prepared.prompt_tokens)
+    sim_cached = np.asarray(sim.requests.column("cached_tokens").to_pylist())
+    expected = int((sim_cached // SERVER_BLOCK * SERVER_BLOCK).sum())
+    assert expected > 0.3 * served["prompt_tokens"]  # a workload that does share
+    assert served["cached_tokens"] == served["prefix_cache_hits"]
+    assert abs(served["cached_tokens"] - expected) <= 0.02 * expected, (served["cached_tokens"], expected)
+    assert served["makespan_s"] > 0 and len(served["makespan_per_step_s"]) == len(prepared.steps)
+
+
+def test_identity_with_stock_vllm(hook_server, stock_server, workload_file):
+    """Same replay, same generated ids and the same /metrics counters, with and without the hook."""
+    from simulator.workload import load_workload
+    from training.replay import ReplayConfig, replay
+
+    prepared = load_workload(workload_file)
+    runs = {}
+    for name, server in (("hook", hook_server), ("stock", stock_server)):
+        cfg = ReplayConfig(server.url, concurrency=1, time_scale=0.0, require_hook=False, progress=False)
+        runs[name] = replay(prepared, cfg, outputs=True)
+    hook, stock = runs["hook"], runs["stock"]
+    assert hook["failed"] == stock["failed"] == 0
+    assert hook["outputs"] == stock["outputs"]
+    assert len(hook["outputs"]) == prepared.num_rows
+    for key in ("prefix_cache_queries", "prefix_cache_hits", "preemptions", "cached_tokens"):
+        assert hook[key] == stock[key], key
+    assert hook["prefix_cache_hits"] > 0
+    assert hook["hook"] == {"policy": "vllm-default"} and stock["hook"] is None
+
+
+def test_replay_refuses_an_unreachable_server(workload_file, tmp_path):
+    result = cli("replay", "--url", "http://127.0.0.1:9", "-w", str(workload_file), "--no-progress", "--json")
+    assert result.exit_code == 2
+    assert "cannot reach the server at http://127.0.0.1:9" in result.output
+    assert "{" not in result.stdout
+
+
+def test_replay_refuses_a_server_without_the_hook(stock_server, workload_file):
+    before = stock_server.metrics()
+    result = cli("replay", "--url", stock_server.url, "-w", str(workload_file), "--no-progress", "--json")
+    assert result.exit_code == 2
+    assert "does not run the kvpilot hook" in result.output and stock_server.url in result.output
+    assert "{" not in result.stdout
+    assert _successes(stock_server.metrics()) == _successes(before)  # nothing was sent
+
+
+def test_replay_refuses_a_request_longer_than_the_model(hook_server, tmp_path):
+    from data.io import write_workload
+
+    path = tmp_path / "long.parquet"
+    table = tiny_workload(seed=4, steps=1, prompts=2, max_tokens=4000)
+    write_workload(table, path)
+    before = hook_server.metrics()
+    result = cli("replay", "--url", hook_server.url, "-w", str(path), "--no-progress", "--json")
+    assert result.exit_code == 2
+    assert "more than the max_model_len 4096" in result.output and "--max-model-len" in result.output
+    assert "{" not in result.stdout
+    assert _successes(hook_server.metrics()) == _successes(before)
+
+
+def _successes(metrics: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(metrics) if f.name == "vllm:request_success"
+               for s in f.samples if s.name.endswith("_total"))
+
+
+def test_sigterm_keeps_every_telemetry_row(hook_server, telemetry_dir):
+    """Last: requests finish, the API server gets SIGTERM at once (default --shutdown-timeout 0); every request
+    it finished has its row."""
+    for i in range(6):
+        body = {"model": "tiny-llama", "prompt": list(range(100 + i, 400 + i)), "max_tokens": 16, "min_tokens": 16,
+                "ignore_eos": True, "vllm_xargs": {"kvpilot_session_id": f"term-{i}"}}
+        httpx.post(f"{hook_server.url}/v1/completions", json=body, timeout=120).raise_for_status()
+    finished = _successes(hook_server.metrics())
+    hook_server.stop()
+    rows = pq.read_table(telemetry_dir / "requests")
+    assert finished >= 6
+    assert rows.num_rows == finished
+    assert {f"term-{i}" for i in range(6)} <= set(rows.column("session_id").to_pylist())

@@ -1,0 +1,93 @@
+"""``kvpilot replay`` without a server: its checks, its prompts, its /metrics parsing, and its CLI errors.
+(Against a real server: tests/test_engine_server.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from training.replay import ReplayConfig, ReplayError, ServerInfo, _Replayer, check_fits, parse_counters
+
+METRICS = """\
+# HELP kvpilot_hook_info The kvpilot scheduler hook runs in this server's engine
+# TYPE kvpilot_hook_info gauge
+kvpilot_hook_info{policy="working-set"} 1.0
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 20.0
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64.0
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 3.0
+"""
+
+
+@pytest.fixture(scope="module")
+def workload():
+    from data.synth import SynthConfig, generate
+    from simulator.workload import prepare_workload
+
+    base = SynthConfig.preset("short")
+    domains = {k: dataclasses.replace(d, max_tokens=24) for k, d in base.domains.items()}
+    return prepare_workload(generate(dataclasses.replace(base, steps=1, prompts_per_step=8, group_size=2, seed=2,
+                                                         domains=domains)))
+
+
+def test_counters_sum_over_engines_and_find_the_hook():
+    counters, hook = parse_counters(METRICS)
+    assert counters == {"prefix_cache_queries": 120.0, "prefix_cache_hits": 64.0, "preemptions": 3.0}
+    assert hook == {"policy": "working-set"}
+    assert parse_counters(METRICS.split("# TYPE vllm:prefix")[0].replace("kvpilot", "other"))[1] is None
+
+
+@pytest.mark.parametrize("kwargs, match", [({"concurrency": 0}, "--concurrency"), ({"time_scale": -1.0}, "--time-scale"),
+                                           ({"time_scale": float("nan")}, "--time-scale")])
+def test_config_refuses_bad_values(kwargs, match):
+    with pytest.raises(ReplayError, match=match):
+        ReplayConfig("http://x", **kwargs)
+
+
+def test_a_request_longer_than_the_model_is_named(workload):
+    need = np.asarray(workload.prompt_tokens) + np.asarray(workload.output_tokens)
+    check_fits(workload, int(need.max()), "http://s")
+    with pytest.raises(ReplayError) as err:
+        check_fits(workload, int(need.max()) - 1, "http://s")
+    longest = workload.request_id[int(np.argmax(need))]
+    assert f"request {longest} needs {need.max()} tokens" in str(err.value)
+    assert "max_model_len" in str(err.value) and "http://s" in str(err.value)
+
+
+def test_prompts_carry_what_the_stream_generated(workload):
+    """A later request of a stream reads the tokens its predecessors really generated, where the workload has
+    their outputs; the rest is the workload's expansion, so prefix sharing stays exact."""
+    w = workload
+    rep = _Replayer(w, ReplayConfig("http://x"), None, ServerInfo("m", 4096, None, {}), None)
+    sessions = [s for s in w.sessions if s.scoring or len(s.turns) > 1]
+    assert sessions
+    s = sessions[0]
+    first = s.turns[0]
+    later = (s.turns[1:] + s.scoring)[0]
+    start, n = w.prompt_tokens[first], w.output_tokens[first]
+    assert rep.prompt(later) == w.tokens.prompt_ids(later).tolist()  # nothing generated yet
+    generated = [7] * n
+    rep.generated[int(w.tokens.stream[first])] = [(start, generated)]
+    ids = rep.prompt(later)
+    expected = w.tokens.prompt_ids(later)
+    expected[start : start + n] = generated[: len(expected) - start]
+    assert ids == expected.tolist() and ids[start] == 7 and ids[:start] == w.tokens.prompt_ids(first).tolist()
+    body = rep.body(later)
+    assert body["max_tokens"] == body["min_tokens"] == w.output_tokens[later] and body["ignore_eos"] is True
+    assert body["vllm_xargs"]["kvpilot_session_id"] == w.session_id[later]
+    assert all(v is not None for v in body["vllm_xargs"].values())
+
+
+def test_cli_exits_2_on_a_missing_workload(tmp_path):
+    from training.cli import app
+
+    result = CliRunner().invoke(app, ["replay", "--url", "http://127.0.0.1:9", "-w", str(tmp_path / "none.parquet"),
+                                      "--no-progress"])
+    assert result.exit_code == 2
+    assert "none.parquet" in result.output

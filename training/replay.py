@@ -1,0 +1,404 @@
+"""``kvpilot replay``: a workload's RL steps against a running OpenAI-compatible vLLM server, as a rollout client.
+
+It drives the server as :mod:`simulator.drivers` drives the simulated engine: each RL step released at once
+(every trajectory's first turn), each session's next turn sent after its turn's ``tool_latency_s``, a
+trajectory's verifier and reward-model scoring requests after its last turn, each scoring request parsed for
+its own ``verify_latency_s``, and the next step released when the last trajectory of this one is verified
+(the step barrier). Waits scale by ``time_scale`` (0: none).
+
+Prompts are token ids: the workload's hash chains expanded (:class:`simulator.tokens.WorkloadTokens`), with
+the tokens each earlier request of the stream really generated put where the workload has its output, as an
+agent framework builds the next turn's context; so the server sees exactly the workload's prefix sharing. The
+output length is forced (``max_tokens`` = ``min_tokens`` = the workload's ``output_tokens``, ``ignore_eos``).
+Each request names its session the ways frameworks do: the ``X-Session-ID`` header and ``vllm_xargs`` with the
+``kvpilot_*`` keys the hook reads (:mod:`serving_hook.metadata`).
+
+Before anything is sent the server is checked (reachable, its model's ``max_model_len`` fits every request,
+the kvpilot hook present unless ``require_hook`` is off): a failure raises :class:`ReplayError` naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import httpx
+import numpy as np
+
+from simulator.workload import PreparedWorkload
+
+__all__ = ["ReplayConfig", "ReplayError", "probe", "replay", "render_replay"]
+
+#: The /metrics line the kvpilot plugin adds in a server that runs the hook (serving_hook.plugin).
+HOOK_METRIC = "kvpilot_hook_info"
+_COUNTERS = {
+    "prefix_cache_queries": "vllm:prefix_cache_queries",
+    "prefix_cache_hits": "vllm:prefix_cache_hits",
+    "preemptions": "vllm:num_preemptions",
+}
+
+
+class ReplayError(ValueError):
+    """A replay that cannot start: the server, its model or the workload (the message names which)."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How to replay: the server, the client's concurrency and time scale, the RL framework's cache reset."""
+
+    url: str
+    concurrency: int = 64
+    time_scale: float = 1.0
+    timeout_s: float = 600.0
+    require_hook: bool = True
+    #: Reset the server's prefix cache before every step after the first (weight sync), as `simulate` does by
+    #: default; needs the server's ``/reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``), else a warning.
+    reset_between_steps: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ReplayError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if not math.isfinite(self.time_scale) or self.time_scale < 0:
+            raise ReplayError(f"--time-scale must be >= 0, got {self.time_scale}")
+
+
+@dataclass
+class ServerInfo:
+    """What the replay learned of the server before sending anything."""
+
+    model: str
+    max_model_len: int
+    hook: Optional[dict[str, str]]  # the hook's labels in /metrics, None without it
+    counters: dict[str, float]
+
+
+@dataclass
+class _Run:
+    """Per-run records: request timings and counts, trajectory and step spans."""
+
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    cached_tokens: Optional[int] = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    completed: int = 0
+    turns: int = 0
+    failed: list[str] = field(default_factory=list)
+    trajectories: list[float] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+    resets: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+
+def _base(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def parse_counters(text: str) -> tuple[dict[str, float], Optional[dict[str, str]]]:
+    """The replay's counters (summed over label sets) and the hook's labels, from a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(_COUNTERS, 0.0)
+    hook = None
+    names = {v: k for k, v in _COUNTERS.items()}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == HOOK_METRIC:
+            hook = dict(fam.samples[0].labels) if fam.samples else {}
+        key = names.get(fam.name)
+        if key is None:
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_total"):
+                totals[key] += s.value
+    return totals, hook
+
+
+async def probe(client: httpx.AsyncClient, url: str) -> ServerInfo:
+    """The server's model, its max_model_len, the hook and the counters now; :class:`ReplayError` if unreachable."""
+    base = _base(url)
+    try:
+        models = await client.get(f"{base}/v1/models")
+        models.raise_for_status()
+        metrics = await client.get(f"{base}/metrics")
+        metrics.raise_for_status()
+    except httpx.HTTPStatusError as e:
+        raise ReplayError(f"the server at {url} answered {e.response.status_code} to {e.request.url}: "
+                          "is it a vLLM OpenAI server?") from None
+    except httpx.HTTPError as e:
+        raise ReplayError(f"cannot reach the server at {url} ({type(e).__name__}: {e})") from None
+    try:
+        card = models.json()["data"][0]
+        model, max_len = str(card["id"]), int(card["max_model_len"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ReplayError(f"the server at {url} lists no model with a max_model_len on /v1/models") from None
+    counters, hook = parse_counters(metrics.text)
+    return ServerInfo(model, max_len, hook, counters)
+
+
+def check_fits(workload: PreparedWorkload, max_model_len: int, url: str) -> None:
+    """Every request's prompt plus forced output within the served model's max_model_len, else ReplayError."""
+    need = np.asarray(workload.prompt_tokens) + np.asarray(workload.output_tokens)
+    over = np.flatnonzero(need > max_model_len)
+    if over.size:
+        r = int(over[np.argmax(need[over])])
+        raise ReplayError(
+            f"request {workload.request_id[r]} needs {need[r]} tokens (prompt {workload.prompt_tokens[r]} + output "
+            f"{workload.output_tokens[r]}), more than the max_model_len {max_model_len} of the model served at "
+            f"{url}; {over.size} request(s) do not fit: start the server with a larger --max-model-len")
+
+
+class _Replayer:
+    """One replay: the HTTP client, the workload's streams as sent so far, the records."""
+
+    def __init__(self, workload: PreparedWorkload, cfg: ReplayConfig, client: httpx.AsyncClient, info: ServerInfo,
+                 bar: Any) -> None:
+        self.w = workload
+        self.cfg = cfg
+        self.client = client
+        self.info = info
+        self.bar = bar
+        self.sem = asyncio.Semaphore(cfg.concurrency)
+        self.run = _Run()
+        #: per stream: (start position, generated ids) of its requests' outputs, in the order they finished
+        self.generated: dict[int, list[tuple[int, list[int]]]] = {}
+        self.url = f"{_base(cfg.url)}/v1/completions"
+        self.outputs: Optional[dict[str, list[int]]] = None  # request id -> generated ids, when recorded
+
+    def prompt(self, row: int) -> list[int]:
+        """The row's prompt ids, with the outputs its stream's earlier requests generated in their places."""
+        ids = self.w.tokens.prompt_ids(row)
+        n = len(ids)
+        for start, out in self.generated.get(int(self.w.tokens.stream[row]), ()):
+            if start < n:
+                ids[start : min(n, start + len(out))] = out[: n - start]
+        return ids.tolist()
+
+    def body(self, row: int) -> dict[str, Any]:
+        w = self.w
+        xargs = {
+            "kvpilot_domain": w.domain[row],
+            "kvpilot_paradigm": w.paradigm[row],
+            "kvpilot_group_id": w.group_id[row],
+            "kvpilot_group_size": w.group_size[row],
+            "kvpilot_session_id": w.session_id[row],
+            "kvpilot_turn": w.turn[row],
+            "kvpilot_step": w.step[row],
+            "kvpilot_prompt_id": w.prompt_id[row],
+            "kvpilot_tool": w.tool[row],
+        }
+        out = w.output_tokens[row]
+        return {
+            "model": self.info.model,
+            "prompt": self.prompt(row),
+            "max_tokens": out,
+            "min_tokens": out,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "vllm_xargs": {k: v for k, v in xargs.items() if v is not None},
+        }
+
+    async def request(self, row: int) -> bool:
+        """Send one row and stream its answer; records its timings and generated ids. False if it failed."""
+        w = self.w
+        body = self.body(row)
+        headers = {"X-Session-ID": w.session_id[row], "X-Request-Id": w.request_id[row]}
+        ids: list[int] = []
+        usage: Mapping[str, Any] = {}
+        async with self.sem:
+            t0 = time.perf_counter()
+            first = None
+            try:
+                async with self.client.stream("POST", self.url, json=body, headers=headers) as resp:
+                    if resp.status_code != 200:
+                        text = (await resp.aread()).decode(errors="replace")[:500]
+                        raise RuntimeError(f"HTTP {resp.status_code}: {text}")
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        for choice in chunk.get("choices") or ():
+                            got = choice.get("token_ids") or ()
+                            if got and first is None:
+                                first = time.perf_counter()
+                            ids.extend(got)
+                        usage = chunk.get("usage") or usage
+            except Exception as e:  # noqa: BLE001 -- one request's failure is counted, the replay goes on
+                self.fail(row, f"{type(e).__name__}: {e}")
+                return False
+            t1 = time.perf_counter()
+        if len(ids) != w.output_tokens[row]:
+            self.fail(row, f"generated {len(ids)} tokens, expected {w.output_tokens[row]}")
+            return False
+        r = self.run
+        r.completed += 1
+        r.turns += w.kind[row] == "rollout"
+        r.prompt_tokens += w.prompt_tokens[row]
+        r.output_tokens += len(ids)
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        r.cached_tokens = r.cached_tokens + cached if cached is not None and r.cached_tokens is not None else None
+        if first is not None:
+            r.ttft.append(first - t0)
+            if len(ids) > 1:
+                r.tpot.append((t1 - first) / (len(ids) - 1))
+        self.generated.setdefault(int(w.tokens.stream[row]), []).append((w.prompt_tokens[row], ids))
+        if self.outputs is not None:
+            self.outputs[w.request_id[row]] = ids
+        if self.bar is not None:
+            self.bar.update(1)
+        return True
+
+    def fail(self, row: int, why: str) -> None:
+        self.run.failed.append(f"{self.w.request_id[row]}: {why}")
+        if self.bar is not None:
+            self.bar.update(1)
+
+    async def wait(self, seconds: Optional[float]) -> None:
+        if seconds and self.cfg.time_scale > 0:
+            await asyncio.sleep(seconds * self.cfg.time_scale)
+
+    async def scoring(self, row: int) -> None:
+        """A reward-model request, then its answer parsed."""
+        if await self.request(row):
+            await self.wait(self.w.verify_latency_s[row])
+
+    async def trajectory(self, turns: tuple[int, ...], scoring: tuple[int, ...], start: float) -> None:
+        """A session's turns with their tool calls between, then its verifier beside its scoring requests."""
+        w = self.w
+        for i, row in enumerate(turns):
+            if not await self.request(row):
+                return  # the trajectory is lost; its later turns are never sent
+            if i + 1 < len(turns):
+                await self.wait(w.tool_latency_s[row])
+        await asyncio.gather(self.wait(w.verify_latency_s[turns[-1]]), *(self.scoring(s) for s in scoring))
+        self.run.trajectories.append(time.perf_counter() - start)
+
+    async def reset_cache(self) -> None:
+        """Weight sync between steps: the server's prefix cache reset (warned once where it cannot be)."""
+        try:
+            resp = await self.client.post(f"{_base(self.cfg.url)}/reset_prefix_cache")
+            ok = resp.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            self.run.resets += 1
+        elif not self.run.warnings:
+            self.run.warnings.append("the server has no /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1): "
+                                     "the prefix cache was kept across steps")
+
+    async def all_steps(self) -> None:
+        w = self.w
+        by_step: dict[int, list] = {s: [] for s in w.steps}
+        for s in w.sessions:
+            by_step[s.step].append(s)
+        for i, step in enumerate(w.steps):
+            if i and self.cfg.reset_between_steps:
+                await self.reset_cache()
+            t0 = time.perf_counter()
+            await asyncio.gather(*(self.trajectory(s.turns, s.scoring, t0) for s in by_step[step]))
+            self.run.steps.append(time.perf_counter() - t0)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+async def _replay(workload: PreparedWorkload, cfg: ReplayConfig, bar_factory: Any, outputs: bool) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        info = await probe(client, cfg.url)
+        if cfg.require_hook and info.hook is None:
+            raise ReplayError(f"the server at {cfg.url} does not run the kvpilot hook (no {HOOK_METRIC} in its "
+                              "/metrics): start it with --scheduler-cls serving_hook.KVPilotScheduler, or "
+                              "replay with --no-require-hook")
+        check_fits(workload, info.max_model_len, cfg.url)
+        bar = bar_factory(workload.num_rows) if bar_factory is not None else None
+        rep = _Replayer(workload, cfg, client, info, bar)
+        if outputs:
+            rep.outputs = {}
+        t0 = time.perf_counter()
+        try:
+            await rep.all_steps()
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.perf_counter() - t0
+        after = (await probe(client, cfg.url)).counters
+    summary = _summary(rep.run, info, after, wall)
+    if outputs:
+        summary["outputs"] = rep.outputs
+    return summary
+
+
+def _summary(r: _Run, info: ServerInfo, after: dict[str, float], wall: float) -> dict[str, Any]:
+    """The simulator's summary keys that a client measures, plus the server's counters over the replay."""
+    delta = {k: int(round(after[k] - info.counters[k])) for k in _COUNTERS}
+    if r.cached_tokens is not None and r.prompt_tokens:
+        hit_rate = r.cached_tokens / r.prompt_tokens
+    else:
+        q = delta["prefix_cache_queries"]
+        hit_rate = delta["prefix_cache_hits"] / q if q else 0.0
+    return {
+        "requests": r.completed,
+        "failed": len(r.failed),
+        "failures": r.failed[:10],
+        "turns": r.turns,
+        "trajectories": len(r.trajectories),
+        "makespan_s": float(np.mean(r.steps)) if r.steps else 0.0,
+        "makespan_per_step_s": r.steps,
+        "replay_s": wall,
+        "output_tokens": r.output_tokens,
+        "tokens_per_s": r.output_tokens / wall if wall > 0 else 0.0,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "prefix_hit_rate": hit_rate,
+        **delta,
+        "trajectory_p50_s": _pct(r.trajectories, 50),
+        "trajectory_p99_s": _pct(r.trajectories, 99),
+        "ttft_p50_s": _pct(r.ttft, 50),
+        "ttft_p99_s": _pct(r.ttft, 99),
+        "tpot_p50_s": _pct(r.tpot, 50),
+        "tpot_p99_s": _pct(r.tpot, 99),
+        "cache_resets": r.resets,
+        "model": info.model,
+        "hook": info.hook,
+        "warnings": r.warnings,
+    }
+
+
+def replay(workload: PreparedWorkload, cfg: ReplayConfig, bar_factory: Any = None,
+           outputs: bool = False) -> dict[str, Any]:
+    """Replay a prepared workload's RL steps against ``cfg.url``; the summary. :class:`ReplayError` before any
+    request is sent when the server or the workload is unfit. ``bar_factory(total)``: a progress bar, or None.
+    ``outputs``: add ``outputs``, each completed request's generated token ids by request id."""
+    if workload.trace:
+        raise ReplayError("the workload is a trace (arrival_s set): replay drives RL steps only")
+    return asyncio.run(_replay(workload, cfg, bar_factory, outputs))
+
+
+def render_replay(s: Mapping[str, Any]) -> str:
+    """The summary as a short table."""
+    lines = [
+        f"requests            {s['requests']} ({s['failed']} failed), {s['turns']} turns, {s['trajectories']} "
+        "trajectories",
+        f"makespan            {s['makespan_s']:.2f} s mean over {len(s['makespan_per_step_s'])} step(s): "
+        + ", ".join(f"{m:.2f}" for m in s["makespan_per_step_s"]),
+        f"trajectory p50/p99  {s['trajectory_p50_s']:.2f} / {s['trajectory_p99_s']:.2f} s",
+        f"TTFT p50/p99        {s['ttft_p50_s'] * 1e3:.0f} / {s['ttft_p99_s'] * 1e3:.0f} ms",
+        f"TPOT p50/p99        {s['tpot_p50_s'] * 1e3:.1f} / {s['tpot_p99_s'] * 1e3:.1f} ms",
+        f"output tokens       {s['output_tokens']} ({s['tokens_per_s']:.0f}/s)",
+        f"prefix cache        hit rate {s['prefix_hit_rate']:.3f}; /metrics: {s['prefix_cache_hits']} hits of "
+        f"{s['prefix_cache_queries']} queried tokens",
+        f"preemptions         {s['preemptions']}",
+    ]
+    return "\n".join(lines + [f"warning: {w}" for w in s["warnings"]] + [f"failed: {f}" for f in s["failures"]])
