@@ -63,7 +63,7 @@ class RequestMeta:
     Read by the hook from ``SamplingParams.extra_args`` (``kvpilot_domain``,
     ``kvpilot_paradigm``, ``kvpilot_group_id``, ``kvpilot_group_size``,
     ``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``, ``kvpilot_step``,
-    ``kvpilot_prompt_id``). ``prompt_id`` names the dataset prompt, stable
+    ``kvpilot_prompt_id``, ``kvpilot_weight_version``). ``prompt_id`` names the dataset prompt, stable
     across RL steps when the prompt recurs.
     """
 
@@ -76,6 +76,8 @@ class RequestMeta:
     tool: Optional[str] = None
     step: Optional[int] = None
     prompt_id: Optional[str] = None
+    #: The weight version the request's group started at (asynchronous RL; its prefix cache is salted by it).
+    weight_version: Optional[int] = None
 
 
 #: Names of :meth:`CandidateRequest.features`, in order.

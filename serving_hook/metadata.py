@@ -5,7 +5,7 @@ per key for the life of the process; nothing here ever raises into vLLM.
 
 Keys (DESIGN.md): ``kvpilot_domain``, ``kvpilot_paradigm``,
 ``kvpilot_group_id``, ``kvpilot_group_size``, ``kvpilot_session_id``,
-``kvpilot_turn``, ``kvpilot_tool``, ``kvpilot_step``, ``kvpilot_prompt_id``.
+``kvpilot_turn``, ``kvpilot_tool``, ``kvpilot_step``, ``kvpilot_prompt_id``, ``kvpilot_weight_version``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ _KEYS: dict[str, tuple[str, str, int]] = {
     "kvpilot_tool": ("tool", "str", 0),
     "kvpilot_step": ("step", "int", 0),
     "kvpilot_prompt_id": ("prompt_id", "str", 0),
+    "kvpilot_weight_version": ("weight_version", "int", 0),
 }
 
 _warned: set[str] = set()

@@ -129,6 +129,9 @@ class AsyncDriver(StepDriver):
         self.cache_epoch[row] = traj.version if self.spec.weight_sync == "keep" else self._epoch
         super().submit(row, t)
 
+    def _extra_args(self, row: int) -> dict[str, Any]:
+        return {**super()._extra_args(row), "kvpilot_weight_version": self.traj_of_row[row].version}
+
     # ------------------------------------------------------------------ admission
     def start(self) -> None:
         self.clock.push(0.0, RELEASE, 0)

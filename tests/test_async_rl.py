@@ -185,3 +185,41 @@ def test_cli_bad_async_settings_exit_2(tmp_path: Path, args: list[str], match: s
     assert res.exit_code == 2, res.output
     assert match in res.output
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.slow
+def test_every_policy_and_router_runs_async(vllm_engine: Any) -> None:
+    """Every baseline (rollpacker's tail batching, a synchronous driver of its own, is a named error) and every
+    router runs under the async driver and trains every trajectory."""
+    from simulator.routers import ROUTERS
+    from training.evaluate import resolve_policies
+
+    w = prepare_workload(_tiny(seed=3, steps=2, prompts=1))
+    opts: dict[str, Any] = dict(driver="async", async_rl=AsyncRL(1, "keep"), kv_fraction=1.0, decode_stride=8,
+                                progress=False)
+    for name in resolve_policies("all") + ["version-aware"]:
+        if name == "rollpacker":
+            with pytest.raises(SimulationError, match="tail batching"):
+                Simulation(w, name, **opts)
+            continue
+        assert run_simulation(w, name, **opts).summary["trajectories"] == len(w.sessions), name
+    for router in ROUTERS:
+        s = run_simulation(w, "vllm-default", replicas=2, router=router, **opts).summary
+        assert s["trajectories"] == len(w.sessions), router
+
+
+def test_version_aware_eviction_lists_dead_versions_first() -> None:
+    from data.records import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
+    from policy.catalog import create_policy
+
+    p = create_policy("version-aware")
+    meta = {v: RequestMeta(session_id=f"s{v}", weight_version=v) for v in (0, 1)}
+    for v in (0, 1):
+        p.on_event(Event(EventKind.ARRIVED, 0.0, f"r{v}", meta[v]))
+    p.on_event(Event(EventKind.FINISHED, 1.0, "r0", meta[0], finish_reason="stop"))  # version 0: no live session
+    p.on_event(Event(EventKind.FINISHED, 1.0, "r1", meta[1], finish_reason="tool_call"))  # still live
+    prefixes = [CachedPrefix(f"r{v}", f"r{v}", OwnerState.FINISHED, meta[v], (v,), (v,), 1.0) for v in (1, 0)]
+    decision = p.evict(prefixes, 1, None)
+    assert p.live_versions() == {1} and list(decision.order) == ["r0"]
+    unversioned = [CachedPrefix("x", "x", OwnerState.FINISHED, RequestMeta(session_id="x"), (5,), (5,), 0.0)]
+    assert p.evict(unversioned, 1, None) is None  # synchronous runs: LRU

@@ -203,7 +203,8 @@ def _trainer_spec(driver: str, trainer: bool, train_batch: Optional[int]):
 
 def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fractions: list, replicas: list[int],
                  staleness: str, weight_sync: str, admission: str, trainer: object, progress: bool, as_json: bool,
-                 *, policy_options: Optional[str] = None, **sim_options: object) -> None:
+                 *, policy_options: Optional[str] = None, learned_model: Optional[Path] = None,
+                 **sim_options: object) -> None:
     """``--driver async``: the synchronous run and every (eta, mode) async run per policy x KV x replicas."""
     from simulator.config import ADMISSIONS, WEIGHT_SYNC_MODES, SimulationError
     from simulator.workload import load_workload
@@ -235,9 +236,11 @@ def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fraction
                 for reps in replicas:
                     sub = out_dir if len(policies) * len(kv_fractions) * len(replicas) == 1 else \
                         out_dir / f"{policy}-kv{'gpu' if kv is None else f'{kv:g}'}-r{reps}"
+                    mine = {**options, "model": str(learned_model)} if policy == "learned" and learned_model \
+                        else options
                     rows += sweep(prepared, sub, policy, etas, modes, kv_fraction=kv, replicas=reps,
                                   admission=admission, progress=progress,
-                                  sim_options={**sim_options, "trainer": trainer, "policy_options": options})
+                                  sim_options={**sim_options, "trainer": trainer, "policy_options": mine})
     except SimulationError as err:
         raise _fail(str(err)) from None
     write_sweep(rows, out_dir)
@@ -439,6 +442,12 @@ def evaluate_cmd(
         "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
         "every step, as RL frameworks do at weight sync).")] = False,
     offload_gib: OffloadGib = DEFAULT_OFFLOAD_GIB,
+    driver: DriverOpt = "sync",
+    staleness: StalenessOpt = "1",
+    weight_sync: WeightSyncOpt = "keep",
+    train_batch: TrainBatchOpt = None,
+    trainer: TrainerOpt = False,
+    admission: AdmissionOpt = "staleness",
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import (BACKENDS, DEFAULT_KV_FRACTIONS, EvaluationError, build_cases, evaluate,
@@ -477,6 +486,16 @@ def evaluate_cmd(
         cases = build_cases(names, kvs, reps, router_names, kv_totals=totals)
     except EvaluationError as err:
         raise _fail(str(err)) from None
+    trainer_spec = _trainer_spec(driver, trainer, train_batch)
+    if driver == "async":  # in this process, case after case (each sweep runs sync and every eta x mode)
+        if totals is not None:
+            raise _fail("--driver async takes --kv-fractions, not --kv-total")
+        _async_sweep(workload, out_dir, names, list(dict.fromkeys(kvs)), list(dict.fromkeys(reps)), staleness,
+                     weight_sync, admission, trainer_spec, progress, False, router=router_names[0],
+                     preset=preset, decode_stride=decode_stride, keep_cache_across_steps=keep_cache,
+                     offload_gib=offload_gib, decision_log=full_telemetry, kv_event_log=full_telemetry,
+                     learned_model=model)
+        return
     where = f"{jobs} job(s)" if backend == "process" else f"Ray at {address}" if address else \
         f"a local Ray instance of {jobs} CPU(s)"
     sizes = f"{len(set(kvs))} KV size(s)" if kvs is not None else f"{len(set(totals))} fleet KV size(s)"
@@ -490,7 +509,8 @@ def evaluate_cmd(
                           preset=preset, jobs=jobs, backend=backend, address=address, progress=progress,
                           decode_stride=decode_stride, resume=resume,
                           full_telemetry=full_telemetry,
-                          sim_options={"keep_cache_across_steps": keep_cache, "offload_gib": offload_gib},
+                          sim_options={"keep_cache_across_steps": keep_cache, "offload_gib": offload_gib,
+                                       **({"trainer": trainer_spec} if trainer_spec is not None else {})},
                           policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None

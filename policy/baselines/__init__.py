@@ -28,4 +28,5 @@ BASELINES: dict[str, str] = {
     "vllm-offload": "policy.baselines.offload_tier:VllmOffloadPolicy",
     "continuum-offload": "policy.baselines.offload_tier:ContinuumOffloadPolicy",
     "kvflow-offload": "policy.baselines.offload_tier:NextUseOffloadPolicy",
+    "version-aware": "policy.baselines.version_aware:VersionAwareEvictionPolicy",
 }
