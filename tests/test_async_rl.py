@@ -223,3 +223,16 @@ def test_version_aware_eviction_lists_dead_versions_first() -> None:
     assert p.live_versions() == {1} and list(decision.order) == ["r0"]
     unversioned = [CachedPrefix("x", "x", OwnerState.FINISHED, RequestMeta(session_id="x"), (5,), (5,), 0.0)]
     assert p.evict(unversioned, 1, None) is None  # synchronous runs: LRU
+
+
+def test_fewest_sessions_router() -> None:
+    """A new session goes to the replica with the fewest live sessions; an ended session frees its place."""
+    from simulator.routers import ReplicaLoad, RouteRequest, make_router
+
+    r = make_router("fewest-sessions")
+    loads = [ReplicaLoad(0, 5), ReplicaLoad(1, 0)]
+    req = lambda s: RouteRequest(f"{s}-0", [], 16, 16, s, s)  # noqa: E731
+    assert [r.route(req(s), loads) for s in ("a", "b", "c")] == [1, 0, 1]  # ties by load, then sessions
+    r.on_session_end("a")
+    r.on_session_end("c")
+    assert r.route(req("d"), loads) == 1 and r.active_sessions(0) == 1
