@@ -287,6 +287,12 @@ def render_summary(summary: dict[str, Any]) -> str:
     if s.get("bound_s") is not None:
         lines.append(f"lower bound {s['bound_s']:.2f} s/step ({s['bound_total_s']:.2f} s in all): the run is "
                      f"{s['makespan_over_bound']:.3f}x the bound")
+    if s.get("trajectories_per_s") is not None and s.get("throughput_bound_trajectories_per_s"):
+        trainer = (f", {s['weight_updates']} weight updates, trainer idle {s['trainer_idle_share']:.2f}, max staleness "
+                   f"{s['max_staleness']}" if s.get("weight_updates") else "")
+        lines.append(f"trained {s['trajectories_per_s']:.4g} trajectories/s over {s['run_s']:.1f} s (bound "
+                     f"{s['throughput_bound_trajectories_per_s']:.4g}, {s['throughput_over_bound']:.3f} of it, "
+                     f"{s['throughput_bound_binding']}-bound){trainer}")
     if s.get("gpu_decode_s") is not None:
         causes = ("decode", "prefill_new", "recompute_preemption", "recompute_eviction", "offload_wait", "idle")
         lines.append("GPU seconds: " + "  ".join(f"{c.replace('_', ' ')} {s[f'gpu_{c}_s']:.1f}" for c in causes
