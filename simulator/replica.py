@@ -76,6 +76,7 @@ class Replica:
         "pending",
         "_pool",
         "reset_pending",
+        "reset_retry",
         "sched",
         "steps",
     )
@@ -97,6 +98,7 @@ class Replica:
         self.steps = 0
         self.reset_pending = False  # a weight sync's prefix-cache reset, for when its last requests are gone
         self.paused_until = 0.0  # a weight update pauses generation until then (the asynchronous driver)
+        self.reset_retry: bool | None = None  # a weight update's refused reset, retried before each step
         self.pause_action: Callable[[Replica, float], None] | None = None  # its action, at the next step boundary
 
     def clock(self) -> float:
@@ -164,6 +166,7 @@ class Fleet:
         self.on_finished: Callable[[str, float], None] | None = None  # (request id, time)
         self.engine_steps = 0
         self.cache_resets = 0  # prefix-cache resets done (weight syncs x replicas)
+        self.cache_reset_retries = 0  # a weight update's reset refused and tried again (simulator.async_rl)
         self.router_s = 0.0  # wall time spent routing (:meth:`_route`, the router's calls included)
         self._replica_of: dict[str, Replica] = {}  # request id -> the replica it runs on, until it ends
         self._stream_replica: dict[str, int] = {}  # sticky sessions: stream -> its replica
@@ -249,12 +252,27 @@ class Fleet:
                 self._reset(rep)
 
     def reset_now(self, rep: Replica, running: bool = False) -> None:
-        """Reset ``rep``'s prefix cache now (between its steps); ``running``: preempt its running requests first."""
-        self._reset(rep, running)
+        """Reset ``rep``'s prefix cache now (between its steps); ``running``: preempt its running requests first.
 
-    def _reset(self, rep: Replica, running: bool = False) -> None:
+        vLLM refuses while blocks are held by transfers of the CPU offload tier still in flight (a store of a
+        finished request, a load of a waiting one): the reset is then retried before each later step until it
+        succeeds (``cache_reset_retries`` counts the retries)."""
+        if not self._try_reset(rep, running):
+            rep.reset_retry = running
+
+    def _try_reset(self, rep: Replica, running: bool) -> bool:
+        try:
+            ok = rep.engine.reset_prefix_cache(running)
+        except RuntimeError:  # vLLM: blocks still held after preempting every running request
+            ok = False
+        if ok:
+            rep.reset_retry = None
+            self.cache_resets += 1
+        return ok
+
+    def _reset(self, rep: Replica) -> None:
         rep.reset_pending = False
-        if not rep.engine.reset_prefix_cache(running):
+        if not rep.engine.reset_prefix_cache():
             raise SimulationError(f"replica {rep.index}: vLLM refused to reset its prefix cache with no request "
                                   "left (blocks still in use)")
         self.cache_resets += 1
@@ -306,6 +324,9 @@ class Fleet:
         if t < rep.paused_until:  # a weight update: generation resumes at its end
             self._kick(rep, rep.paused_until)
             return
+        if rep.reset_retry is not None:
+            self.cache_reset_retries += 1
+            self._try_reset(rep, rep.reset_retry)
         if rep.aborts:
             self._apply_aborts(rep)
         if rep.reset_pending and not eng.load():  # vLLM's finished-but-unflushed ids hold no block

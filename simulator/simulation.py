@@ -101,6 +101,7 @@ class Simulation:
         self.kv_blocks = config.kv_blocks_for(w)
         self.driver: StepDriver | AsyncDriver | None = None  # the run's, once it ran
         self.runner: ScriptedRunner | None = None
+        self.fleet: Fleet | None = None
         self.setup_s = time.perf_counter() - t0
 
     def run(self) -> SimResult:
@@ -199,6 +200,7 @@ class Simulation:
         if isinstance(d, AsyncDriver):
             out.update(driver="async", staleness_eta=d.spec.staleness, weight_sync=d.spec.weight_sync,
                        async_admission=d.spec.admission, train_batch_groups=d.batch, weight_updates=d.updates,
+                       cache_reset_retries=self.fleet.cache_reset_retries,
                        reprefill_tokens=d.reprefill_tokens,
                        reprefill_tokens_per_update=d.reprefill_tokens / d.updates if d.updates else 0.0,
                        kv_tokens_by_version_age={a: v / d.updates for a, v in sorted(d.kv_by_age.items())}
@@ -263,7 +265,7 @@ class Simulation:
             driver = StepDriver(w, fleet, clock, runner, config.overprovision, bar,
                                 reset_at_weight_sync=not config.keep_cache_across_steps,
                                 trainer=None if w.trace else config.trainer)
-        self.driver = driver
+        self.driver, self.fleet = driver, fleet
         fleet.on_finished = driver.finished
         driver.start()
         t_start = time.perf_counter()

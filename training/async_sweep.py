@@ -23,7 +23,7 @@ COLUMNS = ("policy", "kv_fraction", "replicas", "run", "eta", "weight_sync", "tr
            "run_s", "max_staleness", "mean_staleness", "reprefill_tokens_per_update", "weight_updates",
            "trainer_idle_share", "rollout_idle_share", "prefix_hit_rate", "preemptions", "recomputed_tokens",
            "group_latency_p50_s", "group_latency_p90_s", "gpu_decode_s", "gpu_prefill_new_s",
-           "gpu_recompute_preemption_s", "gpu_recompute_eviction_s", "gpu_offload_wait_s", "gpu_idle_s")
+           "gpu_recompute_preemption_s", "gpu_recompute_eviction_s", "gpu_offload_wait_s", "gpu_idle_s", "error")
 
 
 def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes: Sequence[str], *,
@@ -51,19 +51,24 @@ def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes:
     rows = []
     try:
         for name, sim in sims:
-            s = sim.run().summary
-            rows.append({"policy": policy, "kv_fraction": kv_fraction, "replicas": replicas, "run": name,
-                         "eta": s.get("staleness_eta"), **{k: s.get(k) for k in COLUMNS[5:] if k in s}})
+            row = {"policy": policy, "kv_fraction": kv_fraction, "replicas": replicas, "run": name, "error": None}
+            try:
+                s = sim.run().summary
+            except Exception as e:  # noqa: BLE001 - a row with its error, not a lost sweep
+                row["error"] = f"{type(e).__name__}: {e}"
+                s = {}
+            rows.append({**row, "eta": s.get("staleness_eta"), **{k: s.get(k) for k in COLUMNS[5:] if k in s}})
             if bar is not None:
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-    base = rows[0]["trajectories_per_s"]
+    base = rows[0].get("trajectories_per_s")
     for r in rows:
-        rate, bound = r["trajectories_per_s"], r["throughput_bound_trajectories_per_s"]
-        r["ratio_vs_sync"] = rate / base if base else None
-        r["gap_closed"] = (rate - base) / (bound - base) if bound and bound - base > 1e-12 else None
+        rate, bound = r.get("trajectories_per_s"), r.get("throughput_bound_trajectories_per_s")
+        ok = rate is not None and base
+        r["ratio_vs_sync"] = rate / base if ok else None
+        r["gap_closed"] = (rate - base) / (bound - base) if ok and bound and bound - base > 1e-12 else None
     return rows
 
 
@@ -102,11 +107,12 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
         mine = [r for r in rows if (r["policy"], r["kv_fraction"], r["replicas"]) == key]
         etas = sorted({r["eta"] for r in mine if r["eta"] is not None})
         for mode, marker in zip(("abort", "recompute", "keep"), ("o", "s", "^")):
-            pts = sorted((r["eta"], r["trajectories_per_s"]) for r in mine if r.get("weight_sync") == mode)
+            pts = sorted((r["eta"], r["trajectories_per_s"]) for r in mine
+                         if r.get("weight_sync") == mode and not r.get("error"))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"async {mode}")
         sync = next((r for r in mine if r["run"] == "sync"), None)
-        if sync is not None and etas:
+        if sync is not None and etas and not sync.get("error"):
             ax.hlines(sync["trajectories_per_s"], min(etas), max(etas), colors="k", linestyles="--", label="sync")
             ax.hlines(sync["throughput_bound_trajectories_per_s"], min(etas), max(etas), colors="grey",
                       linestyles=":", label="bound")
