@@ -3,12 +3,12 @@
 Every key is optional. A value of the wrong type is ignored, with one warning
 per key for the life of the process; nothing here ever raises into vLLM.
 
-Keys (DESIGN.md): ``kvpilot_domain``, ``kvpilot_paradigm``,
+Keys (docs/design.md): ``kvpilot_domain``, ``kvpilot_paradigm``,
 ``kvpilot_group_id``, ``kvpilot_group_size``, ``kvpilot_session_id``,
 ``kvpilot_turn``, ``kvpilot_tool``, ``kvpilot_step``, ``kvpilot_prompt_id``,
-``kvpilot_expected_pause_s``. Session identity from other sources (vLLM's typed
-``Request.session_id``, a kvpilot KV-hint action, the block-hash chain) is
-resolved over these keys by :mod:`serving_hook.identity`.
+``kvpilot_expected_pause_s``, ``kvpilot_weight_version``. Session identity from
+other sources (vLLM's typed ``Request.session_id``, a kvpilot KV-hint action,
+the block-hash chain) is resolved over these keys by :mod:`serving_hook.identity`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ _KEYS: KeySpec = {
     "kvpilot_step": ("step", "int", 0),
     "kvpilot_prompt_id": ("prompt_id", "str", 0),
     "kvpilot_expected_pause_s": ("expected_pause_s", "float", 0),
+    "kvpilot_weight_version": ("weight_version", "int", 0),
 }
 
 _warned: set[str] = set()

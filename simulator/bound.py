@@ -78,7 +78,8 @@ from simulator.sizing import blocks_for_fraction, min_blocks_for
 from simulator.tokens import VLLM_BLOCK_SIZE
 from simulator.workload import PreparedWorkload
 
-__all__ = ["StepBound", "Bound", "makespan_bound", "workload_bound", "render_bound"]
+__all__ = ["StepBound", "Bound", "ThroughputBound", "makespan_bound", "throughput_bound", "workload_bound",
+           "render_bound"]
 
 
 
@@ -126,38 +127,93 @@ def makespan_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, 
     """The lower bound of every RL step of a (validated, prepared) workload; see the module docstring."""
     if replicas < 1 or kv_blocks < 2 or decode_stride < 1:
         raise ValueError("replicas must be >= 1, kv_blocks >= 2 and decode_stride >= 1")
-    workload = prepared.table
-    col = lambda name: workload.column(name).to_numpy(zero_copy_only=False)  # noqa: E731
-    p = col("prompt_tokens").astype(np.int64)
-    out = col("output_tokens").astype(np.int64)
-    step = col("step").astype(np.int64)
-    arrival = col("arrival_s").astype(float) if prepared.trace else None
-    exclusive, shared_prompt, fresh = _block_tokens(workload, step)
-    # A block no other request holds may still be cached by the decode of the stream's previous request.
-    new = np.maximum(1, np.minimum(exclusive, p - _computed_by_predecessor(prepared, p, out)))
-    service = _request_bounds(cost, p, out, new)
-    decode_ctx = (out - 1) * p + (out - 1) * out // 2  # sum over m = 2..L of (p + m - 1)
-    held = (out - 1) * shared_prompt + (out - 1) * out / 2  # the same with each prompt block's share
-    fed = _feeds_a_later_prompt(prepared)
-    chain = _chain_bounds(prepared, service, step)
+    t = _Terms(prepared, cost)
+    step, fresh, chain = t.step, t.fresh, t.chain
+    arrival = t.col("arrival_s").astype(float) if prepared.trace else None
     steps = []
     for s in np.unique(step):
         rows = step == s
         n_rows = int(rows.sum())
-        capacity = (kv_blocks - 1) * VLLM_BLOCK_SIZE + (decode_stride - 1) * min(max_num_seqs, n_rows)
-        area = float(decode_ctx[rows].sum())
-        decoded = float((out[rows] - 1).sum())
-        iterations = max(float(held[rows].sum()) / capacity, float((out[rows] - 1).max()))
-        prefill = max(0.0, float(fresh[s]) - float(out[rows & fed].sum()))
-        busy = (iterations * cost.step_overhead_s
-                + max(cost.linear_s(prefill + decoded, decoded), iterations * cost.weight_read_s)
-                + max(cost.attention_s(area), cost.kv_read_s(area)))
+        busy, iterations = t.busy(rows, float(fresh[s]), kv_blocks, decode_stride, max_num_seqs)
         c = float(chain[s])
         b = max(c, busy / replicas)
         start = float(arrival[rows].min() - arrival.min()) if prepared.trace else 0.0
         steps.append(StepBound(int(s), n_rows, c, busy, iterations, b, "chain" if c >= busy / replicas else "busy",
                                start))
     return Bound(steps, replicas, int(kv_blocks), preset, decode_stride, trace=prepared.trace)
+
+
+class _Terms:
+    """Per-request terms of the bound of a workload (module docstring), and the busy term of a set of requests."""
+
+    def __init__(self, prepared: PreparedWorkload, cost: CostModel) -> None:
+        self.cost = cost
+        workload = prepared.table
+        self.col = lambda name: workload.column(name).to_numpy(zero_copy_only=False)  # noqa: E731
+        p = self.col("prompt_tokens").astype(np.int64)
+        self.out = out = self.col("output_tokens").astype(np.int64)
+        self.step = self.col("step").astype(np.int64)
+        exclusive, shared_prompt, self.fresh = _block_tokens(workload, self.step)
+        # A block no other request holds may still be cached by the decode of the stream's previous request.
+        new = np.maximum(1, np.minimum(exclusive, p - _computed_by_predecessor(prepared, p, out)))
+        self.service = _request_bounds(cost, p, out, new)
+        self.decode_ctx = (out - 1) * p + (out - 1) * out // 2  # sum over m = 2..L of (p + m - 1)
+        self.held = (out - 1) * shared_prompt + (out - 1) * out / 2  # the same with each prompt block's share
+        self.fed = _feeds_a_later_prompt(prepared)
+        self.chain = _chain_bounds(prepared, self.service, self.step)
+
+    def busy(self, rows: np.ndarray, fresh: float, kv_blocks: int, decode_stride: int, max_num_seqs: int
+             ) -> tuple[float, float]:
+        """GPU seconds (all replicas) of the requests ``rows``, whose new full-block tokens are ``fresh``, and
+        their decode iteration floor."""
+        cost, out = self.cost, self.out
+        n_rows = int(rows.sum())
+        capacity = (kv_blocks - 1) * VLLM_BLOCK_SIZE + (decode_stride - 1) * min(max_num_seqs, n_rows)
+        area = float(self.decode_ctx[rows].sum())
+        decoded = float((out[rows] - 1).sum())
+        iterations = max(float(self.held[rows].sum()) / capacity, float((out[rows] - 1).max()))
+        prefill = max(0.0, fresh - float(out[rows & self.fed].sum()))
+        busy = (iterations * cost.step_overhead_s
+                + max(cost.linear_s(prefill + decoded, decoded), iterations * cost.weight_read_s)
+                + max(cost.attention_s(area), cost.kv_read_s(area)))
+        return busy, iterations
+
+
+@dataclass(frozen=True)
+class ThroughputBound:
+    """An upper bound of trained trajectories per second (asynchronous or not; :func:`throughput_bound`)."""
+
+    trajectories: int
+    rollout_s: float  # the whole workload's busy term over the replicas, plus the last training step
+    trainer_s: float  # every training step and weight update, one after the other
+    chain_s: float  # the longest trajectory, plus the last training step
+    bound_s: float  # the largest of the three: no run finishes sooner
+    binding: str
+    trajectories_per_s: float
+
+
+def throughput_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, *, replicas: int = 1,
+                     decode_stride: int = 1, max_num_seqs: int = 256, train_s: float = 0.0, sync_s: float = 0.0,
+                     updates: int = 0, last_train_s: float = 0.0) -> ThroughputBound:
+    """The least time to roll out and train the whole workload, as trajectories per second.
+
+    The same cost model as :func:`makespan_bound`, with the whole workload as one set of requests (without the
+    step barrier, requests of different steps may share decode iterations): its busy term over ``replicas``
+    (the KV area and iteration floor over ``kv_blocks`` per replica), the longest trajectory's chain, and the
+    trainer: ``train_s`` (every training step), ``updates`` weight updates of ``sync_s`` each, and
+    ``last_train_s`` (a lower bound of the training step that must follow the last rollout, with its update).
+    The run takes at least the largest of: busy / replicas + last step, chain + last step, trainer total."""
+    t = _Terms(prepared, cost)
+    rows = np.ones(len(t.out), bool)
+    busy, _ = t.busy(rows, float(sum(t.fresh.values())), kv_blocks, decode_stride, max_num_seqs)
+    tail = last_train_s + (sync_s if updates else 0.0)
+    terms = {"rollout": busy / replicas + tail, "trainer": train_s + updates * sync_s,
+             "chain": max(t.chain.values(), default=0.0) + tail}
+    binding = max(terms, key=terms.get)
+    n = len(prepared.sessions)
+    bound = terms[binding]
+    return ThroughputBound(n, terms["rollout"], terms["trainer"], terms["chain"], bound, binding,
+                           n / bound if bound > 0 else 0.0)
 
 
 def workload_bound(workload: PreparedWorkload, *, preset: str = "H200-7B", kv_blocks: int | None = None,

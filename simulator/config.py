@@ -24,7 +24,8 @@ from simulator.tokens import VLLM_BLOCK_SIZE
 if TYPE_CHECKING:
     from simulator.workload import PreparedWorkload
 
-__all__ = ["SIM_DECISION_BUDGET_S", "Overprovision", "PolicySpec", "SimConfig", "SimulationError"]
+__all__ = ["ADMISSIONS", "DRIVERS", "SIM_DECISION_BUDGET_S", "WEIGHT_SYNC_MODES", "AsyncRL", "Overprovision",
+           "PolicySpec", "SimConfig", "SimulationError", "Trainer"]
 
 #: A policy: a catalog name, a zero-argument factory, or (one replica) an instance.
 PolicySpec = str | Callable[[], Policy] | Policy
@@ -65,6 +66,105 @@ class Overprovision:
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: RL drivers: synchronous steps (the default) or asynchronous rollouts (:mod:`simulator.async_rl`).
+DRIVERS = ("sync", "async")
+#: What a weight update does to in-flight requests: ``abort`` them (flush the cache, resubmit prompt + tokens so
+#: far), ``recompute`` (vLLM's ``pause_generation(mode="keep", clear_cache=True)``: preempt everything and clear the
+#: cache) or ``keep`` their KV (the prefix cache salted by each group's start version, no reset).
+WEIGHT_SYNC_MODES = ("abort", "recompute", "keep")
+#: Trajectory admission of the asynchronous driver: ``staleness`` (AReaL's capacity rule, FCFS) or
+#: ``kv-pressure`` (prime-rl's KV-pressure concurrency controller, inside the same staleness rule).
+ADMISSIONS = ("staleness", "kv-pressure")
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """The trainer's price: a training step of T tokens takes ``6 x params x T / (gpus x flops x mfu) + fixed_s``;
+    the weight update after it pauses rollout for ``model bytes / link_bytes_per_s + sync_fixed_s``.
+
+    ``gpus`` None: as many trainer GPUs as rollout replicas (one GPU each); ``flops`` None: the preset GPU's dense
+    BF16 peak. ``train_batch``: GRPO groups per training step (None: the workload's groups per RL step, so that
+    synchronous and asynchronous runs train the same batches). A trajectory's tokens are its last turn's prompt
+    and output (the sequence it trains on).
+    """
+
+    train_batch: int | None = None
+    gpus: int | None = None
+    flops: float | None = None
+    #: Model FLOPs utilisation of the training step (a common figure for a dense 7-32B model under FSDP).
+    mfu: float = 0.35
+    #: Per training step: optimizer step, data loading, log-prob recomputation set-up.
+    fixed_s: float = 2.0
+    #: Trainer to rollout weight transfer: 400 Gb/s (one InfiniBand NDR port) of bf16 weights.
+    link_bytes_per_s: float = 50e9
+    #: Per weight update: pause, broadcast set-up, resume.
+    sync_fixed_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("train_batch", "gpus"):
+            v = getattr(self, name)
+            if v is not None and not _positive_int(v):
+                raise SimulationError(f"trainer {name} must be an integer >= 1, got {v!r}")
+        if self.flops is not None and not (_number(self.flops) and self.flops > 0):
+            raise SimulationError(f"trainer flops must be a number > 0, got {self.flops!r}")
+        if not (_number(self.mfu) and 0 < self.mfu <= 1):
+            raise SimulationError(f"trainer mfu must be in (0, 1], got {self.mfu!r}")
+        if not (_number(self.link_bytes_per_s) and self.link_bytes_per_s > 0):
+            raise SimulationError(f"trainer link_bytes_per_s must be a number > 0, got {self.link_bytes_per_s!r}")
+        for name in ("fixed_s", "sync_fixed_s"):
+            v = getattr(self, name)
+            if not (_number(v) and v >= 0):
+                raise SimulationError(f"trainer {name} must be a number of seconds >= 0, got {v!r}")
+
+    def train_s(self, tokens: int, cost: CostModel, replicas: int) -> float:
+        """Seconds of one training step on ``tokens`` tokens."""
+        gpus = self.gpus or replicas
+        flops = self.flops if self.flops is not None else cost.gpu.peak_flops
+        return 6.0 * cost.model.params * tokens / (gpus * flops * self.mfu) + self.fixed_s
+
+    def sync_s(self, cost: CostModel) -> float:
+        """Seconds of one weight update (rollout paused)."""
+        return cost.model.params * cost.model.bytes_per_param / self.link_bytes_per_s + self.sync_fixed_s
+
+
+@dataclass(frozen=True)
+class AsyncRL:
+    """The asynchronous driver's settings (:mod:`simulator.async_rl`).
+
+    ``staleness`` (eta): a group started at weight version v is trained at version v + eta at the latest, and
+    AReaL's rule admits a group only while ``started < (eta + v + 1) x B``; ``weight_sync``: one of
+    :data:`WEIGHT_SYNC_MODES`; ``admission``: one of :data:`ADMISSIONS`; ``max_concurrent_groups``: a hard cap
+    on groups in flight (None: none).
+    """
+
+    staleness: int = 1
+    weight_sync: str = "keep"
+    admission: str = "staleness"
+    max_concurrent_groups: int | None = None
+    #: kv-pressure: KV use above which the controller shrinks its concurrency, and below which it grows it.
+    kv_high: float = 0.95
+    kv_low: float = 0.80
+
+    def __post_init__(self) -> None:
+        eta = self.staleness
+        if isinstance(eta, bool) or not isinstance(eta, int) or eta < 0:
+            raise SimulationError(f"staleness (eta) must be an integer >= 0, got {eta!r}")
+        if self.weight_sync not in WEIGHT_SYNC_MODES:
+            raise SimulationError(f"unknown weight-sync mode {self.weight_sync!r}; known: "
+                                  f"{', '.join(WEIGHT_SYNC_MODES)}")
+        if self.admission not in ADMISSIONS:
+            raise SimulationError(f"unknown async admission {self.admission!r}; known: {', '.join(ADMISSIONS)}")
+        if self.max_concurrent_groups is not None and not _positive_int(self.max_concurrent_groups):
+            raise SimulationError(f"max_concurrent_groups must be an integer >= 1, got {self.max_concurrent_groups!r}")
+        if not (_number(self.kv_low) and _number(self.kv_high) and 0 < self.kv_low < self.kv_high <= 1):
+            raise SimulationError(f"kv-pressure watermarks must satisfy 0 < kv_low < kv_high <= 1, got "
+                                  f"{self.kv_low!r}, {self.kv_high!r}")
 
 
 #: GiB of host memory per replica for the CPU offload tier (see :attr:`SimConfig.offload_gib`).
@@ -115,6 +215,14 @@ class SimConfig:
     #: tier (``Policy.uses_offload``: vLLM's native KV offloading, :mod:`simulator.offload`); 0 turns it off.
     #: Default: a quarter of a DGX H200's host memory per GPU (2 TB / 8 GPUs = 256 GB).
     offload_gib: float = DEFAULT_OFFLOAD_GIB
+    #: The RL driver: ``sync`` (synchronous steps) or ``async`` (:mod:`simulator.async_rl`, with ``async_rl``).
+    driver: str = "sync"
+    #: The asynchronous driver's settings (``driver="async"``; None: :class:`AsyncRL`'s defaults).
+    async_rl: AsyncRL | None = None
+    #: The trainer's price. Synchronous steps: None (the default) trains nothing, so earlier results reproduce;
+    #: a :class:`Trainer` prices a training step and a weight update after every RL step. The asynchronous
+    #: driver always trains (None: :class:`Trainer`'s defaults).
+    trainer: Trainer | None = None
     #: The preset's step-cost model.
     cost: CostModel = field(init=False, repr=False)
 
@@ -136,6 +244,21 @@ class SimConfig:
         g = self.offload_gib
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise SimulationError(f"offload_gib must be a number of GiB >= 0, got {g!r}")
+        if self.driver not in DRIVERS:
+            raise SimulationError(f"unknown driver {self.driver!r}; known: {', '.join(DRIVERS)}")
+        if self.trainer is not None and not isinstance(self.trainer, Trainer):
+            raise SimulationError(f"trainer must be a simulator.config.Trainer, got {type(self.trainer).__name__}")
+        if self.async_rl is not None and not isinstance(self.async_rl, AsyncRL):
+            raise SimulationError(f"async_rl must be a simulator.config.AsyncRL, got {type(self.async_rl).__name__}")
+        if self.driver == "async":
+            if self.async_rl is None:
+                object.__setattr__(self, "async_rl", AsyncRL())
+            if self.trainer is None:
+                object.__setattr__(self, "trainer", Trainer())
+            if self.overprovision is not None:
+                raise SimulationError("over-provisioning applies to synchronous RL steps, not to the async driver")
+        elif self.async_rl is not None:
+            raise SimulationError("async_rl settings need driver='async'")
         if self.out_dir is not None:
             object.__setattr__(self, "out_dir", Path(self.out_dir))
         self.make_router()  # an unknown name fails now

@@ -27,6 +27,9 @@ Drivers
 * **Trace replay** (every ``arrival_s`` set): each request arrives at its own
   ``arrival_s``; a trajectory (session) ends at its last request's finish plus
   verification, and each ``step`` value is one window from its first arrival.
+* **Trainer** (``SimConfig.trainer``, off by default): after each synchronous RL step the trainer trains on its
+  trajectories and updates the weights (:class:`simulator.config.Trainer`'s price), and only then is the next
+  step released; the asynchronous driver (:mod:`simulator.async_rl`) prices the same work.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from typing import Any
 
 from simulator import engine
 from simulator.clock import ARRIVE, RELEASE, VERIFIED, EventClock
-from simulator.config import Overprovision, SimulationError
-from simulator.metrics import StepRecord, TrajectoryRecord
+from simulator.config import Overprovision, SimulationError, Trainer
+from simulator.metrics import StepRecord, TrainRecord, TrajectoryRecord
 from simulator.replica import Fleet
 from simulator.runner import ScriptedRunner
 from simulator.workload import PreparedWorkload
@@ -60,6 +63,7 @@ class Trajectory:
         "start",
         "step",
         "turns",
+        "version",
         "waiting_row",
     )
 
@@ -76,6 +80,7 @@ class Trajectory:
         self.live: set[str] = set()  # request ids of its requests submitted and not finished
         self.done = False
         self.waiting_row: int | None = None  # a next turn in flight (tool call), not yet submitted
+        self.version = 0  # the weight version it started at
 
 
 class StepState:
@@ -98,7 +103,7 @@ class StepDriver:
 
     def __init__(self, workload: PreparedWorkload, fleet: Fleet, clock: EventClock, runner: ScriptedRunner,
                  overprovision: Overprovision | None, progress: Any = None, *, reset_at_weight_sync: bool = True,
-                 session_ids: bool = True) -> None:
+                 session_ids: bool = True, trainer: Trainer | None = None) -> None:
         self.workload = w = workload
         #: Send each request's session identity (``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``);
         #: False sends none, as verl and AReaL do, and the hook infers sessions from the block-hash chain.
@@ -129,6 +134,9 @@ class StepDriver:
         #: Request ids the run gave rows beside their own, to their rows (none here; see simulator.tail).
         self.aliases: dict[str, int] = {}
         self._stale_arrivals: dict[int, int] = {}  # row -> next turns of aborted trajectories still to arrive
+        self.trainer = trainer
+        self.train_records: list[TrainRecord] = []  # the trainer's steps (with a trainer)
+        self.version = 0  # the weights' version: training steps done
 
     def start(self) -> None:
         """The run's first events: every arrival of a trace, else the release of the first RL step."""
@@ -170,6 +178,18 @@ class StepDriver:
             return
         if traj.waiting_row == row:
             traj.waiting_row = None
+        extra = self._extra_args(row)
+        self.runner.script(rid, row)
+        req = engine.make_request(rid, w.tokens.prompt_ids(row).tolist(), w.max_tokens[row], arrival_time=t,
+                                  extra_args=extra, stop_token_ids=(engine.EOS_TOKEN_ID,),
+                                  cache_salt=self.cache_salt(traj))
+        traj.live.add(rid)
+        self.submitted[row] += 1
+        self.fleet.submit(rid, req, w.request_id[row], w.prompt_tokens[row], w.session_id[row], traj.session, t)
+
+    def _extra_args(self, row: int) -> dict[str, Any]:
+        """Row ``row``'s metadata as the hook reads it (``kvpilot_*`` ``extra_args``)."""
+        w = self.workload
         extra = {
             "kvpilot_domain": w.domain[row],
             "kvpilot_paradigm": w.paradigm[row],
@@ -183,12 +203,12 @@ class StepDriver:
             extra["kvpilot_turn"] = w.turn[row]
             if w.tool[row] is not None:
                 extra["kvpilot_tool"] = w.tool[row]
-        self.runner.script(rid, row)
-        req = engine.make_request(rid, w.tokens.prompt_ids(row).tolist(), w.max_tokens[row], arrival_time=t,
-                                  extra_args=extra, stop_token_ids=(engine.EOS_TOKEN_ID,))
-        traj.live.add(rid)
-        self.submitted[row] += 1
-        self.fleet.submit(rid, req, w.request_id[row], w.prompt_tokens[row], w.session_id[row], traj.session, t)
+        return extra
+
+    def cache_salt(self, traj: Trajectory) -> str | None:
+        """vLLM's ``cache_salt`` of a trajectory's requests (None: unsalted; the asynchronous driver's ``keep``
+        salts by version)."""
+        return None
 
     def finished(self, request_id: str, t: float) -> None:
         """An engine finished ``request_id`` at ``t``: the next turn, verification and scoring, or the end."""
@@ -236,7 +256,7 @@ class StepDriver:
         traj.done = True
         traj.end = t
         self.fleet.session_ended(traj.session)
-        self.traj_records.append(TrajectoryRecord(traj.session, traj.step, traj.start, t))
+        self.traj_records.append(TrajectoryRecord(traj.session, traj.step, traj.start, t, traj.version, self.version))
         st = self.step_state.get(traj.step)
         if st is not None:
             self._step_progress(traj, st, t)
@@ -252,7 +272,26 @@ class StepDriver:
             self.step_records.append(StepRecord(traj.step, st.start, t))
             del self.step_state[traj.step]
             if not self.workload.trace:
-                self.clock.push(t, RELEASE, st.index + 1)
+                self.clock.push(self.train(traj.step, t), RELEASE, st.index + 1)
+
+    def trained_tokens(self, trajs: list[Trajectory]) -> int:
+        """Tokens a training step trains on: each trajectory's last turn, its prompt and output."""
+        w = self.workload
+        return sum(w.prompt_tokens[x.turns[-1]] + w.output_tokens[x.turns[-1]] for x in trajs)
+
+    def train(self, step: int, t: float) -> float:
+        """With a trainer: train on RL step ``step``'s done trajectories from ``t``, then update the weights; when
+        that ends (``t`` without a trainer)."""
+        if self.trainer is None:
+            return t
+        done = [x for x in self.step_trajs[step] if x.done]
+        cost = self.runner.cost
+        train_s = self.trainer.train_s(self.trained_tokens(done), cost, len(self.fleet.replicas))
+        sync_s = self.trainer.sync_s(cost)
+        self.version += 1
+        self.train_records.append(TrainRecord(self.version - 1, t, t + train_s, t + train_s + sync_s, len(done),
+                                              self.trained_tokens(done), 0))
+        return t + train_s + sync_s
 
     def abort(self, trajs: list[Trajectory], t: float) -> None:
         """Abort these trajectories: their live requests now or at their replica's step end, their next turns."""
@@ -286,6 +325,7 @@ class StepDriver:
         self._launched = True
         for traj in trajs:
             traj.start = t
+            traj.version = self.version
             traj.next_turn = 1
             self.submit(traj.turns[0], t)
 

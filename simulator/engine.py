@@ -303,11 +303,13 @@ def make_request(
     stop_token_ids: Optional[Sequence[int]] = None,
     session_id: Optional[str] = None,
     kv_hints: Any = None,
+    cache_salt: Optional[str] = None,
 ):
     """A vLLM request; it ends at ``max_tokens``, or earlier when it emits one of ``stop_token_ids``.
 
     ``session_id`` and ``kv_hints`` (a ``KvHintsEnvelope``) are vLLM's typed fields, as the OpenAI server and
-    ``AsyncLLM.generate`` fill them."""
+    ``AsyncLLM.generate`` fill them; ``cache_salt`` (vLLM's): its blocks hash apart from unsalted or differently
+    salted ones."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -327,6 +329,7 @@ def make_request(
         priority=priority,
         session_id=session_id,
         kv_hints=kv_hints,
+        cache_salt=cache_salt,
     )
 
 
@@ -461,11 +464,14 @@ class Engine:
             self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
         self.scheduler_s += time.perf_counter() - t0
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's ``reset_prefix_cache()`` (what RL frameworks call at weight sync; the CPU offload tier too, its
-        KV is of the old weights as well); False if blocks are in use."""
+        KV is of the old weights as well); False if blocks are in use. ``reset_running_requests``: vLLM first
+        preempts every running request (their KV freed, recomputed when rescheduled), as
+        ``pause_generation(mode="keep", clear_cache=True)`` does."""
         t0 = time.perf_counter()
-        ok = self.sched.reset_prefix_cache(reset_connector=self.sched.connector is not None)
+        kw = {"reset_running_requests": True} if reset_running_requests else {}
+        ok = self.sched.reset_prefix_cache(reset_connector=self.sched.connector is not None, **kw)
         self.scheduler_s += time.perf_counter() - t0
         return bool(ok)
 

@@ -54,6 +54,22 @@ class TrajectoryRecord:
     step: int
     start_s: float
     end_s: float
+    version_start: int = 0  # the weight version it started at
+    version_end: int = 0  # the weight version when it ended (it spanned versions start..end)
+
+
+@dataclass(frozen=True)
+class TrainRecord:
+    """One training step: on weight version ``version``, from ``start_s`` to ``end_s``, then its weight update
+    until ``synced_s``; ``groups`` trajectories (or groups) and their ``tokens``; ``staleness_max`` of its batch."""
+
+    version: int
+    start_s: float
+    end_s: float
+    synced_s: float
+    trajectories: int
+    tokens: int
+    staleness_max: int
 
 
 @dataclass(frozen=True)
@@ -85,12 +101,15 @@ def summarize(
     batch_capacity: int | None = None,
     aliases: Mapping[str, int] | None = None,
     cache_per_step: bool = False,
+    cache_epoch: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The run's metrics (see the module docstring) from its workload, telemetry and driver records.
 
     ``aliases``: request ids the run gave workload rows beside their own (:meth:`PreparedWorkload.rows`).
     ``cache_per_step``: the run reset its prefix caches at every RL step (weight sync), so the unlimited cache
     that eviction misses are measured against is one per replica and step: what a reset drops is no eviction.
+    ``cache_epoch``: instead, per workload row, the cache it could hit (the asynchronous driver's reset epoch or
+    version salt).
     """
     tokens = workload.tokens
     rows = workload.rows(requests.column("request_id").to_pylist(), aliases)
@@ -103,8 +122,8 @@ def summarize(
     order = tokens.causal_order()
     order = order[replica[order] >= 0]
     partition = replica
-    if cache_per_step:
-        step = np.asarray(workload.step, np.int64)
+    if cache_per_step or cache_epoch is not None:
+        step = np.asarray(workload.step if cache_epoch is None else cache_epoch, np.int64)
         partition = np.where(replica >= 0, replica * (int(step.max()) + 1) + step, -1)
     unlimited = unlimited_cached_tokens(tokens, include_outputs=True, order=order, partition=partition)[rows]
     evict_extra = np.maximum(unlimited - cached, 0)
@@ -145,6 +164,57 @@ def summarize(
         "critical_other_s": critical[2],
         "hook_fallbacks": int(np.count_nonzero(_np(steps, "hook_fallback"))),  # engine steps that fell back
     }
+
+
+def rl_summary(workload: PreparedWorkload, trajectories: Sequence[TrajectoryRecord], trains: Sequence[TrainRecord],
+               rollout_s: float, replicas: int, gpu_busy_s: float, staleness: Sequence[int] = ()) -> dict[str, Any]:
+    """Trained throughput and where time went, for every run (see :mod:`simulator.async_rl`).
+
+    ``run_s``: the run's span, from 0 to the later of the last trajectory's end and the last weight update's end
+    (``rollout_s``, the synchronous runs' ``simulated_s``, without a trainer); ``trajectories_per_s``:
+    trajectories over ``run_s``; ``*_after_warmup``: from the end of the first weight update to the last, the
+    later training steps' trajectories and tokens over that time; ``trainer_idle_share``: the share of ``run_s``
+    the trainer neither trains nor updates weights; ``rollout_idle_share``: of ``replicas x run_s``, the GPU time
+    no engine step ran (``gpu_busy_s``: the steps' priced time); ``staleness``: per trained trajectory, the
+    version it was trained at minus the version it started at (``staleness_counts``, ``max_staleness``); ``group_latency_p50_s`` / ``p90``: per GRPO group, its last
+    trajectory's end minus its first one's start."""
+    end = max([rollout_s] + [t.end_s for t in trajectories] + [r.synced_s for r in trains])
+    n = len(trajectories)
+    stale: dict[int, int] = {}
+    group_of = dict(zip(workload.session_id, workload.group_id))
+    groups: dict[tuple[int, str], list[float]] = {}
+    for t in trajectories:
+        g = groups.setdefault((t.step, group_of[t.session_id]), [t.start_s, t.end_s])
+        g[0], g[1] = min(g[0], t.start_s), max(g[1], t.end_s)
+    latency = [hi - lo for lo, hi in groups.values()]
+    out: dict[str, Any] = {
+        "run_s": end,
+        "trajectories_per_s": n / end if end > 0 else 0.0,
+        "rollout_idle_share": max(0.0, 1.0 - gpu_busy_s / (replicas * end)) if end > 0 else None,
+        "group_latency_p50_s": _pct(latency, 50),
+        "group_latency_p90_s": _pct(latency, 90),
+        "versions_spanned_mean": float(np.mean([t.version_end - t.version_start + 1 for t in trajectories]))
+        if trajectories else 0.0,
+        "trainer_idle_share": None, "trained_tokens": 0, "trained_tokens_per_s_after_warmup": None,
+        "trajectories_per_s_after_warmup": None,
+        "staleness_counts": {}, "max_staleness": 0, "mean_staleness": 0.0,
+    }
+    if not trains:
+        return out
+    trained = list(trains)
+    for x in staleness:
+        stale[x] = stale.get(x, 0) + 1
+    out.update(staleness_counts=dict(sorted(stale.items())), max_staleness=max(staleness, default=0),
+               mean_staleness=float(np.mean(staleness)) if len(staleness) else 0.0)
+    busy = sum(r.synced_s - r.start_s for r in trained)
+    out["trainer_idle_share"] = max(0.0, 1.0 - busy / end) if end > 0 else None
+    out["trained_tokens"] = sum(r.tokens for r in trained)
+    if len(trained) > 1:
+        span = trained[-1].synced_s - trained[0].synced_s
+        if span > 0:
+            out["trained_tokens_per_s_after_warmup"] = sum(r.tokens for r in trained[1:]) / span
+            out["trajectories_per_s_after_warmup"] = sum(r.trajectories for r in trained[1:]) / span
+    return out
 
 
 def _critical_split(requests: pa.Table, trajectories: Sequence[TrajectoryRecord],
@@ -217,6 +287,12 @@ def render_summary(summary: dict[str, Any]) -> str:
     if s.get("bound_s") is not None:
         lines.append(f"lower bound {s['bound_s']:.2f} s/step ({s['bound_total_s']:.2f} s in all): the run is "
                      f"{s['makespan_over_bound']:.3f}x the bound")
+    if s.get("trajectories_per_s") is not None and s.get("throughput_bound_trajectories_per_s"):
+        trainer = (f", {s['weight_updates']} weight updates, trainer idle {s['trainer_idle_share']:.2f}, max staleness "
+                   f"{s['max_staleness']}" if s.get("weight_updates") else "")
+        lines.append(f"trained {s['trajectories_per_s']:.4g} trajectories/s over {s['run_s']:.1f} s (bound "
+                     f"{s['throughput_bound_trajectories_per_s']:.4g}, {s['throughput_over_bound']:.3f} of it, "
+                     f"{s['throughput_bound_binding']}-bound){trainer}")
     if s.get("gpu_decode_s") is not None:
         causes = ("decode", "prefill_new", "recompute_preemption", "recompute_eviction", "offload_wait", "idle")
         lines.append("GPU seconds: " + "  ".join(f"{c.replace('_', ' ')} {s[f'gpu_{c}_s']:.1f}" for c in causes

@@ -71,9 +71,12 @@ class Replica:
         "kv_blocks",
         "now",
         "offload",
+        "pause_action",
+        "paused_until",
         "pending",
         "_pool",
         "reset_pending",
+        "reset_retry",
         "sched",
         "steps",
     )
@@ -94,6 +97,9 @@ class Replica:
         self.idle_steps = 0
         self.steps = 0
         self.reset_pending = False  # a weight sync's prefix-cache reset, for when its last requests are gone
+        self.paused_until = 0.0  # a weight update pauses generation until then (the asynchronous driver)
+        self.reset_retry: bool | None = None  # a weight update's refused reset, retried before each step
+        self.pause_action: Callable[[Replica, float], None] | None = None  # its action, at the next step boundary
 
     def clock(self) -> float:
         """The replica's simulated time (the hook's ``kvpilot_clock``)."""
@@ -162,6 +168,7 @@ class Fleet:
         self.on_finished: Callable[[str, float], None] | None = None  # (request id, time)
         self.engine_steps = 0
         self.cache_resets = 0  # prefix-cache resets done (weight syncs x replicas)
+        self.cache_reset_retries = 0  # a weight update's reset refused and tried again (simulator.async_rl)
         self.router_s = 0.0  # wall time spent routing (:meth:`_route`, the router's calls included)
         self._replica_of: dict[str, Replica] = {}  # request id -> the replica it runs on, until it ends
         self._stream_replica: dict[str, int] = {}  # sticky sessions: stream -> its replica
@@ -179,7 +186,8 @@ class Fleet:
         rep = self._route(request, routed_id, prompt_tokens, session_id, stream)
         self.router_s += time.perf_counter() - t0
         self._replica_of[request_id] = rep
-        if rep.busy or rep.reset_pending:  # during a step, or before a weight sync's reset: at the next step
+        if rep.busy or rep.reset_pending or t < rep.paused_until:  # during a step, before a weight sync's reset or
+            # during a weight update: at the next step
             rep.pending.append((request_id, request))
             self._kick(rep, t)
         else:
@@ -245,12 +253,58 @@ class Fleet:
             else:
                 self._reset(rep)
 
+    def reset_now(self, rep: Replica, running: bool = False) -> None:
+        """Reset ``rep``'s prefix cache now (between its steps); ``running``: preempt its running requests first.
+
+        vLLM refuses while blocks are held by transfers of the CPU offload tier still in flight (a store of a
+        finished request, a load of a waiting one): the reset is then retried before each later step until it
+        succeeds (``cache_reset_retries`` counts the retries)."""
+        if not self._try_reset(rep, running):
+            rep.reset_retry = running
+
+    def _try_reset(self, rep: Replica, running: bool) -> bool:
+        try:
+            ok = rep.engine.reset_prefix_cache(running)
+        except RuntimeError:  # vLLM: blocks still held after preempting every running request
+            ok = False
+        if ok:
+            rep.reset_retry = None
+            self.cache_resets += 1
+        return ok
+
     def _reset(self, rep: Replica) -> None:
         rep.reset_pending = False
         if not rep.engine.reset_prefix_cache():
             raise SimulationError(f"replica {rep.index}: vLLM refused to reset its prefix cache with no request "
                                   "left (blocks still in use)")
         self.cache_resets += 1
+
+    def pause(self, until: float, action: Callable[[Replica, float], None] | None, t: float) -> None:
+        """A weight update at ``t``: every replica stops generating until ``until``; ``action`` (what the update does
+        to its requests and cache) runs on each at its next step boundary (now if it is idle)."""
+        for rep in self.replicas:
+            rep.paused_until = until
+            rep.pause_action = action
+            if not rep.busy:
+                rep.now = max(rep.now, t)
+                self._run_pause_action(rep, rep.now)
+            self._kick(rep, until)
+
+    def _run_pause_action(self, rep: Replica, t: float) -> None:
+        action, rep.pause_action = rep.pause_action, None
+        if action is not None:
+            if rep.aborts:
+                self._apply_aborts(rep)
+            action(rep, t)
+
+    def live_requests(self, rep: Replica) -> list[str]:
+        """Ids of the requests on ``rep`` that its engine holds (running or waiting), in a fixed order."""
+        return sorted(rid for rid, r in self._replica_of.items() if r is rep and rid in rep.engine.requests)
+
+    def abort_now(self, rep: Replica, request_ids: list[str]) -> None:
+        """Abort requests of an idle replica at once (a weight update's abort)."""
+        rep.aborts.update(request_ids)
+        self._apply_aborts(rep)
 
     # ------------------------------------------------------------------ engine steps
     def _kick(self, rep: Replica, t: float) -> None:
@@ -267,6 +321,14 @@ class Fleet:
     def start_step(self, rep: Replica, t: float) -> None:
         rep.now = t
         eng = rep.engine
+        if rep.pause_action is not None:
+            self._run_pause_action(rep, t)
+        if t < rep.paused_until:  # a weight update: generation resumes at its end
+            self._kick(rep, rep.paused_until)
+            return
+        if rep.reset_retry is not None:
+            self.cache_reset_retries += 1
+            self._try_reset(rep, rep.reset_retry)
         if rep.aborts:
             self._apply_aborts(rep)
         if rep.reset_pending and not eng.load():  # vLLM's finished-but-unflushed ids hold no block
@@ -315,8 +377,10 @@ class Fleet:
             self.on_finished(rid, t)
         if rep.aborts:
             self._apply_aborts(rep)
+        if rep.pause_action is not None:
+            self._run_pause_action(rep, t)
         if rep.pending or rep.engine.has_requests():
-            self._kick(rep, t)
+            self._kick(rep, max(t, rep.paused_until))
 
     # ------------------------------------------------------------------ the end
     @property

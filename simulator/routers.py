@@ -16,7 +16,8 @@ llm-d's precise prefix-cache scorer over KV events, see :class:`KVAwareRouter`),
 or KV pressure crosses a threshold, as RL stacks route, see
 :class:`SessionAffinityRouter`) and ``kvpilot`` (placement by predicted KV
 demand against each replica's working set, and priced moves of sessions whose
-replica is over-committed, see :class:`KVPilotRouter`); :func:`make_router`
+replica is over-committed, see :class:`KVPilotRouter`) and ``fewest-sessions`` (sticky sessions on the
+replica with the fewest live sessions, see :class:`FewestSessionsRouter`); :func:`make_router`
 builds one by name.
 
 Sessions. A router with ``session_aware`` set sees every turn of a session, with
@@ -44,6 +45,7 @@ __all__ = [
     "KVAwareRouter",
     "SessionAffinityRouter",
     "KVPilotRouter",
+    "FewestSessionsRouter",
     "ROUTERS",
     "make_router",
 ]
@@ -530,6 +532,40 @@ class KVPilotRouter(KVAwareRouter):
         self._peaks[domain] = (total + context, n + 1)
 
 
+class FewestSessionsRouter(Router):
+    """Sticky sessions placed on the replica with the fewest active sessions (SkyRL #1791, prime-rl's default).
+
+    A session's first request goes to the replica with the fewest live sessions (ties: lower load, then the
+    lower index); the fleet keeps its later turns there (sticky sessions). A session is live from its first
+    request until its trajectory ends (:meth:`Router.on_session_end`).
+    """
+
+    def __init__(self) -> None:
+        self._home: dict[str, int] = {}  # live stream -> its replica
+        self._count: dict[int, int] = {}  # replica -> live sessions
+
+    def active_sessions(self, replica: int) -> int:
+        return self._count.get(replica, 0)
+
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
+        if not replicas:
+            raise ValueError("no replica to route to")
+        chosen = min(replicas, key=lambda r: (self.active_sessions(r.index), r.load, r.index)).index
+        self.on_routed(request, chosen)
+        return chosen
+
+    def on_routed(self, request: RouteRequest, replica: int) -> None:
+        stream = request.stream if request.stream is not None else request.request_id
+        if stream not in self._home:
+            self._home[stream] = replica
+            self._count[replica] = self._count.get(replica, 0) + 1
+
+    def on_session_end(self, stream: str) -> None:
+        replica = self._home.pop(stream, None)
+        if replica is not None:
+            self._count[replica] -= 1
+
+
 ROUTERS: dict[str, Callable[..., Router]] = {
     "round-robin": RoundRobinRouter,
     "least-loaded": LeastLoadedRouter,
@@ -537,6 +573,7 @@ ROUTERS: dict[str, Callable[..., Router]] = {
     "kv-aware": KVAwareRouter,
     "session-affinity": SessionAffinityRouter,
     "kvpilot": KVPilotRouter,
+    "fewest-sessions": FewestSessionsRouter,
 }
 
 

@@ -17,6 +17,7 @@ This module wires a run; each part is its own module:
 * :mod:`simulator.drivers`: the RL drivers (synchronous steps, multi-turn tool
   pauses, verification and scoring, over-provisioning, trace replay);
 * :mod:`simulator.tail`: tail batching (RollPacker);
+* :mod:`simulator.async_rl`: asynchronous RL (no step barrier, a trainer, weight updates mid-session);
 * :mod:`simulator.engine`: every call into vLLM.
 """
 
@@ -34,11 +35,12 @@ from typing import Any
 import pyarrow as pa
 
 from simulator import engine
-from simulator.bound import makespan_bound
-from simulator.clock import ARRIVE, KICK, RELEASE, STEP_END, VERIFIED, EventClock
+from simulator.async_rl import AsyncDriver
+from simulator.bound import makespan_bound, throughput_bound
+from simulator.clock import ARRIVE, KICK, RELEASE, STEP_END, SYNC_END, TRAIN_END, VERIFIED, EventClock
 from simulator.config import Overprovision, PolicySpec, SimConfig, SimulationError
 from simulator.drivers import StepDriver
-from simulator.metrics import StepRecord, TrajectoryRecord, render_summary, summarize
+from simulator.metrics import StepRecord, TrajectoryRecord, render_summary, rl_summary, summarize
 from simulator.replica import Fleet, Replica, build_replicas
 from simulator.routers import Router
 from simulator.runner import ScriptedRunner
@@ -87,14 +89,21 @@ class Simulation:
         self.policy_factory = config.policy_factory(w)
         probe = self.policy_factory()
         self.tail = tail_batching_spec(probe, config, w)
+        if config.driver == "async":
+            if self.tail is not None:
+                raise SimulationError("tail batching drives synchronous RL steps; it does not run under the async "
+                                      "driver")
+            if w.trace:
+                raise SimulationError("the async driver runs RL steps, not a trace replay (every arrival_s is set)")
         #: Blocks of each replica's CPU offload tier: only for a policy that uses one (0: none).
         self.offload_blocks = config.offload_blocks() if probe.uses_offload else 0
         #: The tier's cache policy is kvpilot's (the policy orders its evictions), else vLLM's LRU.
         self.host_policy = bool(self.offload_blocks and probe.uses_host_eviction)
         self.router = config.make_router()
         self.kv_blocks = config.kv_blocks_for(w)
-        self.driver: StepDriver | None = None  # the run's, once it ran
+        self.driver: StepDriver | AsyncDriver | None = None  # the run's, once it ran
         self.runner: ScriptedRunner | None = None
+        self.fleet: Fleet | None = None
         self.setup_s = time.perf_counter() - t0
 
     def run(self) -> SimResult:
@@ -140,8 +149,9 @@ class Simulation:
         steps = read_telemetry(tel_dir, "steps")
         driver = self.driver
         resets = not config.keep_cache_across_steps and not self.workload.trace
+        epochs = driver.cache_epoch if isinstance(driver, AsyncDriver) else None
         summary = summarize(self.workload, requests, steps, result.trajectories, result.rl_steps,
-                            aliases=driver.aliases, cache_per_step=resets)
+                            aliases=driver.aliases, cache_per_step=resets and epochs is None, cache_epoch=epochs)
         summary.update(
             policy=policy_name, router=config.router_name if config.replicas > 1 else None,
             replicas=config.replicas, kv_blocks=self.kv_blocks, kv_fraction=config.kv_fraction,
@@ -164,6 +174,7 @@ class Simulation:
                                           summary["recomputed_tokens_eviction"], config.replicas * summary["simulated_s"],
                                           summary["offload_wait_s"])
         summary.update({f"gpu_{cause}_s": seconds for cause, seconds in breakdown.items()})
+        summary.update(self.rl_summary(summary))
         result.summary, result.requests, result.steps = summary, requests, steps
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -180,6 +191,42 @@ class Simulation:
                            decode_stride=c.decode_stride, max_num_seqs=c.max_num_seqs)
         return {"bound_s": b.mean_s, "bound_total_s": b.total_s, "bound_per_step_s": [s.bound_s for s in b.steps],
                 "makespan_over_bound": simulated_s / b.total_s if b.total_s > 0 else None}
+
+    def rl_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Trained trajectories per second beside their upper bound, the trainer, staleness and weight updates
+        (:func:`simulator.metrics.rl_summary`, :func:`simulator.bound.throughput_bound`)."""
+        c, d, w = self.config, self.driver, self.workload
+        gpu_busy = sum(summary.get(f"gpu_{k}_s", 0.0) for k in ("decode", "prefill_new", "recompute_preemption",
+                                                                "recompute_eviction", "offload_wait"))
+        staleness = d.staleness if isinstance(d, AsyncDriver) else [0] * len(d.traj_records) * bool(d.train_records)
+        out = rl_summary(w, d.traj_records, d.train_records, summary["simulated_s"], c.replicas, gpu_busy, staleness)
+        if isinstance(d, AsyncDriver):
+            out.update(driver="async", staleness_eta=d.spec.staleness, weight_sync=d.spec.weight_sync,
+                       async_admission=d.spec.admission, train_batch_groups=d.batch, weight_updates=d.updates,
+                       cache_reset_retries=self.fleet.cache_reset_retries,
+                       reprefill_tokens=d.reprefill_tokens,
+                       reprefill_tokens_per_update=d.reprefill_tokens / d.updates if d.updates else 0.0,
+                       kv_tokens_by_version_age={a: v / d.updates for a, v in sorted(d.kv_by_age.items())}
+                       if d.updates else {})
+        else:
+            out.update(driver="sync", weight_updates=len(d.train_records),
+                       train_batch_groups=None)
+        trainer = c.trainer if d.train_records else None
+        if trainer is not None:
+            tokens = min(d.trained_tokens([x]) for x in d.trajectories)
+            bound = throughput_bound(w, c.cost, self.kv_blocks, replicas=c.replicas, decode_stride=c.decode_stride,
+                                     max_num_seqs=c.max_num_seqs,
+                                     train_s=sum(r.end_s - r.start_s for r in d.train_records),
+                                     sync_s=trainer.sync_s(c.cost), updates=len(d.train_records),
+                                     last_train_s=trainer.train_s(tokens, c.cost, c.replicas))
+        else:
+            bound = throughput_bound(w, c.cost, self.kv_blocks, replicas=c.replicas, decode_stride=c.decode_stride,
+                                     max_num_seqs=c.max_num_seqs)
+        rate = out["trajectories_per_s"]
+        out.update(throughput_bound_trajectories_per_s=bound.trajectories_per_s, throughput_bound_s=bound.bound_s,
+                   throughput_bound_binding=bound.binding,
+                   throughput_over_bound=rate / bound.trajectories_per_s if bound.trajectories_per_s else None)
+        return out
 
     def offload_summary(self, replicas: list[Replica]) -> dict[str, Any]:
         """The CPU offload tier's size and transfers, all replicas (zeros without a tier)."""
@@ -212,21 +259,27 @@ class Simulation:
 
             bar = tqdm(total=w.num_rows, file=sys.stderr, unit="req", desc="simulating", mininterval=0.5,
                        dynamic_ncols=True)
-        if self.tail is not None:
+        handlers = {}
+        if config.driver == "async":
+            driver = AsyncDriver(w, fleet, clock, runner, bar, spec=config.async_rl, trainer=config.trainer,
+                                 session_ids=config.session_ids)
+            handlers = {TRAIN_END: driver.trained, SYNC_END: driver.synced}
+        elif self.tail is not None:
             driver = TailBatchingDriver(w, fleet, clock, runner, None, bar, spec=self.tail,
                                         reset_at_weight_sync=not config.keep_cache_across_steps,
                                         session_ids=config.session_ids)
         else:
             driver = StepDriver(w, fleet, clock, runner, config.overprovision, bar,
                                 reset_at_weight_sync=not config.keep_cache_across_steps,
-                                session_ids=config.session_ids)
-        self.driver = driver
+                                session_ids=config.session_ids,
+                                trainer=None if w.trace else config.trainer)
+        self.driver, self.fleet = driver, fleet
         fleet.on_finished = driver.finished
         driver.start()
         t_start = time.perf_counter()
         try:
             clock.run({ARRIVE: driver.submit, STEP_END: fleet.end_step, VERIFIED: driver.verified,
-                       RELEASE: driver.release, KICK: fleet.kicked})
+                       RELEASE: driver.release, KICK: fleet.kicked, **handlers})
         finally:
             if bar is not None:
                 bar.close()

@@ -164,6 +164,6 @@ def test_make_router_by_name() -> None:
 
 
 def test_unknown_router_lists_known() -> None:
-    known = r"cache-aware, kv-aware, kvpilot, least-loaded, round-robin, session-affinity"
+    known = r"cache-aware, fewest-sessions, kv-aware, kvpilot, least-loaded, round-robin, session-affinity"
     with pytest.raises(ValueError, match=rf"unknown router 'llm-d'; known routers: {known}"):
         make_router("llm-d")

@@ -166,6 +166,98 @@ OffloadGib = Annotated[float, typer.Option(
     "H200's host memory per GPU.")]
 
 
+DriverOpt = Annotated[str, typer.Option(
+    "--driver", help="sync (synchronous RL steps) or async (no step barrier: a trainer consumes batches of finished "
+    "groups under a staleness bound; runs the synchronous baseline with the same trainer beside it).")]
+StalenessOpt = Annotated[str, typer.Option(
+    "--staleness", help="--driver async: staleness bound(s) eta, comma-separated integers >= 0 (e.g. 1,2,4).")]
+WeightSyncOpt = Annotated[str, typer.Option(
+    "--weight-sync", help="--driver async: weight-update mode(s), comma-separated: abort, recompute (keep + clear), "
+    "keep (version-salted cache, no reset).")]
+TrainBatchOpt = Annotated[Optional[int], typer.Option(
+    "--train-batch", help="GRPO groups per training step (default: the workload's groups per RL step).")]
+TrainerOpt = Annotated[bool, typer.Option(
+    "--trainer", help="--driver sync: price a training step and a weight update after each RL step (as --driver "
+    "async does), so that both drivers do the same work.")]
+AdmissionOpt = Annotated[str, typer.Option(
+    "--admission", help="--driver async: staleness (AReaL's capacity rule, FCFS) or kv-pressure (prime-rl's KV "
+    "controller inside the staleness rule).")]
+
+
+def _trainer_spec(driver: str, trainer: bool, train_batch: Optional[int]):
+    """The run's Trainer (None: a synchronous run without one); bad settings exit 2."""
+    from simulator.config import DRIVERS, SimulationError, Trainer
+
+    if driver not in DRIVERS:
+        raise _fail(f"--driver must be one of {', '.join(DRIVERS)}, got {driver!r}")
+    if train_batch is not None and train_batch < 1:
+        raise _fail(f"--train-batch must be >= 1, got {train_batch}")
+    if driver == "sync" and not trainer:
+        if train_batch is not None:
+            raise _fail("--train-batch needs --trainer or --driver async")
+        return None
+    try:
+        return Trainer(train_batch=train_batch)
+    except SimulationError as err:
+        raise _fail(str(err)) from None
+
+
+def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fractions: list, replicas: list[int],
+                 staleness: str, weight_sync: str, admission: str, trainer: object, progress: bool, as_json: bool,
+                 *, policy_options: Optional[str] = None, learned_model: Optional[Path] = None,
+                 **sim_options: object) -> None:
+    """``--driver async``: the synchronous run and every (eta, mode) async run per policy x KV x replicas."""
+    from simulator.config import ADMISSIONS, WEIGHT_SYNC_MODES, SimulationError
+    from simulator.workload import load_workload
+    from training.async_sweep import sweep, write_sweep
+
+    etas = _number_list(staleness, int, "--staleness")
+    if any(e < 0 for e in etas):
+        raise _fail(f"--staleness values must be integers >= 0, got {staleness!r}")
+    modes = [m.strip() for m in weight_sync.split(",") if m.strip()]
+    bad = [m for m in modes if m not in WEIGHT_SYNC_MODES]
+    if bad or not modes:
+        raise _fail(f"--weight-sync: unknown mode(s) {', '.join(bad) or '(none)'}; known: {', '.join(WEIGHT_SYNC_MODES)}")
+    if admission not in ADMISSIONS:
+        raise _fail(f"--admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
+    options = {}
+    if policy_options:
+        try:
+            options = json.loads(policy_options)
+        except json.JSONDecodeError as err:
+            raise _fail(f"--policy-options is not valid JSON: {err}") from None
+    try:
+        prepared = load_workload(workload)
+    except (DataValidationError, ValueError, OSError) as err:
+        raise _fail(str(err)) from None
+    rows = []
+    try:
+        for policy in policies:
+            for kv in kv_fractions:
+                for reps in replicas:
+                    sub = out_dir if len(policies) * len(kv_fractions) * len(replicas) == 1 else \
+                        out_dir / f"{policy}-kv{'gpu' if kv is None else f'{kv:g}'}-r{reps}"
+                    mine = {**options, "model": str(learned_model)} if policy == "learned" and learned_model \
+                        else options
+                    rows += sweep(prepared, sub, policy, etas, modes, kv_fraction=kv, replicas=reps,
+                                  admission=admission, progress=progress,
+                                  sim_options={**sim_options, "trainer": trainer, "policy_options": mine})
+    except SimulationError as err:
+        raise _fail(str(err)) from None
+    write_sweep(rows, out_dir)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2, default=str))
+    else:
+        shown = ("policy", "kv_fraction", "replicas", "run", "trajectories_per_s", "ratio_vs_sync",
+                 "throughput_over_bound", "gap_closed", "max_staleness", "reprefill_tokens_per_update")
+        typer.echo("  ".join(f"{c:>14}" for c in shown))
+        for r in rows:
+            typer.echo("  ".join(f"{(f'{v:.4g}' if isinstance(v, float) else '-' if v is None else str(v)):>14}"
+                                 for v in (r.get(c) for c in shown)))
+    console.print(f"async_summary.md, async_summary.json and throughput_vs_staleness.png in {out_dir}",
+                  highlight=False)
+
+
 @app.command("simulate")
 def simulate(
     workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
@@ -200,11 +292,25 @@ def simulate(
         "--session-ids/--no-session-ids", help="Send each request's session id, turn and tool (kvpilot_* keys); "
         "--no-session-ids sends none, as verl and AReaL do, and the hook infers sessions from the block-hash "
         "chain.")] = True,
+    driver: DriverOpt = "sync",
+    staleness: StalenessOpt = "1",
+    weight_sync: WeightSyncOpt = "keep",
+    train_batch: TrainBatchOpt = None,
+    trainer: TrainerOpt = False,
+    admission: AdmissionOpt = "staleness",
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
+    trainer_spec = _trainer_spec(driver, trainer, train_batch)
+    if driver == "async":
+        _async_sweep(workload, out_dir, [policy], [kv_fraction], [replicas], staleness, weight_sync, admission,
+                     trainer_spec, progress, as_json, policy_options=policy_options, router=router,
+                     kv_blocks=kv_blocks, preset=preset, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
+                     offload_gib=offload_gib)
+        return
     summary = _simulate(workload, out_dir, policy, policy_options, replicas, router, kv_blocks, kv_fraction, preset,
                         max_num_seqs, max_num_batched_tokens, progress, decode_stride, keep_cache, offload_gib,
-                        session_ids)
+                        session_ids, trainer_spec)
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -244,7 +350,8 @@ def bound(
 def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Optional[str], replicas: int, router: str,
               kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: int,
               max_num_batched_tokens: int, progress: bool, decode_stride: int = 1, keep_cache: bool = False,
-              offload_gib: float = DEFAULT_OFFLOAD_GIB, session_ids: bool = True) -> dict:
+              offload_gib: float = DEFAULT_OFFLOAD_GIB, session_ids: bool = True,
+              trainer: object = None) -> dict:
     """Read, check and simulate; user errors exit with status 2 before anything runs."""
     from simulator.workload import load_workload
 
@@ -270,6 +377,7 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
             kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, progress=progress, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
             keep_cache_across_steps=keep_cache, offload_gib=offload_gib, session_ids=session_ids,
+            trainer=trainer,
         )
     except SimulationError as err:
         raise _fail(str(err)) from None
@@ -345,6 +453,12 @@ def evaluate_cmd(
         "for the policies that use it (vllm-offload, *-offload, learned over the tier); comma-separated sizes "
         "(16,64,256) are a grid dimension for those policies; 0 turns the tier off. Default: a quarter of a DGX "
         "H200's host memory per GPU.")] = f"{DEFAULT_OFFLOAD_GIB:g}",
+    driver: DriverOpt = "sync",
+    staleness: StalenessOpt = "1",
+    weight_sync: WeightSyncOpt = "keep",
+    train_batch: TrainBatchOpt = None,
+    trainer: TrainerOpt = False,
+    admission: AdmissionOpt = "staleness",
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import (BACKENDS, DEFAULT_KV_FRACTIONS, EvaluationError, build_cases, evaluate,
@@ -386,6 +500,18 @@ def evaluate_cmd(
         cases = build_cases(names, kvs, reps, router_names, kv_totals=totals)
     except EvaluationError as err:
         raise _fail(str(err)) from None
+    trainer_spec = _trainer_spec(driver, trainer, train_batch)
+    if driver == "async":  # in this process, case after case (each sweep runs sync and every eta x mode)
+        if totals is not None:
+            raise _fail("--driver async takes --kv-fractions, not --kv-total")
+        if len(tiers) > 1:
+            raise _fail("--driver async takes one --offload-gib size")
+        _async_sweep(workload, out_dir, names, list(dict.fromkeys(kvs)), list(dict.fromkeys(reps)), staleness,
+                     weight_sync, admission, trainer_spec, progress, False, router=router_names[0],
+                     preset=preset, decode_stride=decode_stride, keep_cache_across_steps=keep_cache,
+                     offload_gib=tiers[0], decision_log=full_telemetry, kv_event_log=full_telemetry,
+                     learned_model=model)
+        return
     where = f"{jobs} job(s)" if backend == "process" else f"Ray at {address}" if address else \
         f"a local Ray instance of {jobs} CPU(s)"
     sizes = f"{len(set(kvs))} KV size(s)" if kvs is not None else f"{len(set(totals))} fleet KV size(s)"
@@ -399,7 +525,9 @@ def evaluate_cmd(
                           preset=preset, jobs=jobs, backend=backend, address=address, progress=progress,
                           decode_stride=decode_stride, resume=resume,
                           full_telemetry=full_telemetry,
-                          sim_options={"keep_cache_across_steps": keep_cache}, offload_gibs=tiers,
+                          sim_options={"keep_cache_across_steps": keep_cache,
+                                       **({"trainer": trainer_spec} if trainer_spec is not None else {})},
+                          offload_gibs=tiers,
                           policy_options={"learned": {"model": str(model)}} if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None

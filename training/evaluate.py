@@ -84,7 +84,8 @@ DEFAULT_KV_FRACTIONS = (0.1, 0.2, 0.4)
 #: those that need a trained model (``learned``: ``model=POLICY_DIR``; ``registry``: the MLflow champion),
 #: the exploring behaviour policy (``logging``), which is for collecting logs, not for comparison, and
 #: ``lrb-online`` (learned eviction that trains as it runs; still runnable by name).
-NOT_IN_ALL = frozenset({"learned", "registry", "logging", "lrb-online"})
+#: ``version-aware`` (asynchronous ``keep`` runs only: LRU on synchronous steps) is left out too.
+NOT_IN_ALL = frozenset({"learned", "registry", "logging", "lrb-online", "version-aware"})
 RATIOS = {
     "makespan_ratio_vs_default": "makespan_s",
     "recompute_ratio_vs_default": "recomputed_tokens",

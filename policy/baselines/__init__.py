@@ -29,4 +29,5 @@ BASELINES: dict[str, str] = {
     "continuum-offload": "policy.baselines.offload_tier:ContinuumOffloadPolicy",
     "kvflow-offload": "policy.baselines.offload_tier:NextUseOffloadPolicy",
     "oracle-offload": "policy.baselines.offload_tier:HindsightOracleOffloadPolicy",
+    "version-aware": "policy.baselines.version_aware:VersionAwareEvictionPolicy",
 }

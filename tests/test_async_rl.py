@@ -1,0 +1,238 @@
+"""Asynchronous RL (simulator/async_rl.py): the throughput bound holds over random workloads, policies and weight-sync
+modes; a saturated uniform case comes within 10 % of it; staleness never exceeds eta; the same seed gives the same
+summary; bad settings are named errors (CLI exit 2); the synchronous trainer prices the same work."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from typer.testing import CliRunner
+
+from data.io import write_workload
+from data.schemas import WORKLOAD
+from data.synth import SynthConfig, generate
+from simulator.config import AsyncRL, SimulationError, Trainer
+from simulator.simulation import Simulation, run_simulation
+from simulator.workload import prepare_workload
+
+pytestmark = pytest.mark.vllm
+
+_VOLATILE = ("wall_s", "scheduler_s", "hook_s", "router_s", "simulator_overhead", "setup_s")
+
+
+def _tiny(seed: int, steps: int = 3, prompts: int = 2, group: int = 2) -> pa.Table:
+    """A few groups of the short mix (math / agentic search, multi-turn), code outputs cut short."""
+    cfg = SynthConfig(steps=steps, prompts_per_step=prompts, group_size=group, seed=seed)
+    d = {k: v for k, v in SynthConfig.preset("short").domains.items()}
+    d["code"] = dataclasses.replace(d["code"], output_tokens=dataclasses.replace(d["code"].output_tokens, median=120),
+                                    max_tokens=600)
+    return generate(dataclasses.replace(cfg, domains=d))
+
+
+def _uniform(steps: int, groups: int, group: int, prompt: int = 64, output: int = 32) -> pa.Table:
+    """Single-turn requests of one length, no tools, no verifier."""
+    rows = []
+    for s in range(steps):
+        for g in range(groups):
+            gid = f"s{s}g{g}"
+            for i in range(group):
+                rows.append({"request_id": f"{gid}-{i}", "kind": "rollout", "step": s, "prompt_id": gid,
+                             "group_id": gid, "group_size": group, "sample_index": i, "session_id": f"{gid}-{i}",
+                             "turn": 0, "domain": "math", "paradigm": "math_verifier", "prompt_tokens": prompt,
+                             "output_tokens": output, "max_tokens": output, "finish_reason": "length",
+                             "block_size": 16, "block_hashes": [10_000 * (s + 1) + 10 * g + b for b in range(4)],
+                             "arrival_s": None, "verify_latency_s": None})
+    return pa.Table.from_pylist(rows, schema=WORKLOAD.schema)
+
+
+def _short_and_long(steps: int = 6) -> pa.Table:
+    """Per step a group of short requests and a group of long ones."""
+    rows = [r | ({"output_tokens": 200, "max_tokens": 200} if r["group_id"].endswith("g1") else {})
+            for r in _uniform(steps=steps, groups=2, group=2).to_pylist()]
+    return pa.Table.from_pylist(rows, schema=WORKLOAD.schema)
+
+
+@pytest.mark.slow
+def test_the_throughput_bound_holds_on_random_workloads(vllm_engine: Any) -> None:
+    """20 random workloads, each under a policy (cycled) and every weight-sync mode at a random eta, plus the
+    synchronous trainer: no run beats its bound, and staleness never exceeds eta."""
+    policies = ["vllm-default", "continuum", "infercept", "sjf-predicted", "working-set"]
+    rng = random.Random(7)
+    for i in range(20):
+        prepared = prepare_workload(_tiny(seed=100 + i, steps=rng.choice([2, 3]), prompts=rng.choice([1, 2])))
+        policy = policies[i % len(policies)]
+        replicas = rng.choice([1, 1, 2])
+        common = dict(replicas=replicas, router=rng.choice(["round-robin", "fewest-sessions"]),
+                      kv_fraction=rng.choice([1.0, 2.0]), decode_stride=8, progress=False,
+                      trainer=Trainer(mfu=rng.choice([0.05, 0.35]), train_batch=rng.choice([None, 1])))
+        runs = [run_simulation(prepared, policy, **common).summary]
+        eta = rng.choice([0, 1, 2, 4])
+        for mode in ("abort", "recompute", "keep"):
+            s = run_simulation(prepared, policy, driver="async", async_rl=AsyncRL(eta, mode), **common).summary
+            assert s["max_staleness"] <= eta, (i, mode)
+            assert sum(s["staleness_counts"].values()) == s["trajectories"] == len(prepared.sessions)
+            runs.append(s)
+        for s in runs:
+            assert s["trajectories_per_s"] <= s["throughput_bound_trajectories_per_s"] * (1 + 1e-9), \
+                (i, policy, s["driver"], s.get("weight_sync"))
+            assert 0 < s["throughput_over_bound"] <= 1 + 1e-9
+
+
+def test_a_trainer_bound_uniform_run_comes_within_10_percent_of_the_bound(vllm_engine: Any) -> None:
+    """A slow trainer and ample KV: with eta 2 the trainer never waits after the first batch."""
+    trainer = Trainer(mfu=0.02, gpus=1, fixed_s=0.5)
+    s = run_simulation(_uniform(steps=12, groups=2, group=4), "vllm-default", driver="async",
+                       async_rl=AsyncRL(2, "keep"), trainer=trainer, kv_fraction=2.0, progress=False).summary
+    assert s["throughput_bound_binding"] == "trainer"
+    assert s["throughput_over_bound"] >= 0.9
+    assert s["trainer_idle_share"] < 0.1
+
+
+def test_staleness_bound_and_versions(vllm_engine: Any) -> None:
+    """A short group and a long one per batch: eta 0 waits like synchronous steps, eta 1 runs ahead by one
+    version and never further; each trajectory spans the versions from its start to its end."""
+    w = _short_and_long()
+    for eta in (0, 1, 3):
+        sim = Simulation(w, "vllm-default", driver="async", async_rl=AsyncRL(eta, "keep"), kv_fraction=2.0,
+                         progress=False, trainer=Trainer(train_batch=2))
+        result = sim.run()
+        s = result.summary
+        assert s["max_staleness"] <= eta and s["weight_updates"] == 6
+        assert (s["max_staleness"] == eta) if eta < 3 else s["max_staleness"] >= 1
+        for t in result.trajectories:
+            assert 0 <= t.version_start <= t.version_end
+        versions = [r.version for r in sim.driver.train_records]
+        assert versions == list(range(6))
+
+
+def test_weight_sync_modes_reprefill(vllm_engine: Any) -> None:
+    """keep re-prefills nothing at an update; abort and recompute re-prefill the in-flight KV, and abort's
+    resubmitted requests finish with exactly their tokens."""
+    w = prepare_workload(_short_and_long())
+    summaries = {}
+    for mode in ("abort", "recompute", "keep"):
+        sim = Simulation(w, "vllm-default", driver="async", async_rl=AsyncRL(2, mode), kv_fraction=2.0,
+                         progress=False, trainer=Trainer(fixed_s=0.05, sync_fixed_s=0.05))
+        result = sim.run()
+        summaries[mode] = result.summary
+        assert sim.finished == [1] * w.num_rows
+        out = sum(result.requests.column("output_tokens").to_pylist())
+        assert out == sum(w.output_tokens)  # abort's two attempts of a request sample its tokens once in all
+    assert summaries["keep"]["reprefill_tokens_per_update"] == 0
+    assert summaries["abort"]["reprefill_tokens_per_update"] > 0
+    assert summaries["recompute"]["reprefill_tokens_per_update"] > 0
+    assert summaries["keep"]["prefix_cache_resets"] == 0
+    assert summaries["abort"]["prefix_cache_resets"] == summaries["abort"]["weight_updates"]
+
+
+def test_same_seed_same_summary(vllm_engine: Any) -> None:
+    w = prepare_workload(_tiny(seed=9))
+    a, b = (run_simulation(w, "continuum", driver="async", async_rl=AsyncRL(1, "abort"), kv_fraction=0.8,
+                           progress=False).summary for _ in range(2))
+    assert {k: v for k, v in a.items() if k not in _VOLATILE} == {k: v for k, v in b.items() if k not in _VOLATILE}
+
+
+def test_sync_trainer_prices_the_same_work(vllm_engine: Any) -> None:
+    """--trainer adds a training step and a weight update after each synchronous step, and nothing else."""
+    w = prepare_workload(_tiny(seed=11))
+    plain = run_simulation(w, "vllm-default", kv_fraction=1.0, progress=False).summary
+    trained = run_simulation(w, "vllm-default", kv_fraction=1.0, progress=False, trainer=Trainer()).summary
+    assert plain["weight_updates"] == 0 and trained["weight_updates"] == len(w.steps)
+    assert trained["prefix_hit_rate"] == plain["prefix_hit_rate"]
+    assert trained["makespan_per_step_s"] == pytest.approx(plain["makespan_per_step_s"])
+    assert trained["run_s"] > plain["run_s"] == pytest.approx(plain["simulated_s"])
+    assert trained["max_staleness"] == 0
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"async_rl": AsyncRL(1)}, "async_rl settings need driver='async'"),
+    ({"driver": "asynchronous"}, "unknown driver"),
+])
+def test_bad_settings_are_named_errors(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(SimulationError, match=match):
+        Simulation(_uniform(1, 1, 1), **options)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: AsyncRL(-1), "staleness"), (lambda: AsyncRL(1.5), "staleness"),
+    (lambda: AsyncRL(1, "flush"), "weight-sync mode"), (lambda: AsyncRL(1, admission="x"), "admission"),
+    (lambda: Trainer(mfu=0), "mfu"), (lambda: Trainer(train_batch=0), "train_batch"),
+    (lambda: Trainer(link_bytes_per_s=-1), "link_bytes_per_s"),
+])
+def test_bad_values(make: Any, match: str) -> None:
+    with pytest.raises(SimulationError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--driver", "async", "--staleness", "-1"], "staleness"),
+    (["--driver", "async", "--weight-sync", "flush"], "weight-sync"),
+    (["--driver", "async", "--train-batch", "0"], "train-batch"),
+    (["--driver", "bogus"], "driver"),
+])
+def test_cli_bad_async_settings_exit_2(tmp_path: Path, args: list[str], match: str) -> None:
+    from training.cli import app
+
+    path = tmp_path / "w.parquet"
+    write_workload(_uniform(1, 1, 1), path)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["simulate", "-w", str(path), "-o", str(out), "--no-progress", *args])
+    assert res.exit_code == 2, res.output
+    assert match in res.output
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.slow
+def test_every_policy_and_router_runs_async(vllm_engine: Any) -> None:
+    """Every baseline (rollpacker's tail batching, a synchronous driver of its own, is a named error) and every
+    router runs under the async driver and trains every trajectory."""
+    from simulator.routers import ROUTERS
+    from training.evaluate import resolve_policies
+
+    w = prepare_workload(_tiny(seed=3, steps=2, prompts=1))
+    opts: dict[str, Any] = dict(driver="async", async_rl=AsyncRL(1, "keep"), kv_fraction=1.0, decode_stride=8,
+                                progress=False)
+    for name in resolve_policies("all") + ["version-aware"]:
+        if name == "rollpacker":
+            with pytest.raises(SimulationError, match="tail batching"):
+                Simulation(w, name, **opts)
+            continue
+        assert run_simulation(w, name, **opts).summary["trajectories"] == len(w.sessions), name
+    for router in ROUTERS:
+        s = run_simulation(w, "vllm-default", replicas=2, router=router, **opts).summary
+        assert s["trajectories"] == len(w.sessions), router
+
+
+def test_version_aware_eviction_lists_dead_versions_first() -> None:
+    from data.records import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
+    from policy.catalog import create_policy
+
+    p = create_policy("version-aware")
+    meta = {v: RequestMeta(session_id=f"s{v}", weight_version=v) for v in (0, 1)}
+    for v in (0, 1):
+        p.on_event(Event(EventKind.ARRIVED, 0.0, f"r{v}", meta[v]))
+    p.on_event(Event(EventKind.FINISHED, 1.0, "r0", meta[0], finish_reason="stop"))  # version 0: no live session
+    p.on_event(Event(EventKind.FINISHED, 1.0, "r1", meta[1], finish_reason="tool_call"))  # still live
+    prefixes = [CachedPrefix(f"r{v}", f"r{v}", OwnerState.FINISHED, meta[v], (v,), (v,), 1.0) for v in (1, 0)]
+    decision = p.evict(prefixes, 1, None)
+    assert p.live_versions() == {1} and list(decision.order) == ["r0"]
+    unversioned = [CachedPrefix("x", "x", OwnerState.FINISHED, RequestMeta(session_id="x"), (5,), (5,), 0.0)]
+    assert p.evict(unversioned, 1, None) is None  # synchronous runs: LRU
+
+
+def test_fewest_sessions_router() -> None:
+    """A new session goes to the replica with the fewest live sessions; an ended session frees its place."""
+    from simulator.routers import ReplicaLoad, RouteRequest, make_router
+
+    r = make_router("fewest-sessions")
+    loads = [ReplicaLoad(0, 5), ReplicaLoad(1, 0)]
+    req = lambda s: RouteRequest(f"{s}-0", [], 16, 16, s, s)  # noqa: E731
+    assert [r.route(req(s), loads) for s in ("a", "b", "c")] == [1, 0, 1]  # ties by load, then sessions
+    r.on_session_end("a")
+    r.on_session_end("c")
+    assert r.route(req("d"), loads) == 1 and r.active_sessions(0) == 1
