@@ -56,11 +56,14 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def test_resolve_policies() -> None:
-    from policy.catalog import known_policies
+    from policy.baselines import BASELINES
+    from policy.catalog import create_policy, known_policies, register
 
     assert resolve_policies("sortedrl, rollpacker") == [DEFAULT, "sortedrl", "rollpacker"]
     every = resolve_policies("all")
-    assert every == [DEFAULT] + [p for p in known_policies() if p != DEFAULT and p not in NOT_IN_ALL]
+    assert every == [DEFAULT] + [p for p in known_policies() if p in BASELINES and p not in NOT_IN_ALL]
+    register("my-candidate", lambda: create_policy("sortedrl"), replace=True)  # registered at run time: by name only
+    assert resolve_policies("all") == every and resolve_policies("my-candidate") == [DEFAULT, "my-candidate"]
     # the thirteen and the tool-pause baselines; nothing that needs a trained model, only explores, or
     # learns as it runs
     assert sorted(every) == sorted(["vllm-default", "vllm-priority", "sjf-predicted", "sortedrl", "rollpacker",
@@ -184,6 +187,8 @@ def test_cli_sweeps_the_cpu_tier(vllm_engine: Any, workload_path: Path, tmp_path
     assert got[(DEFAULT, None)]["offload_blocks"] == 0
     assert (out / "runs" / "vllm-offload-kv0.3-off0.5-r1" / "summary.json").is_file()
     assert "tier 0.01 GiB" in res.output
+    assert (out / "summary.csv").read_text().splitlines()[0].split(",")[:5] == [
+        "policy", "kv_fraction", "replicas", "router", "tier_gib"]  # a swept tier is a grid column
     bad = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "bad"),
                                    "--offload-gib", "16,-1", "--no-progress"])
     assert bad.exit_code == 2 and "--offload-gib" in bad.output

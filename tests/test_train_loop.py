@@ -29,13 +29,13 @@ def test_train_group_keeps_its_subcommands(tmp_path: Path) -> None:
 
 def test_demo_champion_uses_the_preemption_head() -> None:
     """The demo trains with ``preempt=True`` (its champion beat vLLM default's makespan only with the head); the
-    library default stays vLLM's tail victim."""
+    library default learns the head where the logs hold preemption decisions (``None``: every lever found)."""
     import dataclasses
 
     from policy.offline import OfflineConfig
     from training.demo import DemoConfig
 
-    assert OfflineConfig().preempt is False
+    assert OfflineConfig().preempt is None
     cfg = dataclasses.replace(OfflineConfig(), **DemoConfig().policy_options)
     assert cfg.preempt is True
 

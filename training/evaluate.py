@@ -145,10 +145,13 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     ``all`` expands in place, so names beside it are added to it (``all,learned`` runs the baselines and the
     learned policy). Unknown names raise :class:`EvaluationError` naming the known ones."""
     import serving_hook  # noqa: F401 - registers the policy "registry" (the hook serving the MLflow champion)
+    from policy.baselines import BASELINES
     from policy.catalog import known_policies
 
     known = known_policies()
-    names = _expand_names(policies, [p for p in known if p not in NOT_IN_ALL], known, ("policy", "policies"))
+    # the built-in baselines only: a policy registered at run time (training's candidate, a user's) is run by name
+    every = [p for p in known if p in BASELINES and p not in NOT_IN_ALL]
+    names = _expand_names(policies, every, known, ("policy", "policies"))
     out = [DEFAULT]
     for p in names:
         if p not in out:
@@ -587,11 +590,13 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------- reports
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
-    head = ["policy", "kv_fraction", "replicas", "router", "tier_gib", *RATIOS, RR_RATIO, "makespan_over_bound", "gap_closed"]
+    swept = any(r.get("tier_gib") is not None for r in rows)  # the tier's size is a column only when swept
+    head = ["policy", "kv_fraction", "replicas", "router", *(["tier_gib"] if swept else []), *RATIOS, RR_RATIO,
+            "makespan_over_bound", "gap_closed"]
     rest: list[str] = []
     for r in rows:
         for k, v in r.items():
-            if k not in head and k not in rest and k != "error" and k not in _NON_SCALAR \
+            if k not in head and k not in rest and k not in ("error", "tier_gib") and k not in _NON_SCALAR \
                     and not isinstance(v, (list, dict)):
                 rest.append(k)
     return head + rest + ["error"]
