@@ -173,6 +173,8 @@ def test_bad_values(make: Any, match: str) -> None:
     (["--driver", "async", "--staleness", "-1"], "staleness"),
     (["--driver", "async", "--weight-sync", "flush"], "weight-sync"),
     (["--driver", "async", "--train-batch", "0"], "train-batch"),
+    (["--train-batch", "2"], "--train-batch needs --trainer"),
+    (["--driver", "async", "--admission", "fifo"], "--admission"),
     (["--driver", "bogus"], "driver"),
 ])
 def test_cli_bad_async_settings_exit_2(tmp_path: Path, args: list[str], match: str) -> None:
