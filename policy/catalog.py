@@ -64,6 +64,17 @@ _CATALOG["lrb-online"] = lazy("policy.baselines.lrb_online:OnlineLrbEvictionPoli
 #: The learned policy (``model=POLICY_DIR``) and its exploring behaviour policy.
 _CATALOG["learned"] = lazy("policy.learned:create_learned")
 _CATALOG["logging"] = lazy("policy.learned:LoggingPolicy")
+#: The learned policy with levers off (policy.learned.ABLATIONS), for ablation rows.
+def _ablation(name: str) -> PolicyFactory:
+    """The factory of the ablation ``name`` (policy.learned.create_ablation)."""
+    def factory(**options: Any) -> Policy:
+        return lazy("policy.learned:create_ablation")(name=name, **options)
+
+    return factory
+
+
+for _name in ("learned-admission", "learned-preempt", "learned-tier-lru"):
+    _CATALOG[_name] = _ablation(_name)
 
 
 def register(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:

@@ -90,6 +90,7 @@ __all__ = [
     "LoggingPolicy",
     "candidate_raw",
     "create_learned",
+    "ABLATIONS",
 ]
 
 FORMAT = "kvpilot-policy"
@@ -735,6 +736,21 @@ def create_learned(model: Optional[str] = None, mode: str = "serve", **options: 
     if not model:
         raise ValueError("policy 'learned' needs the option model=POLICY_DIR (written by `kvpilot train policy`)")
     return LearnedPolicy.load(model, mode=mode, **options)
+
+
+#: The learned policy with levers turned off (``kvpilot evaluate``'s ablation rows; each takes ``model`` as
+#: ``learned`` does): admission only (vLLM's victims, no tier); + the preemption head; + the CPU tier with vLLM's
+#: LRU there. ``learned`` itself adds the host-tier eviction order. GPU eviction stays vLLM's LRU in all of them.
+ABLATIONS: dict[str, dict[str, bool]] = {
+    "learned-admission": {"preempt": False, "offload": False},
+    "learned-preempt": {"preempt": True, "offload": False},
+    "learned-tier-lru": {"preempt": True, "offload": True, "host_eviction": False},
+}
+
+
+def create_ablation(name: str, model: Optional[str] = None, mode: str = "serve", **options: Any) -> LearnedPolicy:
+    """Factory of an :data:`ABLATIONS` entry: the POLICY_DIR ``model`` with that entry's levers."""
+    return create_learned(model, mode, **{**options, **ABLATIONS[name]})
 
 
 # ------------------------------------------------------------------------------- behaviour policy

@@ -612,3 +612,13 @@ def test_lrb_evicts_furthest_within_its_seeded_sample(vllm_engine):
     policy, hits = _lrb_run(vllm_engine, seed=0)
     assert policy.last_sample == ["P1", "P3"]
     assert hits == {"P0": 32, "P1": 0, "P2": 32, "P3": 32}
+
+
+def test_hindsight_references_get_at_least_the_simulators_decision_budget() -> None:
+    """The oracles' own budget replaces the hook's; below the simulator's, a loaded machine turns their steps into
+    LRU (and the ceiling they stand for drops with the load)."""
+    from policy.baselines.offload_tier import HindsightOracleOffloadPolicy
+    from simulator.config import SIM_DECISION_BUDGET_S
+
+    for cls in (HindsightOraclePolicy, HindsightOracleOffloadPolicy):
+        assert cls.decision_budget_s >= SIM_DECISION_BUDGET_S

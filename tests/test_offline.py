@@ -66,6 +66,14 @@ def test_plain_recipe_trains_a_policy_over_the_tier(learned_runs: dict, tmp_path
     assert pol.uses_offload and json.loads((out / "policy.json").read_text())["config"]["offload"] is True
     assert (pred / "reuse").is_dir() and pol.uses_host_eviction
     assert not LearnedPolicy.load(out, host_eviction=False).uses_host_eviction
+    # the ablation rows turn levers off one by one over the same POLICY_DIR
+    from policy.catalog import create_policy
+
+    levers = {n: (p.uses_preemption, p.uses_offload, p.uses_host_eviction) for n in
+              ("learned-admission", "learned-preempt", "learned-tier-lru", "learned")
+              for p in [create_policy(n, model=str(out))]}
+    assert levers == {"learned-admission": (False, False, False), "learned-preempt": (True, False, False),
+                      "learned-tier-lru": (True, True, False), "learned": (pol.uses_preemption, True, True)}
 
 
 def test_informative_logs_beat_shuffled_outcomes(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811

@@ -441,7 +441,9 @@ def evaluate_cmd(
     ] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
     model: Annotated[Optional[Path], typer.Option(
-        "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`).")] = None,
+        "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`), for `learned` and its "
+        "ablations (learned-admission: admission only; learned-preempt: + preemption head; learned-tier-lru: + the "
+        "CPU tier under vLLM's LRU; learned adds the host-tier eviction order).")] = None,
     full_telemetry: Annotated[bool, typer.Option(
         "--full-telemetry", help="Also write each run's decisions and kv_events telemetry (for training, OPE or "
         "cache analysis; slower). Without it a run writes the requests and steps tables the summary reads.")] = False,
@@ -528,7 +530,8 @@ def evaluate_cmd(
                           sim_options={"keep_cache_across_steps": keep_cache,
                                        **({"trainer": trainer_spec} if trainer_spec is not None else {})},
                           offload_gibs=tiers,
-                          policy_options={"learned": {"model": str(model)}} if model is not None else None)
+                          policy_options={n: {"model": str(model)} for n in names if n == "learned" or n.startswith("learned-")}
+                          if model is not None else None)
     except EvaluationError as err:
         raise _fail(str(err)) from None
     failed = [r for r in result.rows if r.get("error")]

@@ -81,11 +81,13 @@ DEFAULT_KV_FRACTIONS = (0.1, 0.2, 0.4)
 #: Registered policies that ``--policies all`` leaves out, so that ``all`` is the baselines (issue #5's thirteen,
 #: InferCept, the working set and vLLM native offload, and the CPU-tier variants of continuum, kvflow, infercept
 #: and working-set):
-#: those that need a trained model (``learned``: ``model=POLICY_DIR``; ``registry``: the MLflow champion),
+#: those that need a trained model (``learned`` and its ablations, :data:`policy.learned.ABLATIONS`:
+#: ``model=POLICY_DIR``; ``registry``: the MLflow champion),
 #: the exploring behaviour policy (``logging``), which is for collecting logs, not for comparison, and
 #: ``lrb-online`` (learned eviction that trains as it runs; still runnable by name).
 #: ``version-aware`` (asynchronous ``keep`` runs only: LRU on synchronous steps) is left out too.
-NOT_IN_ALL = frozenset({"learned", "registry", "logging", "lrb-online", "version-aware"})
+NOT_IN_ALL = frozenset({"learned", "learned-admission", "learned-preempt", "learned-tier-lru", "registry", "logging",
+                        "lrb-online", "version-aware"})
 RATIOS = {
     "makespan_ratio_vs_default": "makespan_s",
     "recompute_ratio_vs_default": "recomputed_tokens",
