@@ -104,7 +104,7 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "max_wait_steps": 20_000,
     "max_wait_s": 300.0,
     # A preempted request is admitted before the scored order (vLLM's precedence). Measured on a held-out agentic
-    # step at KV 0.1 (README, "The learned policy on held-out agentic steps"): a policy whose order left a
+    # step at KV 0.1 (docs/results/2026-12-03-learned-heldout-agentic.md): a policy whose order left a
     # preempted turn waiting out max_wait_s ran 956 s without the rule, 819 s with it; one whose order did not,
     # 795 s without and 816 s with. A bound on a failure mode, at a small cost where there is none.
     "resume_preempted": True,
