@@ -390,9 +390,9 @@ def test_router_grid(router_grid: EvaluationResult, tmp_path: Path) -> None:
         case = Case(policy, 0.5, reps, router)
         assert json.loads((out / "runs" / case.name / "summary.json").read_text())["router"] == router
     header = (out / "summary.csv").read_text().splitlines()[0].split(",")
-    assert header[:5] == ["policy", "kv_fraction", "replicas", "router", "makespan_ratio_vs_default"]
+    assert header[:6] == ["policy", "kv_fraction", "replicas", "router", "tier_gib", "makespan_ratio_vs_default"]
     assert RR_RATIO in header
-    assert "| vllm-default | 0.5 | 2 | kv-aware | 1 |" in (out / "summary.md").read_text()
+    assert "| vllm-default | 0.5 | 2 | kv-aware |  | 1 |" in (out / "summary.md").read_text()  # no tier dimension
     for name in ("makespan.png", "hit_rate.png", "recompute.png", "trajectory_ecdf.png"):
         assert _png_size(out / name)[0] > 400
     assert list(router_grid.trajectory_s) == [c.name for c in build_cases([DEFAULT, "sortedrl"], **ROUTER_GRID)]
