@@ -395,7 +395,7 @@ def test_router_grid(router_grid: EvaluationResult, tmp_path: Path) -> None:
         case = Case(policy, 0.5, reps, router)
         assert json.loads((out / "runs" / case.name / "summary.json").read_text())["router"] == router
     header = (out / "summary.csv").read_text().splitlines()[0].split(",")
-    assert header[:5] == ["policy", "kv_fraction", "replicas", "router", "makespan_ratio_vs_default"]
+    assert header[:5] == ["policy", "kv_fraction", "replicas", "router", "makespan_ratio_vs_default"]  # no tier sweep
     assert RR_RATIO in header
     assert "| vllm-default | 0.5 | 2 | kv-aware | 1 |" in (out / "summary.md").read_text()
     for name in ("makespan.png", "hit_rate.png", "recompute.png", "trajectory_ecdf.png"):
