@@ -188,22 +188,8 @@ class StepDriver:
         self.fleet.submit(rid, req, w.request_id[row], w.prompt_tokens[row], w.session_id[row], traj.session, t)
 
     def _extra_args(self, row: int) -> dict[str, Any]:
-        """Row ``row``'s metadata as the hook reads it (``kvpilot_*`` ``extra_args``)."""
-        w = self.workload
-        extra = {
-            "kvpilot_domain": w.domain[row],
-            "kvpilot_paradigm": w.paradigm[row],
-            "kvpilot_group_id": w.group_id[row],
-            "kvpilot_group_size": w.group_size[row],
-            "kvpilot_step": w.step[row],
-            "kvpilot_prompt_id": w.prompt_id[row],
-        }
-        if self.session_ids:
-            extra["kvpilot_session_id"] = w.session_id[row]
-            extra["kvpilot_turn"] = w.turn[row]
-            if w.tool[row] is not None:
-                extra["kvpilot_tool"] = w.tool[row]
-        return extra
+        """Row ``row``'s ``kvpilot_*`` ``extra_args`` (:meth:`PreparedWorkload.xargs`)."""
+        return self.workload.xargs(row, self.session_ids)
 
     def cache_salt(self, traj: Trajectory) -> str | None:
         """vLLM's ``cache_salt`` of a trajectory's requests (None: unsalted; the asynchronous driver's ``keep``

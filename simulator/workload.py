@@ -19,6 +19,7 @@ import functools
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -87,6 +88,23 @@ class PreparedWorkload:
     def kv_need(self) -> int:
         """vLLM blocks of the largest step (or the trace), nothing evicted (:func:`simulator.sizing.workload_need`)."""
         return workload_need(self)
+
+    def xargs(self, row: int, session_ids: bool = True) -> dict[str, Any]:
+        """Row ``row``'s metadata as the hook reads it (the ``kvpilot_*`` ``vllm_xargs``); ``session_ids=False``
+        leaves out the session identity (session, turn, tool), as verl and AReaL send none. A missing value is
+        left out (the hook reads an absent key and a null alike)."""
+        out = {
+            "kvpilot_domain": self.domain[row],
+            "kvpilot_paradigm": self.paradigm[row],
+            "kvpilot_group_id": self.group_id[row],
+            "kvpilot_group_size": self.group_size[row],
+            "kvpilot_step": self.step[row],
+            "kvpilot_prompt_id": self.prompt_id[row],
+        }
+        if session_ids:
+            out.update(kvpilot_session_id=self.session_id[row], kvpilot_turn=self.turn[row],
+                       kvpilot_tool=self.tool[row])
+        return {k: v for k, v in out.items() if v is not None}
 
     def rows(self, request_ids: Iterable[str], aliases: Mapping[str, int] | None = None) -> np.ndarray:
         """Table rows of request ids; ``aliases`` maps the ids a run gave rows it submitted again (tail batching)."""

@@ -220,12 +220,7 @@ def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fraction
         raise _fail(f"--weight-sync: unknown mode(s) {', '.join(bad) or '(none)'}; known: {', '.join(WEIGHT_SYNC_MODES)}")
     if admission not in ADMISSIONS:
         raise _fail(f"--admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
-    options = {}
-    if policy_options:
-        try:
-            options = json.loads(policy_options)
-        except json.JSONDecodeError as err:
-            raise _fail(f"--policy-options is not valid JSON: {err}") from None
+    options = _policy_options(policy_options)
     try:
         prepared = load_workload(workload)
     except (DataValidationError, ValueError, OSError) as err:
@@ -355,14 +350,7 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
     """Read, check and simulate; user errors exit with status 2 before anything runs."""
     from simulator.workload import load_workload
 
-    options = {}
-    if policy_options:
-        try:
-            options = json.loads(policy_options)
-        except json.JSONDecodeError as err:
-            raise _fail(f"--policy-options is not valid JSON: {err}") from None
-        if not isinstance(options, dict):
-            raise _fail("--policy-options must be a JSON object")
+    options = _policy_options(policy_options)
     if replicas < 1:
         raise _fail(f"--replicas must be >= 1, got {replicas}")
     try:
@@ -382,6 +370,19 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
     except SimulationError as err:
         raise _fail(str(err)) from None
     return result.summary
+
+
+def _policy_options(text: Optional[str]) -> dict:
+    """``--policy-options``: a JSON object (empty when not given); anything else exits 2."""
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise _fail(f"--policy-options is not valid JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise _fail("--policy-options must be a JSON object")
+    return options
 
 
 def _fmt_gap(value: Optional[float], digits: int = 2) -> str:

@@ -181,17 +181,6 @@ class _Replayer:
 
     def body(self, row: int) -> dict[str, Any]:
         w = self.w
-        xargs = {
-            "kvpilot_domain": w.domain[row],
-            "kvpilot_paradigm": w.paradigm[row],
-            "kvpilot_group_id": w.group_id[row],
-            "kvpilot_group_size": w.group_size[row],
-            "kvpilot_session_id": w.session_id[row],
-            "kvpilot_turn": w.turn[row],
-            "kvpilot_step": w.step[row],
-            "kvpilot_prompt_id": w.prompt_id[row],
-            "kvpilot_tool": w.tool[row],
-        }
         out = w.output_tokens[row]
         return {
             "model": self.info.model,
@@ -203,7 +192,7 @@ class _Replayer:
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
-            "vllm_xargs": {k: v for k, v in xargs.items() if v is not None},
+            "vllm_xargs": w.xargs(row),
         }
 
     async def request(self, row: int) -> bool:
