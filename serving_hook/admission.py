@@ -23,16 +23,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-#: Without the engine's input queue (an in-process engine), an idle held step's wait before the next one:
-#: doubling from the first to the last (a new request then waits at most this long to be seen).
-IDLE_WAIT_FIRST_S = 0.002
-IDLE_WAIT_MAX_S = 0.05
-
 from policy.interface import AdmissionDecision, Policy
 from serving_hook.guard import Guard
 from serving_hook.lever import Lever
 from serving_hook.rows import Rows
 from serving_hook.translate import EngineView, Translator
+
+#: Without the engine's input queue (an in-process engine), an idle held step's wait before the next one:
+#: doubling from the first to the last (a new request then waits at most this long to be seen).
+IDLE_WAIT_FIRST_S = 0.002
+IDLE_WAIT_MAX_S = 0.05
 
 
 def _keeps_order(order: Any, reqs: list, ids: Optional[tuple] = None) -> bool:
