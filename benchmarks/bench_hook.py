@@ -208,8 +208,12 @@ SESSION_PAUSE_STEPS = 10
 SESSION_TURNS = 5
 
 
-def sessions_build(engine, cls, running):
-    """A scheduler with the CPU tier and ``running`` + WAITING agent sessions, and its turn driver."""
+def sessions_build(engine, cls, running, tier_share=4.0, host_policy=False):
+    """A scheduler with the CPU tier and ``running`` + WAITING agent sessions, and its turn driver.
+
+    ``tier_share``: the tier's blocks over the GPU's (which hold every session); ``host_policy``: kvpilot's
+    ``CachePolicy`` in the tier (:mod:`serving_hook.host_tier`), else vLLM's LRU.
+    """
     from simulator.cost_model import CostModel
     from simulator.offload import OffloadWorker
 
@@ -217,7 +221,7 @@ def sessions_build(engine, cls, running):
     n = running + WAITING
     blocks = n * 24 + 64
     cfg = engine.make_vllm_config(num_blocks=blocks, max_num_seqs=running, max_num_batched_tokens=max(8192, n * 4),
-                                  offload_blocks=4 * blocks)
+                                  offload_blocks=int(tier_share * blocks), host_policy=host_policy)
     s = engine.make_scheduler(cls, num_blocks=blocks, vllm_config=cfg)
     worker = OffloadWorker(cost, cost.kv_block_bytes(16))
     runner = engine.FakeRunner()

@@ -26,6 +26,7 @@ class _Lever:
     def __init__(self, owners: int, stores_per_step: int) -> None:
         self.rank = {f"s{i}": random.Random(i).random() for i in range(owners)}
         self.stats = SimpleNamespace(host_bypassed=0, host_evicted_listed=0)
+        self.guard = SimpleNamespace(inner_s=0.0)
         self.every = stores_per_step
         self.calls = 0
         self._order: list = []

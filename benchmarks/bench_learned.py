@@ -46,9 +46,16 @@ splits the policy's time into its parts (a separate, instrumented run: table
 features, scorer, precedence of the preempted and the starved, ranking), and a last line times one
 preemption decision over all running requests.
 
+A last table times every lever at once, the CPU tier's included (issue #30): agent sessions pausing on tools
+(``bench_hook``'s sessions) on engines with vLLM's CPU offload tier at ``--tier-share`` of the GPU's blocks, so
+that the tier is full and evicts in most steps: stock vLLM (its LRU tier) beside the learned policy with
+``offload`` and ``host_eviction`` on (the tier's eviction order from the reuse predictor, through
+:mod:`serving_hook.host_tier`). Its steps differ from stock's (the policy admits and keeps other requests), so
+it compares medians, in wall time (the hook's own time, which counts the tier's eviction too, is wall time).
+
 POLICY_DIR: ``--model DIR`` (e.g. one written by ``kvpilot train policy``), or by
-default one built with the learned policy's own API: a LightGBM length model
-(100 trees per quantile) fitted on a synthetic workload's requests, and a scorer
+default one built with the learned policy's own API: LightGBM length and reuse models
+(the default trees) fitted on a synthetic workload's requests, and a scorer
 with seeded random weights (the decision time does not depend on the weights).
 
 Times are the scheduler thread's CPU time by default (``--clock cpu``): on a
@@ -56,7 +63,7 @@ shared machine, wall times mostly measure when the OS deschedules the process;
 ``--clock wall`` gives wall times (the hook's own time is always wall time).
 
 Run: ``python -m benchmarks.bench_learned [--steps 200] [--running 128 512] [--model DIR] [--clock cpu|wall]
-[--block 20] [--warmup 10]``.
+[--block 20] [--warmup 10] [--tier-running 128] [--tier-share 0.05]``.
 Garbage collection is paused inside the timed loops only.
 """
 
@@ -75,7 +82,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 for _v in ("KVPILOT_POLICY", "KVPILOT_POLICY_OPTIONS", "KVPILOT_TELEMETRY_DIR"):
     os.environ.pop(_v, None)
 
-from benchmarks.bench_hook import CLOCKS, WAITING, build, p99  # noqa: E402
+from benchmarks import bench_hook  # noqa: E402
+from benchmarks.bench_hook import CLOCKS, WAITING, build, p99, sessions_build  # noqa: E402
 
 MS = 1e3
 #: Issue #7's target: the learned policy's decision time per step over stock ``schedule()``'s.
@@ -110,10 +118,13 @@ def make_policy_dir(root: Path) -> Path:
     from policy.learned import LearnedPolicy, build_scorer
     from predictors.features import workload_as_requests
     from predictors.length import LengthModel
+    from predictors.reuse import ReuseModel
 
-    length = LengthModel.fit(workload_as_requests(generate(SynthConfig(steps=2))))
+    requests = workload_as_requests(generate(SynthConfig(steps=2)))
     preds = root / "predictors"
-    length.save(preds / "length")
+    LengthModel.fit(requests).save(preds / "length")
+    ReuseModel.fit(requests).save(preds / "reuse")
+    length = LengthModel.load(preds / "length")
     torch.manual_seed(0)
     state = {k: v.detach().numpy() for k, v in build_scorer().state_dict().items()}
     policy = LearnedPolicy(state, length, predictors_dir=preds)
@@ -280,6 +291,66 @@ def preempt_time(s, clock, calls: int = 50) -> tuple[float, float]:
     return statistics.median(ts), p99(ts)
 
 
+def tier_bench(engine, model: Path, running: int, steps: int, tier_share: float) -> dict:
+    """Stock vLLM (LRU tier) beside the learned policy with every lever on, on agent sessions with a full tier."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from policy.catalog import create_policy
+    from serving_hook import KVPilotScheduler, with_policy
+    from serving_hook.config import HookConfig
+
+    def learned():
+        return create_policy("learned", model=str(model), offload=True, host_eviction=True)
+
+    cls = with_policy(KVPilotScheduler, learned, HookConfig(decision_budget_s=1.0))
+    bench_hook.clock = CLOCKS["wall"]
+    drivers = {"stock": sessions_build(engine, Scheduler, running, tier_share),
+               "learned": sessions_build(engine, cls, running, tier_share, host_policy=True)}
+    times: dict[str, list[float]] = {k: [] for k in drivers}
+    hook: list[float] = []
+    st = None
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(steps):
+            for k, drive in (drivers.items() if i % 2 else reversed(drivers.items())):
+                dt, st_k = drive(20 + i, True)
+                times[k].append(dt)
+                if st_k is not None:
+                    st = st_k
+                    hook.append(st.last_hook_time_s)
+    finally:
+        gc.enable()
+    assert st is not None and st.fallback_steps == 0, getattr(st, "fallbacks", None)
+    assert st.host_evict_calls > 0, "the tier never asked the policy for an eviction order"
+    return {"times": times, "hook": hook, "stats": st}
+
+
+def tier_table(engine, model: Path, sizes: list[int], steps: int, tier_share: float) -> None:
+    print(f"\nevery lever with the CPU tier: agent sessions pausing on tools, a tier of {tier_share:g}x the GPU's "
+          f"blocks (full: it evicts), {WAITING} more sessions than running; {steps} steps; wall ms")
+    head = (f"{'running':>7} | {'stock':>7} {'p99':>7} | {'learned':>7} {'p99':>7} {'ratio':>6} | "
+            f"{'decide':>7} {'p99':>7} {'/stock':>6} | {'tier orders/step':>16}")
+    print(head)
+    print("-" * len(head))
+    verdicts = []
+    for n in sizes:
+        r = tier_bench(engine, model, n, steps, tier_share)
+        t, h, st = r["times"], r["hook"], r["stats"]
+        sm, lm, hm = statistics.median(t["stock"]), statistics.median(t["learned"]), statistics.median(h)
+        print(f"{n:>7} | {sm * MS:>7.3f} {p99(t['stock']) * MS:>7.3f} | {lm * MS:>7.3f} {p99(t['learned']) * MS:>7.3f} "
+              f"{lm / sm:>6.3f} | {hm * MS:>7.3f} {p99(h) * MS:>7.3f} {hm / sm:>6.3f} | "
+              f"{st.host_evict_calls / st.steps:>16.2f}")
+        verdicts.append(f"{n:>7} running, CPU tier: schedule() {sm * MS:.3f} ms, every lever's decisions "
+                        f"{hm * MS:.3f} ms, added {hm / sm:.1%} (target <= {TARGET:.0%}): "
+                        f"{'met' if hm / sm <= TARGET else 'NOT met'}")
+    print("ratio = learned/stock median schedule() (different steps: the policy admits and keeps other "
+          "requests); decide = the hook's own time per step with every decision in it (admission, preemption, "
+          "retention, the tier's eviction order and its CachePolicy.evict), over stock's median; tier orders = "
+          "evict_host calls per step")
+    print("\n".join(verdicts))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=200)
@@ -290,6 +361,9 @@ def main(argv=None):
                     help="consecutive timed steps of one scheduler before the next runs (1: alternate step by step)")
     ap.add_argument("--warmup", type=int, default=WARMUP,
                     help="untimed steps of a scheduler before its timed ones, each time it takes over (0: none)")
+    ap.add_argument("--tier-running", type=int, nargs="*", default=[128],
+                    help="running sessions of the every-lever table with the CPU tier (none: skip it)")
+    ap.add_argument("--tier-share", type=float, default=0.05, help="that table's tier, a share of the GPU's blocks")
     a = ap.parse_args(argv)
     clock = CLOCKS[a.clock]
     from simulator import engine
@@ -360,6 +434,8 @@ def main(argv=None):
         for n, s in rows:
             m, q = preempt_time(s, clock)
             print(f"one preemption decision over {n} running (candidates + preempt()): {m * MS:.3f} ms [p99 {q * MS:.3f}]")
+        if a.tier_running:
+            tier_table(engine, model, a.tier_running, a.steps, a.tier_share)
 
 
 if __name__ == "__main__":

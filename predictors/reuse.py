@@ -44,6 +44,8 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "bagging_fraction": 0.8, "bagging_freq": 1, "lambda_l2": 1.0, "max_bin": 127, "verbose": -1, "seed": 0,
 }
 _RATES = np.log(2) / np.asarray(EDC_HALF_LIVES_S)
+#: the first of the EDC columns in :data:`REUSE_FEATURES` (one per half-life, in order)
+_EDC_COL = REUSE_FEATURES.index(f"edc_{EDC_HALF_LIVES_S[0]:g}")
 
 
 class _KeyState:
@@ -158,45 +160,54 @@ class ReuseModel(CompiledScoring):
             if (m.group_id is not None and m.domain != "reward" and event.finish_reason != "tool_call"):
                 self._ended[m.group_id] += 1
 
-    def prefix_features(self, p: CachedPrefix, now_s: float) -> list[float]:
-        m = p.meta
+    def prefix_features(self, prefixes: Sequence[CachedPrefix], now_s: float) -> np.ndarray:
+        """(n, features) at ``now_s``: one row per prefix, its decayed-use counts (EDC) computed for all at once."""
         nan = math.nan
-        fin = self._finished.get(p.owner_request_id)
-        finish_s, reason, prompt_tokens = fin if fin is not None else (p.last_used_s, None, nan)
-        if reason is None:
-            reason = "tool_call" if p.owner_state is OwnerState.PAUSED_TOOL else "stop"
-        st = self._keys.get(self._key(m, p.owner_request_id))
-        hits = st.scheduled if st is not None else 0
-        last = st.last if st is not None and st.uses else -math.inf
-        gaps = [nan, nan, nan]
-        if st is not None and st.uses:
-            prev = now_s
-            for j, u in enumerate(reversed(st.uses[-3:])):
-                gaps[j] = prev - u
-                prev = u
-            edc = (st.edc * np.exp(-_RATES * (now_s - last))).tolist()
-        else:
-            edc = [0.0] * len(_RATES)
-        paused = 0.0
-        if reason == "tool_call" and m.session_id is not None:
-            paused = 1.0 if self._turns_arrived.get(m.session_id, 0) <= (m.turn or 0) + 1 else 0.0
-        g = m.group_id
-        grp_pending = float(self._started.get(g, 0) - self._ended.get(g, 0)) if g is not None else 0.0
-        v = self.vocab
-        return [
-            v.code("domain", m.domain), float(FINISH_CODES.get(reason, nan)),
-            v.code("tool", self._last_tool.get(p.owner_request_id, m.tool)),
-            float(len(p.block_hashes)), float(prompt_tokens), float(m.turn or 0), now_s - finish_s,
-            float(hits), now_s - max(last, finish_s), *gaps, *edc,
-            float(st.arrived - st.scheduled) if st is not None else 0.0, grp_pending, paused,
-        ]
+        n_rates = len(_RATES)
+        rows, edc, edc_age, edc_rows = [], [], [], []
+        keys, finished, turns, last_tool = self._keys, self._finished, self._turns_arrived, self._last_tool
+        started, ended, v = self._started, self._ended, self.vocab
+        blank = [0.0] * n_rates
+        for i, p in enumerate(prefixes):
+            m = p.meta
+            fin = finished.get(p.owner_request_id)
+            finish_s, reason, prompt_tokens = fin if fin is not None else (p.last_used_s, None, nan)
+            if reason is None:
+                reason = "tool_call" if p.owner_state is OwnerState.PAUSED_TOOL else "stop"
+            st = keys.get(self._key(m, p.owner_request_id))
+            hits = st.scheduled if st is not None else 0
+            last = st.last if st is not None and st.uses else -math.inf
+            gaps = [nan, nan, nan]
+            if st is not None and st.uses:
+                prev = now_s
+                for j, u in enumerate(reversed(st.uses[-3:])):
+                    gaps[j] = prev - u
+                    prev = u
+                edc.append(st.edc)
+                edc_age.append(now_s - last)
+                edc_rows.append(i)
+            paused = 0.0
+            if reason == "tool_call" and m.session_id is not None:
+                paused = 1.0 if turns.get(m.session_id, 0) <= (m.turn or 0) + 1 else 0.0
+            g = m.group_id
+            grp_pending = float(started.get(g, 0) - ended.get(g, 0)) if g is not None else 0.0
+            rows.append([
+                v.code("domain", m.domain), float(FINISH_CODES.get(reason, nan)),
+                v.code("tool", last_tool.get(p.owner_request_id, m.tool)),
+                float(len(p.block_hashes)), float(prompt_tokens), float(m.turn or 0), now_s - finish_s,
+                float(hits), now_s - max(last, finish_s), *gaps, *blank,
+                float(st.arrived - st.scheduled) if st is not None else 0.0, grp_pending, paused,
+            ])
+        X = np.asarray(rows, dtype=np.float64)
+        if edc_rows:
+            X[edc_rows, _EDC_COL:_EDC_COL + n_rates] = np.asarray(edc) * np.exp(-_RATES * np.asarray(edc_age)[:, None])
+        return X
 
     def score_prefixes(self, prefixes: Sequence[CachedPrefix], now_s: float) -> np.ndarray:
         """(n, 2): P(next use within the horizon) and predicted seconds to it, one batched call."""
         if not prefixes:
             return np.empty((0, 2))
-        X = np.asarray([self.prefix_features(p, now_s) for p in prefixes], dtype=np.float64)
-        return self.predict_features(X)
+        return self.predict_features(self.prefix_features(prefixes, now_s))
 
     def reuse_probability(self, prefixes: Sequence[CachedPrefix], now_s: float) -> list[float]:
         return self.score_prefixes(prefixes, now_s)[:, 0].tolist()

@@ -30,6 +30,7 @@ chunks; the manager owns the chunk pool). Dropping is approximated by listing th
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
@@ -59,6 +60,7 @@ class _BypassLogFilter(logging.Filter):
 
 
 _FILTER = _BypassLogFilter()
+_perf = time.perf_counter
 
 
 def connector_extra_config() -> dict[str, str]:
@@ -152,6 +154,14 @@ class KVPilotCachePolicy(LRUCachePolicy):
         lever = self.kvpilot_lever
         if n == 0 or lever is None:
             return super().evict(n, protected)
+        t0 = _perf()
+        try:
+            return self._evict_in_order(lever, n, protected)
+        finally:  # the hook's time inside vLLM's schedule() (its store planning), as the GPU eviction lever's
+            lever.guard.inner_s += _perf() - t0
+
+    def _evict_in_order(self, lever: HostTierLever, n: int, protected: set) -> Optional[list]:
+        """``n`` chunks, the listed owners' first (deepest first), then LRU; None: skip the store (bypass)."""
         order = lever.order(self, n, self.storer)
         if order is None:
             return super().evict(n, protected)

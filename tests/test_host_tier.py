@@ -35,6 +35,7 @@ class FakeLever:
     def __init__(self, order):
         self.fixed = order
         self.stats = SimpleNamespace(host_bypassed=0, host_evicted_listed=0)
+        self.guard = SimpleNamespace(inner_s=0.0)  # the hook's time inside schedule(): evict adds its own
 
     def owner_of(self, rid: str) -> str:
         return rid.split("/")[0]  # "session/turn"
@@ -90,6 +91,7 @@ def test_policy_order_decides_and_a_store_listed_first_is_skipped():
     got = [k for k, _ in cp.evict(3, set())]
     assert got == [b"b1", b"b0", b"a2"] or got == [b"b1", b"b0", b"a0"]
     assert "b" not in cp.owned and b"b0" not in cp.chunks and lever.stats.host_evicted_listed == 2
+    assert lever.guard.inner_s > 0.0  # the ordered eviction is the hook's time inside schedule()
     # the storer ("c", set by on_store_miss) listed before enough room is found: skipped, nothing changed
     cp.kvpilot_lever = FakeLever(["c", "a"])
     cp.kvpilot_lever.stats = lever.stats
