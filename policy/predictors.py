@@ -15,6 +15,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import pyarrow as pa
@@ -315,6 +316,18 @@ class OracleReusePredictor:
                     pass
 
 
+def _trained_length(d: Path) -> Any:
+    from predictors.length import LengthModel  # LightGBM: only when a trained model is given
+
+    return LengthModel.load(d)
+
+
+def _trained_reuse(d: Path) -> Any:
+    from predictors.reuse import ReuseModel
+
+    return ReuseModel.load(d, num_threads=1)
+
+
 @dataclass(frozen=True)
 class PredictorOption:
     """What a policy option that names a predictor accepts (``length_predictor``, ``reuse_predictor``)."""
@@ -325,6 +338,8 @@ class PredictorOption:
     builders: Mapping[str, Callable[[Any], Any]]  # name -> build(workload); the workload is None in production
     hindsight: Mapping[str, str]  # names that read the future from the workload -> what they read from it
     production: str  # what to use in production instead of a hindsight name
+    model: str = ""  # the trained model's directory name in a predictors directory ("" for none)
+    load: Optional[Callable[[Path], Any]] = None  # loads that trained model from its directory
 
 
 LENGTH_PREDICTOR = PredictorOption(
@@ -333,8 +348,11 @@ LENGTH_PREDICTOR = PredictorOption(
     signature="predict(requests)",
     builders={"oracle": OracleLengthPredictor.from_workload, "domain-mean": lambda _: DomainMeanLengthPredictor()},
     hindsight={"oracle": "true output lengths; needs columns session_id, turn, output_tokens"},
-    production="length_predictor='domain-mean' or a trained predictor object",
+    production="length_predictor='domain-mean' or a trained length model's directory",
+    model="length",
+    load=_trained_length,
 )
+
 
 class OnlineNextUse:
     """The online reuse model (:class:`predictors.online_reuse.OnlineReuseLearner`) as a reuse predictor that needs
@@ -367,8 +385,20 @@ REUSE_PREDICTOR = PredictorOption(
     signature="next_use_s(prefixes, now_s)",
     builders={"auto": _auto_reuse, "oracle": OracleReusePredictor.from_workload, "online": lambda _: OnlineNextUse()},
     hindsight={"oracle": "future requests; needs columns session_id, turn, block_hashes"},
-    production="reuse_predictor='online' (the default without a workload) or a trained reuse predictor object",
+    production="reuse_predictor='online' (the default without a workload) or a trained reuse model's directory",
+    model="reuse",
+    load=_trained_reuse,
 )
+
+
+def _load_trained(kind: PredictorOption, d: Path, policy: str) -> Any:
+    """The trained model in ``d``, or in ``d/<model>`` (a ``kvpilot train predictors`` or POLICY_DIR/predictors)."""
+    if (d / kind.model).is_dir():
+        d = d / kind.model
+    try:
+        return kind.load(d)
+    except Exception as e:  # noqa: BLE001 - ModelSchemaError, missing or corrupt model files
+        raise ValueError(f"{policy}: {kind.option} {str(d)!r}: cannot load a trained {kind.model} model: {e}") from e
 
 
 def resolve_predictor(kind: PredictorOption, spec: Any, workload: Any = None, *, policy: str = "policy") -> Any:
@@ -378,11 +408,14 @@ def resolve_predictor(kind: PredictorOption, spec: Any, workload: Any = None, *,
     one: in production nothing knows the future. Errors name the policy, the option and what it accepts.
     """
     names = ", ".join(kind.builders)
-    if isinstance(spec, str):
-        name = spec.strip().lower()
+    if isinstance(spec, (str, Path)):
+        name = str(spec).strip().lower()
         build = kind.builders.get(name)
+        if build is None and kind.load is not None and Path(spec).is_dir():
+            return _load_trained(kind, Path(spec), policy)
         if build is None:
-            raise ValueError(f"{policy}: unknown {kind.option} {spec!r}; use one of {names} or pass a predictor object")
+            raise ValueError(f"{policy}: unknown {kind.option} {str(spec)!r}; use one of {names}, the directory of a "
+                             f"trained {kind.model} model (or of the predictors holding it), or a predictor object")
         reads = kind.hindsight.get(name)
         if reads is None:
             return build(workload)

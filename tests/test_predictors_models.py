@@ -180,3 +180,21 @@ def test_reuse_model_is_a_reuse_predictor(bundle, log):
     (prob,) = m.reuse_probability([p], now)
     assert 0.0 <= prob <= 1.0
     assert m.next_use_s([], now) == []
+
+
+def test_a_trained_models_directory_is_a_policy_predictor_option(bundle, tmp_path):
+    """``length_predictor`` / ``reuse_predictor`` take a trained model's directory (or the predictors holding it),
+    so JSON policy options (``--policy-options``) can drive any policy with kvpilot's models."""
+    from policy.catalog import create_policy
+    from policy.predictors import LENGTH_PREDICTOR, REUSE_PREDICTOR, resolve_predictor
+
+    bundle.save(tmp_path / "m")
+    assert isinstance(resolve_predictor(LENGTH_PREDICTOR, str(tmp_path / "m")), LengthModel)
+    assert isinstance(resolve_predictor(REUSE_PREDICTOR, tmp_path / "m" / "reuse"), ReuseModel)
+    p = create_policy("oracle-offload", length_predictor=str(tmp_path / "m"), reuse_predictor=str(tmp_path / "m"))
+    assert isinstance(p.lengths, LengthModel) and isinstance(p.reuse, ReuseModel)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"reuse_predictor '.*empty': cannot load a trained reuse model"):
+        resolve_predictor(REUSE_PREDICTOR, str(tmp_path / "empty"), policy="X")
+    with pytest.raises(ValueError, match="unknown length_predictor .*nowhere.*directory of a trained length model"):
+        resolve_predictor(LENGTH_PREDICTOR, str(tmp_path / "nowhere"))
