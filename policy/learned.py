@@ -62,7 +62,7 @@ from typing import Any, Optional
 import numpy as np
 
 from policy.baselines._common import LengthCache, admission_limit, check_positive
-from policy.baselines._eviction import furthest_first
+from policy.baselines._eviction import furthest_first, resolve_reuse_predictor
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
@@ -123,11 +123,25 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # (tests/test_offline.py's loop), and hindsight LPT itself starved near-finished sessions, whose contexts
     # then left both tiers (agentic preset, KV 0.2: 915 s per step against vllm-offload's 710 s).
     "offload": False,
-    # Over the tier, the host-tier eviction order (Policy.evict_host) comes from the reuse predictor bundled in
-    # predictors/reuse: the owner whose predicted next use is furthest leaves first, and a store further off than
-    # all the full tier holds is skipped (Belady on predictions). Ignored without the tier or the reuse model.
+    # Over the tier, the host-tier eviction order (Policy.evict_host) comes from a reuse predictor: the owner whose
+    # predicted next use is furthest leaves first, and a store further off than all the full tier holds is skipped
+    # (Belady on predictions). Ignored without the tier.
     "host_eviction": True,
+    # That reuse predictor: "online" (the online LightGBM reuse model, learning from the engine's own events as it
+    # serves) or "trained" (the one bundled in predictors/reuse, fitted on the exploring logs). Where memory binds
+    # (H200-32B, GPU capacity, 64 GiB tier, held-out agentic step, shortest-first admission) the host-tier order of
+    # "online" ran 0.89x the makespan of "trained"'s (docs/results/2026-12-04-memory-binds-admission.md): the
+    # logs' next uses are those of the exploring policy's schedule, not of the policy that serves.
+    "reuse_predictor": "online",
+    # The admission order: "scorer" (the learned MLP's admission head) or "shortest" (the length model's predicted
+    # remaining output, shortest first: the exploring policy's "shortest" component, deterministic). Where memory
+    # binds (H200-32B at the GPU's KV capacity, 64 GiB tier, held-out agentic step), shortest-first with the
+    # host-tier lever ran 0.78x the scorer's makespan (docs/results/2026-12-04-memory-binds-admission.md);
+    # `kvpilot train` picks between the two by held-out simulation (policy.offline.pick_admission).
+    "admission": "scorer",
 }
+#: The admission orders of :data:`RUNTIME_DEFAULTS`'s ``admission``.
+ADMISSION_ORDERS = ("scorer", "shortest")
 
 
 class PolicyLoadError(ValueError):
@@ -378,6 +392,12 @@ class _Sampler(Policy):
     def _raw(self, cands: Sequence[CandidateRequest], state: EngineState) -> np.ndarray:
         return candidate_raw(cands, _predict(self.lengths, cands), state, self.phase)
 
+    def _remaining(self, cands: Sequence[CandidateRequest], state: EngineState,
+                   refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted remaining output of each candidate, and their table rows."""
+        x, idx = self.table.features(cands, state, refresh)
+        return np.expm1(x[:, FEATURES.index("log_pred_remaining")].astype(np.float64)), idx
+
     def _predicted(self, cands: Sequence[CandidateRequest], idx: np.ndarray) -> Optional[dict[str, dict]]:
         """The candidates' length predictions (table rows ``idx``), for the decision to return and the hook to log."""
         if self.lengths is None:
@@ -468,6 +488,8 @@ class LearnedPolicy(_Sampler):
         max_wait_s: Optional[float] = RUNTIME_DEFAULTS["max_wait_s"],
         resume_preempted: bool = RUNTIME_DEFAULTS["resume_preempted"],
         rescore_tol: float = RUNTIME_DEFAULTS["rescore_tol"],
+        admission: str = RUNTIME_DEFAULTS["admission"],
+        reuse_predictor: str = RUNTIME_DEFAULTS["reuse_predictor"],
         seed: Optional[int] = 0,
         preempt: bool = RUNTIME_DEFAULTS["preempt"],
         offload: bool = RUNTIME_DEFAULTS["offload"],
@@ -488,7 +510,11 @@ class LearnedPolicy(_Sampler):
         self.runtime = {"temperature": temperature, "epsilon": epsilon, "max_wait_steps": max_wait_steps,
                         "max_wait_s": max_wait_s, "resume_preempted": bool(resume_preempted),
                         "rescore_tol": rescore_tol, "preempt": bool(preempt), "offload": bool(offload),
-                        "host_eviction": bool(host_eviction)}
+                        "host_eviction": bool(host_eviction), "admission": admission,
+                        "reuse_predictor": reuse_predictor}
+        if admission not in ADMISSION_ORDERS:
+            raise ValueError(f"option admission must be one of {', '.join(ADMISSION_ORDERS)}, got {admission!r}")
+        self.admission = admission
         self.mode = mode
         self.temperature = check_positive("temperature", temperature)
         self.epsilon = float(epsilon)
@@ -575,6 +601,11 @@ class LearnedPolicy(_Sampler):
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         if not waiting:
             return None
+        if self.admission == "shortest":
+            rem, idx = self._remaining(waiting, state)
+            order = self._order(self.table.first(idx, state), -rem - np.arange(len(waiting)) * 1e-9, waiting, state)
+            return AdmissionDecision(order=order, predictions=None if self.mode == "serve" else
+                                     self._logged(waiting, idx))
         s, idx = self.scores(waiting, state, ADMIT)
         first = self.table.first(idx, state)
         if self.mode == "serve":
@@ -631,7 +662,8 @@ class LearnedPolicy(_Sampler):
         predictor = _read_predictor(d / "predictors")
         runtime = {**RUNTIME_DEFAULTS, **manifest.get("config", {}).get("runtime", {}), **options}
         manifest = {**manifest, "config": {**manifest.get("config", {}), "runtime": runtime}}  # saved as in use
-        reuse = _read_reuse(d / "predictors") if runtime.get("offload") and runtime.get("host_eviction") else None
+        reuse = (_reuse_predictor(runtime.get("reuse_predictor"), d / "predictors")
+                 if runtime.get("offload") and runtime.get("host_eviction") else None)
         try:
             return cls(state, predictor, mode=mode, manifest=manifest, predictors_dir=d / "predictors", reuse=reuse,
                        **runtime)
@@ -716,6 +748,16 @@ def _read_predictor(d: Path) -> Any:
         return LengthModel.load(f)
     except Exception as e:  # noqa: BLE001 - ModelSchemaError, corrupt model files
         raise PolicyLoadError(f"{f}: cannot load the length predictor: {e}") from e
+
+
+def _reuse_predictor(name: Any, predictors: Path) -> Any:
+    """The runtime option ``reuse_predictor``'s predictor: "online", or "trained" (POLICY_DIR/predictors/reuse)."""
+    if name == "trained":
+        return _read_reuse(predictors)
+    if name == "online":
+        return resolve_reuse_predictor("online")
+    raise PolicyLoadError(f"{predictors.parent / 'policy.json'}: runtime option reuse_predictor must be 'online' or "
+                          f"'trained', got {name!r}")
 
 
 def _read_reuse(d: Path) -> Any:
@@ -803,12 +845,6 @@ class LoggingPolicy(_Sampler):
         # (the simulator's --offload-gib, serving's --kv-offloading-size), the logs carry it and `kvpilot train`
         # trains a policy over it (policy.offline.OfflineConfig.offload); off: no tier.
         self.uses_offload = bool(offload)
-
-    def _remaining(self, cands: Sequence[CandidateRequest], state: EngineState,
-                   refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Predicted remaining output of each candidate, and their table rows."""
-        x, idx = self.table.features(cands, state, refresh)
-        return np.expm1(x[:, FEATURES.index("log_pred_remaining")].astype(np.float64)), idx
 
     def _pick(self, weights: dict[str, float]) -> str:
         u = self.rng.random()

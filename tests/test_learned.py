@@ -216,6 +216,22 @@ def test_a_preempted_request_goes_back_first_then_the_starved() -> None:
     assert off.admit([waiting[0], preempted(waiting[1]), waiting[2]], _state(2, 1.0)).order[0] == "r2"
 
 
+def test_shortest_admission_orders_by_predicted_remaining_whatever_the_scores() -> None:
+    """``admission="shortest"``: the length model's predicted remaining output, shortest first, after the preempted
+    (the same precedence as the scorer's order); the scorer would have put the longest first."""
+    lengths = {f"r{i}": 100.0 * (i + 1) for i in range(5)}
+    waiting = [_cand(i) for i in (3, 0, 4, 1, 2)]
+    pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="shortest")
+    assert list(pol.admit(waiting, _state()).order) == ["r0", "r1", "r2", "r3", "r4"]
+    assert list(LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths)).admit(
+        waiting, _state()).order)[0] == "r4"
+    waiting[0].status, waiting[0].num_preemptions = RequestStatus.PREEMPTED, 1  # r3, preempted: it goes first
+    pol.on_event(Event(EventKind.PREEMPTED, 1.0, "r3", waiting[0].meta))
+    assert list(pol.admit(waiting, _state(2, 1.0)).order)[:2] == ["r3", "r0"]
+    with pytest.raises(ValueError, match="option admission must be one of scorer, shortest"):
+        LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="lpt")
+
+
 # ------------------------------------------------------------------------------------ POLICY_DIR
 
 
@@ -264,6 +280,25 @@ def test_save_load_round_trip(policy_dir: Path) -> None:
     assert a.admit(waiting, _state()).order == LearnedPolicy.load(policy_dir).admit(waiting, _state()).order
     again = a.save(policy_dir.parent / "again")  # a loaded policy saves a complete POLICY_DIR
     assert LearnedPolicy.load(again).admit(waiting, _state()).order == a.admit(waiting, _state()).order
+
+
+def test_the_host_tier_reuse_predictor_is_online_by_default_or_the_trained_one(policy_dir: Path, tmp_path: Path,
+                                                                               predictors_dir: Path) -> None:
+    from policy.predictors import OnlineNextUse
+    from predictors.reuse import ReuseModel
+    from tests.test_predictors_features import fake_telemetry, small_workload
+    from predictors.features import prepare_requests
+
+    tier = LearnedPolicy.load(policy_dir, offload=True)
+    assert tier.uses_host_eviction and isinstance(tier.reuse, OnlineNextUse)
+    # "trained" with no reuse model in the bundle: vLLM's LRU in the tier
+    assert not LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="trained").uses_host_eviction
+    w = small_workload(steps=2, prompts=4)
+    ReuseModel.fit(prepare_requests(fake_telemetry(w), w), num_trees=5).save(policy_dir / "predictors" / "reuse")
+    trained = LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="trained")
+    assert isinstance(trained.reuse, ReuseModel)
+    with pytest.raises(PolicyLoadError, match="reuse_predictor must be 'online' or 'trained'"):
+        LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="oracle")
 
 
 def test_registry_builds_learned_and_logging(policy_dir: Path) -> None:
