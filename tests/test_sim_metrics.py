@@ -8,7 +8,8 @@ import pyarrow as pa
 import pytest
 
 from data.schemas import REQUESTS, STEPS, WORKLOAD
-from simulator.metrics import StepRecord, TrajectoryRecord, render_summary, summarize
+from simulator.metrics import StepRecord, TrajectoryRecord, summarize
+from simulator.summary import render_metrics
 from simulator.workload import PreparedWorkload, prepare_workload
 
 REQUESTS_SCHEMA = REQUESTS.schema if "computed_tokens" in REQUESTS.schema.names else REQUESTS.schema.append(
@@ -109,7 +110,7 @@ def test_unlimited_cache_is_per_replica() -> None:
 
 
 def test_render_summary_mentions_every_headline() -> None:
-    text = render_summary(summarize(_workload(), _requests(), _steps(), TRAJECTORIES, RL_STEPS))
+    text = render_metrics(summarize(_workload(), _requests(), _steps(), TRAJECTORIES, RL_STEPS))
     for word in ("makespan 8.00 s/step", "prefix hit rate 0.356", "recomputed tokens 48", "tail bubble 5.06",
                  "trajectory p50 6.00", "2 groups", "3.7 tok/s"):
         assert word in text
@@ -130,4 +131,4 @@ def test_critical_trajectory_split() -> None:
     assert s["critical_queue_s"] == pytest.approx((1.5 + 2.0) / 2)
     assert s["critical_service_s"] == pytest.approx((6.0 + 3.0) / 2)
     assert s["critical_other_s"] == pytest.approx((1.5 + 1.0) / 2)
-    assert "critical trajectory (the step's last): queued 1.8 s, served 4.5 s" in render_summary(s)
+    assert "critical trajectory (the step's last): queued 1.8 s, served 4.5 s" in render_metrics(s)
