@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from simulator import engine
 from simulator.async_rl import AsyncDriver
-from simulator.bound import ThroughputBound, makespan_bound, throughput_bound
+from simulator.bound import makespan_bound, throughput_bound
 from simulator.clock import ARRIVE, KICK, RELEASE, STEP_END, SYNC_END, TRAIN_END, VERIFIED, EventClock
 from simulator.config import Overprovision, PolicySpec, SimConfig, SimulationError
 from simulator.drivers import StepDriver
@@ -45,8 +45,8 @@ from simulator.metrics import StepRecord, TrajectoryRecord, rl_summary, summariz
 from simulator.replica import Fleet, Replica, build_replicas
 from simulator.routers import Router
 from simulator.runner import ScriptedRunner
-from simulator.summary import (AsyncDriverStats, GpuSeconds, MakespanBoundSummary, OffloadSummary, RunMetrics,
-                               RunSummary, SyncDriverStats, ThroughputBoundSummary)
+from simulator.summary import (AsyncDriverStats, MakespanBoundSummary, OffloadSummary, RunMetrics, RunSummary,
+                               SyncDriverStats, ThroughputBoundSummary)
 from simulator.tail import TailBatchingDriver, tail_batching_spec
 from simulator.workload import PreparedWorkload, prepare_workload
 
@@ -169,12 +169,10 @@ class Simulation:
         """The run's summary: its metrics beside its setting, counters, bounds, CPU tier, GPU time and training."""
         config, stats = self.config, [rep.sched.kvpilot_stats for rep in replicas]
         offload = self.offload_summary(replicas)
-        gpu = GpuSeconds(**{f"gpu_{cause}_s": seconds for cause, seconds in self.runner.breakdown(
-            metrics.recomputed_tokens_preemption, metrics.recomputed_tokens_eviction,
-            config.replicas * metrics.simulated_s, offload.offload_wait_s).items()})
+        gpu = self.runner.breakdown(metrics.recomputed_tokens_preemption, metrics.recomputed_tokens_eviction,
+                                    config.replicas * metrics.simulated_s, offload.offload_wait_s)
         trained = rl_summary(self.workload, self.driver.traj_records, self.driver.train_records, metrics.simulated_s,
                              config.replicas, gpu.busy_s, self.staleness())
-        throughput = self.throughput_bound()
         return RunSummary(
             metrics=metrics, policy=policy_name,
             router=config.router_name if config.replicas > 1 else None,
@@ -188,12 +186,7 @@ class Simulation:
             keep_cache_across_steps=config.keep_cache_across_steps, session_ids=config.session_ids,
             kv_share_of_need=(self.kv_blocks - 1) / self.workload.kv_need if self.workload.kv_need else None,
             bound=self.makespan_bound(metrics.simulated_s), offload=offload, gpu=gpu, trained=trained,
-            driver=self.driver_stats(),
-            throughput_bound=ThroughputBoundSummary(
-                throughput_bound_trajectories_per_s=throughput.trajectories_per_s,
-                throughput_bound_s=throughput.bound_s, throughput_bound_binding=throughput.binding,
-                throughput_over_bound=trained.trajectories_per_s / throughput.trajectories_per_s
-                if throughput.trajectories_per_s else None),
+            driver=self.driver_stats(), throughput_bound=self.throughput_bound(trained.trajectories_per_s),
         )
 
     def makespan_bound(self, simulated_s: float) -> MakespanBoundSummary:
@@ -201,8 +194,9 @@ class Simulation:
         c = self.config
         b = makespan_bound(self.workload, c.cost, self.kv_blocks, replicas=c.replicas, preset=c.preset,
                            decode_stride=c.decode_stride, max_num_seqs=c.max_num_seqs)
-        return MakespanBoundSummary(bound_s=b.mean_s, bound_total_s=b.total_s, bound_per_step_s=[s.bound_s for s in b.steps],
-                             makespan_over_bound=simulated_s / b.total_s if b.total_s > 0 else None)
+        return MakespanBoundSummary(bound_s=b.mean_s, bound_total_s=b.total_s,
+                                    bound_per_step_s=[s.bound_s for s in b.steps],
+                                    makespan_over_bound=simulated_s / b.total_s if b.total_s > 0 else None)
 
     def staleness(self) -> list[int]:
         """Per trained trajectory, its staleness (0 on synchronous steps; none without a trainer)."""
@@ -221,20 +215,25 @@ class Simulation:
             reprefill_tokens_per_update=d.reprefill_tokens / d.updates if d.updates else 0.0,
             kv_tokens_by_version_age={a: v / d.updates for a, v in sorted(d.kv_by_age.items())} if d.updates else {})
 
-    def throughput_bound(self) -> ThroughputBound:
-        """The run's upper bound on trained trajectories per second (:func:`simulator.bound.throughput_bound`),
-        with its trainer's steps and weight updates when it has one."""
+    def throughput_bound(self, trajectories_per_s: float) -> ThroughputBoundSummary:
+        """The run's upper bound on trained trajectories per second (:func:`simulator.bound.throughput_bound`, with
+        its trainer's steps and weight updates when it has one) and the run's rate against it."""
         c, d, w = self.config, self.driver, self.workload
         trainer = c.trainer if d.train_records else None
-        if trainer is None:
-            return throughput_bound(w, c.cost, self.kv_blocks, replicas=c.replicas, decode_stride=c.decode_stride,
-                                    max_num_seqs=c.max_num_seqs)
-        tokens = min(d.trained_tokens([x]) for x in d.trajectories)
-        return throughput_bound(w, c.cost, self.kv_blocks, replicas=c.replicas, decode_stride=c.decode_stride,
-                                max_num_seqs=c.max_num_seqs,
-                                train_s=sum(r.end_s - r.start_s for r in d.train_records),
-                                sync_s=trainer.sync_s(c.cost), updates=len(d.train_records),
-                                last_train_s=trainer.train_s(tokens, c.cost, c.replicas))
+        if trainer is not None:
+            tokens = min(d.trained_tokens([x]) for x in d.trajectories)
+            bound = throughput_bound(w, c.cost, self.kv_blocks, replicas=c.replicas, decode_stride=c.decode_stride,
+                                     max_num_seqs=c.max_num_seqs,
+                                     train_s=sum(r.end_s - r.start_s for r in d.train_records),
+                                     sync_s=trainer.sync_s(c.cost), updates=len(d.train_records),
+                                     last_train_s=trainer.train_s(tokens, c.cost, c.replicas))
+        else:
+            bound = throughput_bound(w, c.cost, self.kv_blocks, replicas=c.replicas, decode_stride=c.decode_stride,
+                                     max_num_seqs=c.max_num_seqs)
+        return ThroughputBoundSummary(
+            throughput_bound_trajectories_per_s=bound.trajectories_per_s, throughput_bound_s=bound.bound_s,
+            throughput_bound_binding=bound.binding,
+            throughput_over_bound=trajectories_per_s / bound.trajectories_per_s if bound.trajectories_per_s else None)
 
     def offload_summary(self, replicas: list[Replica]) -> OffloadSummary:
         """The CPU offload tier's size and transfers, all replicas (zeros without a tier)."""

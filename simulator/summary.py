@@ -266,8 +266,8 @@ def render_summary(s: RunSummary) -> str:
         lines.append(f"trained {t.trajectories_per_s:.4g} trajectories/s over {t.run_s:.1f} s (bound "
                      f"{tb.throughput_bound_trajectories_per_s:.4g}, {tb.throughput_over_bound:.3f} of it, "
                      f"{tb.throughput_bound_binding}-bound){trainer}")
-    lines.append("GPU seconds: " + "  ".join(f"{f.name[4:-2].replace('_', ' ')} {getattr(g, f.name):.1f}"
-                                             for f in fields(g)))
+    causes = ("decode", "prefill_new", "recompute_preemption", "recompute_eviction", "offload_wait", "idle")
+    lines.append("GPU seconds: " + "  ".join(f"{c.replace('_', ' ')} {getattr(g, f'gpu_{c}_s'):.1f}" for c in causes))
     if o.offload_blocks:
         lines.append(f"CPU offload tier {o.offload_gib:g} GiB ({o.offload_blocks} blocks): "
                      f"loaded {o.offload_load_bytes / 2**30:.2f} GiB in {o.offload_loads} jobs, "

@@ -106,4 +106,5 @@ def test_lazy_candidates_decide_the_same(vllm_engine, tmp_path: Path) -> None:
     (lazy_log, lazy_sum), (full_log, full_sum) = runs[True], runs[False]
     assert len(lazy_log) > 50 and any(d[0] == "preempt" for d in full_log)
     assert lazy_log == full_log
-    assert lazy_sum["makespan_s"] == full_sum["makespan_s"] and lazy_sum["preemptions"] == full_sum["preemptions"]
+    lazy_m, full_m = lazy_sum.metrics, full_sum.metrics
+    assert lazy_m.makespan_s == full_m.makespan_s and lazy_m.preemptions == full_m.preemptions
