@@ -209,6 +209,7 @@ def test_tier_cuts_recompute_and_off_is_vllm_default(vllm_engine, agentic_small)
     none = _sim(agentic_small, "vllm-offload", offload_gib=0.0)
     assert none.offload.offload_blocks == 0 and none.offload.offload_loads == 0
     skip = {"policy", "wall_s", "scheduler_s", "hook_s", "router_s", "simulator_overhead", "setup_s"}
+    none, base = none.to_dict(), base.to_dict()
     assert {k: v for k, v in none.items() if k not in skip} == {k: v for k, v in base.items() if k not in skip}
 
 
