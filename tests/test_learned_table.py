@@ -63,7 +63,7 @@ def test_table_features_equal_a_fresh_build(vllm_engine, tmp_path: Path, kind: s
     seen = _checked(policy)
     res = run_simulation(tiny_workload(5), policy, kv_fraction=KV_FRACTION, out_dir=tmp_path, progress=False)
     assert seen["incremental"] > 20 and seen["rows"] > 200, seen
-    assert res.summary["preemptions"] > 0  # running rows were preempted back into the queue
+    assert res.summary.metrics.preemptions > 0  # running rows were preempted back into the queue
 
 
 def _recorded(policy, kinds: set) -> list:

@@ -400,9 +400,9 @@ def test_policy_by_factory_matches_by_name(vllm_engine: Any, tmp_path: Path) -> 
     from policy.vllm_default import VllmDefaultPolicy
 
     workload = generate(small_config(9, prompts=4, group=4, steps=1))
-    by_name = run_simulation(workload, "vllm-default", kv_fraction=0.3, progress=False).summary
+    by_name = run_simulation(workload, "vllm-default", kv_fraction=0.3, progress=False).summary.to_dict()
     explicit = run_simulation(workload, lambda: VllmDefaultPolicy(explicit=True), kv_fraction=0.3, progress=False,
-                              out_dir=tmp_path, decision_budget_s=10.0).summary
+                              out_dir=tmp_path, decision_budget_s=10.0).summary.to_dict()
     for key in ("makespan_s", "prefix_hit_rate", "preemptions", "recomputed_tokens", "engine_steps"):
         assert explicit[key] == by_name[key], key
     assert by_name["preemptions"] > 0
@@ -458,9 +458,9 @@ def test_cached_env_reads_change_no_result(vllm_engine: Any, policy: str, monkey
 
     workload = prepare_workload(generate(small_config(9, prompts=8, group=4, steps=1)))
     kw: dict[str, Any] = {"kv_fraction": 0.2, "progress": False, "decode_stride": 8}
-    cached = run_simulation(workload, policy, **kw).summary
+    cached = run_simulation(workload, policy, **kw).summary.to_dict()
     monkeypatch.setattr(engine, "vllm_envs_cached", contextlib.nullcontext)
-    uncached = run_simulation(workload, policy, **kw).summary
+    uncached = run_simulation(workload, policy, **kw).summary.to_dict()
     for key in ("makespan_s", "preemptions", "recomputed_tokens", "prefix_hit_rate", "engine_steps",
                 "group_completion_s"):
         assert cached[key] == uncached[key], key
