@@ -151,7 +151,7 @@ def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | No
     before_uri = os.environ.get("KVPILOT_MODEL_URI")
     os.environ["KVPILOT_MODEL_URI"] = registry.DEFAULT_MODEL_URI
     try:
-        served = _simulate(heldout_wl, "registry", out_dir / "serve-champion", cfg)
+        served = _simulate(heldout_wl, "registry", out_dir / "serve-champion", cfg).to_dict()
     finally:
         if before_uri is None:
             del os.environ["KVPILOT_MODEL_URI"]
