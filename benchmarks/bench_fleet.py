@@ -110,9 +110,9 @@ def main() -> None:
         vllm = res.scheduler_s - res.hook_s
         rest = wall - res.scheduler_s - res.router_s
         sh = [x / wall if wall > 0 else 0.0 for x in (vllm, res.hook_s, res.router_s, rest)]
-        print(f"{r:>8} {frac:>6.3f}{'*' if clamped else ' '} {s['engine_steps']:>7,} {tokens:>11,} {wall:>7.2f} "
+        print(f"{r:>8} {frac:>6.3f}{'*' if clamped else ' '} {s.engine_steps:>7,} {tokens:>11,} {wall:>7.2f} "
               f"{cpu:>7.2f} {rate:>10,.0f} {rate / base:>6.2f} {sh[0]:>6.1%} {sh[1]:>6.1%} {sh[2]:>7.1%} "
-              f"{sh[3]:>6.1%} {s['preemptions']:>7}", flush=True)
+              f"{sh[3]:>6.1%} {s.metrics.preemptions:>7}", flush=True)
     print("shares are of the event loop's wall time; ratio: tokens per CPU-second over the first row's")
 
     if args.profile:

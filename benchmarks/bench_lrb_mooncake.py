@@ -94,10 +94,9 @@ def replay(workload: PreparedWorkload, name: str, kv: int, lrb_options: dict | N
     policy = make_policy(name, workload.table, lrb_options)
     t0, c0 = time.perf_counter(), time.process_time()
     res = run_simulation(workload, policy, kv_blocks=kv, progress=False)
-    s = res.summary
-    row = {"policy": name, "prefix_hit_rate": s["prefix_hit_rate"], "wall_s": time.perf_counter() - t0,
-           "cpu_s": time.process_time() - c0, "makespan_s": s["makespan_s"],
-           "recomputed_tokens": s["recomputed_tokens"]}
+    m = res.summary.metrics
+    row = {"policy": name, "prefix_hit_rate": m.prefix_hit_rate, "wall_s": time.perf_counter() - t0,
+           "cpu_s": time.process_time() - c0, "makespan_s": m.makespan_s, "recomputed_tokens": m.recomputed_tokens}
     if name == "lrb-online":
         row["learner"] = policy.summary()
         row["lrb_options"] = lrb_options or {}

@@ -51,18 +51,19 @@ def main() -> None:
         result = sim.run()
         total = time.perf_counter() - t0
     s = result.summary
+    m = s.metrics
     outside = result.wall_s - result.scheduler_s
     print(f"workload: {workload.num_rows:,} requests, {args.steps} steps x {args.prompts} prompts x 8; "
-          f"policy {s['policy']}; KV {s['kv_blocks']:,} blocks (fraction {args.kv_fraction:g})")
-    print(f"run: {s['engine_steps']:,} engine steps, {s['simulated_s']:.1f} simulated s, "
-          f"{s['preemptions']} preemptions, prefix hit rate {s['prefix_hit_rate']:.3f}")
+          f"policy {s.policy}; KV {s.kv_blocks:,} blocks (fraction {args.kv_fraction:g})")
+    print(f"run: {s.engine_steps:,} engine steps, {m.simulated_s:.1f} simulated s, "
+          f"{m.preemptions} preemptions, prefix hit rate {m.prefix_hit_rate:.3f}")
     print(f"end to end {total:7.2f} s  (set-up {sim.setup_s:.2f} s, event loop {result.wall_s:.2f} s, "
           f"summary and telemetry reads {total - sim.setup_s - result.wall_s:.2f} s)")
     print(f"inside schedule() + update_from_output() {result.scheduler_s:7.2f} s "
-          f"({result.scheduler_s / s['engine_steps'] * 1e3:.2f} ms/step), of which the hook's schedule()-side work "
+          f"({result.scheduler_s / s.engine_steps * 1e3:.2f} ms/step), of which the hook's schedule()-side work "
           f"{result.hook_s:.2f} s")
     print(f"simulator outside the scheduler        {outside:7.2f} s "
-          f"({outside / s['engine_steps'] * 1e6:.0f} us/step)")
+          f"({outside / s.engine_steps * 1e6:.0f} us/step)")
     print(f"overhead = (wall - scheduler) / scheduler = {result.overhead:.1%}  (target <= 25%)")
 
 

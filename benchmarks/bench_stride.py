@@ -46,7 +46,7 @@ def _run(workload, policy: str, kv: float, k: int) -> dict:
 
     t0, c0 = time.perf_counter(), time.process_time()
     sim = Simulation(workload, policy, kv_fraction=kv, decode_stride=k, progress=False)
-    s = sim.run().summary
+    s = sim.run().summary.to_dict()
     row = {key: s[key] for key in KEYS}
     row["end_to_end_s"] = time.perf_counter() - t0
     row["cpu_s"] = time.process_time() - c0  # this process's CPU time: the cost without other load

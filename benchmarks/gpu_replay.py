@@ -130,7 +130,7 @@ def simulate(workload: Any, policy: str, preset: str, offload_gib: float, offloa
     except (SimulationError, ValueError) as e:
         print(f"  simulation of {policy} skipped: {e}", file=sys.stderr)
         return None
-    return float(result.summary["makespan_s"])
+    return float(result.summary.metrics.makespan_s)
 
 
 def champion_missing() -> Optional[str]:

@@ -1,45 +1,16 @@
-"""Run summary of a simulation: makespan, throughput, prefix hits, recomputation, completion times, tail bubble.
-
-Definitions (times in simulated seconds):
-
-* ``makespan_per_step_s``: per RL step (in step order), its end - start; ``makespan_s`` their mean.
-* ``simulated_s``: last RL step end - first RL step start; ``tokens_per_s``: generated output tokens
-  (sum of ``requests.output_tokens``) / ``simulated_s``.
-* ``prefix_hit_rate``: sum ``cached_tokens`` / sum ``prompt_tokens`` (vLLM's hit at first scheduling).
-* ``recomputed_tokens_preemption``: per request ``computed_tokens - (prompt - cached) - max(output - 1, 0)``,
-  clipped at 0 (a request without preemption computes its uncached prompt and all but its last output token).
-* ``recomputed_tokens_eviction``: per request, the prompt tokens an unlimited prefix cache on the same replica
-  (and, when the run resets the caches at weight sync, in the same RL step) would have hit (:func:`simulator.tokens.unlimited_cached_tokens`, vLLM's convention: output blocks are
-  cached too; requests replayed in causal order) minus ``cached_tokens``, clipped at 0.
-  ``recomputed_tokens`` is their sum.
-* ``trajectory_p50_s`` / ``trajectory_p99_s``: percentiles of trajectory end - start (verification included).
-* ``group_completion_s``: per GRPO group, its last trajectory's end - its RL step's start (when training on the
-  group could start); ``group_completion_{p50,p99,mean}_s`` summarise it.
-* ``tail_bubble_s``: batch capacity left idle once the queue has drained, in seconds of a full batch. For RL
-  step s on replica r, with window W = [start, end] and capacity C (``batch_capacity``, else the peak
-  ``running`` of r's engine steps in W): ``|W| - sum_k overlap_k * u_k`` over r's engine steps k (each spans
-  [time_s, time_s + duration_s]), where ``u_k = 1`` while requests wait (the batch is KV- or budget-bound,
-  not starved) and ``min(running_k / C, 1)`` when nothing waits; time without any engine step is fully idle.
-  Per step it is the mean over replicas (``tail_bubble_per_step_s``); ``tail_bubble_s`` is the mean over steps.
-* ``critical_queue_s`` / ``critical_service_s`` / ``critical_other_s``: the time of each RL step's critical
-  trajectory (the one that ends last, so the step's makespan), split into its requests' queueing (sum of
-  ``first_scheduled - arrival``), their service (sum of ``finish - first_scheduled``: prefill and decode at the
-  batch's pace, with any preemption and recompute) and the rest of its duration (tool calls, the verifier
-  and its scoring requests); means over steps. Admission and retention act on its queueing and on what its
-  service recomputes; its tool calls and its decode at a full batch's iteration time they cannot shorten.
-* ``hook_fallbacks``: engine steps (all replicas) whose ``steps`` row has ``hook_fallback``: a policy call failed
-  or overran, or the ``registry`` policy had no model, and the step ran vLLM's own behaviour.
-"""
+"""The run's metrics from its telemetry and driver records (:class:`simulator.summary.RunMetrics`,
+:class:`simulator.summary.TrainedThroughput`: their fields carry the definitions), and the records they read."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
+from simulator.summary import RunMetrics, TrainedThroughput
 from simulator.tokens import unlimited_cached_tokens
 
 if TYPE_CHECKING:
@@ -102,8 +73,8 @@ def summarize(
     aliases: Mapping[str, int] | None = None,
     cache_per_step: bool = False,
     cache_epoch: Sequence[int] | None = None,
-) -> dict[str, Any]:
-    """The run's metrics (see the module docstring) from its workload, telemetry and driver records.
+) -> RunMetrics:
+    """The run's metrics (:class:`RunMetrics`) from its workload, telemetry and driver records.
 
     ``aliases``: request ids the run gave workload rows beside their own (:meth:`PreparedWorkload.rows`).
     ``cache_per_step``: the run reset its prefix caches at every RL step (weight sync), so the unlimited cache
@@ -137,84 +108,79 @@ def summarize(
                for s in ordered]
     kinds = np.array(workload.kind, dtype=object)[rows]
     critical = _critical_split(requests, trajectories, ordered)
-    return {
-        "requests": requests.num_rows,
-        "turns": int(np.count_nonzero(kinds == "rollout")),
-        "trajectories": len(trajectories),
-        "simulated_s": simulated,
-        "makespan_s": float(np.mean(makespans)) if makespans else 0.0,
-        "makespan_per_step_s": makespans,
-        "output_tokens": int(output.sum()),
-        "tokens_per_s": float(output.sum() / simulated) if simulated > 0 else 0.0,
-        "prefix_hit_rate": float(cached.sum() / prompt.sum()) if prompt.sum() else 0.0,
-        "preemptions": int(_np(requests, "preemptions").sum()),
-        "recomputed_tokens": int(preempt_extra.sum() + evict_extra.sum()),
-        "recomputed_tokens_preemption": int(preempt_extra.sum()),
-        "recomputed_tokens_eviction": int(evict_extra.sum()),
-        "trajectory_p50_s": _pct(durations, 50),
-        "trajectory_p99_s": _pct(durations, 99),
-        "group_completion_s": groups,
-        "group_completion_p50_s": _pct(list(groups.values()), 50),
-        "group_completion_p99_s": _pct(list(groups.values()), 99),
-        "group_completion_mean_s": float(np.mean(list(groups.values()))) if groups else 0.0,
-        "tail_bubble_s": float(np.mean(bubbles)) if bubbles else 0.0,
-        "tail_bubble_per_step_s": bubbles,
-        "critical_queue_s": critical[0],
-        "critical_service_s": critical[1],
-        "critical_other_s": critical[2],
-        "hook_fallbacks": int(np.count_nonzero(_np(steps, "hook_fallback"))),  # engine steps that fell back
-    }
+    return RunMetrics(
+        requests=requests.num_rows,
+        turns=int(np.count_nonzero(kinds == "rollout")),
+        trajectories=len(trajectories),
+        simulated_s=simulated,
+        makespan_s=float(np.mean(makespans)) if makespans else 0.0,
+        makespan_per_step_s=makespans,
+        output_tokens=int(output.sum()),
+        tokens_per_s=float(output.sum() / simulated) if simulated > 0 else 0.0,
+        prefix_hit_rate=float(cached.sum() / prompt.sum()) if prompt.sum() else 0.0,
+        preemptions=int(_np(requests, "preemptions").sum()),
+        recomputed_tokens=int(preempt_extra.sum() + evict_extra.sum()),
+        recomputed_tokens_preemption=int(preempt_extra.sum()),
+        recomputed_tokens_eviction=int(evict_extra.sum()),
+        trajectory_p50_s=_pct(durations, 50),
+        trajectory_p99_s=_pct(durations, 99),
+        group_completion_s=groups,
+        group_completion_p50_s=_pct(list(groups.values()), 50),
+        group_completion_p99_s=_pct(list(groups.values()), 99),
+        group_completion_mean_s=float(np.mean(list(groups.values()))) if groups else 0.0,
+        tail_bubble_s=float(np.mean(bubbles)) if bubbles else 0.0,
+        tail_bubble_per_step_s=bubbles,
+        critical_queue_s=critical[0],
+        critical_service_s=critical[1],
+        critical_other_s=critical[2],
+        hook_fallbacks=int(np.count_nonzero(_np(steps, "hook_fallback"))),
+    )
 
 
 def rl_summary(workload: PreparedWorkload, trajectories: Sequence[TrajectoryRecord], trains: Sequence[TrainRecord],
-               rollout_s: float, replicas: int, gpu_busy_s: float, staleness: Sequence[int] = ()) -> dict[str, Any]:
-    """Trained throughput and where time went, for every run (see :mod:`simulator.async_rl`).
+               rollout_s: float, replicas: int, gpu_busy_s: float, staleness: Sequence[int] = ()
+               ) -> TrainedThroughput:
+    """Trained throughput and where time went, for every run (:class:`TrainedThroughput`, :mod:`simulator.async_rl`).
 
-    ``run_s``: the run's span, from 0 to the later of the last trajectory's end and the last weight update's end
-    (``rollout_s``, the synchronous runs' ``simulated_s``, without a trainer); ``trajectories_per_s``:
-    trajectories over ``run_s``; ``*_after_warmup``: from the end of the first weight update to the last, the
-    later training steps' trajectories and tokens over that time; ``trainer_idle_share``: the share of ``run_s``
-    the trainer neither trains nor updates weights; ``rollout_idle_share``: of ``replicas x run_s``, the GPU time
-    no engine step ran (``gpu_busy_s``: the steps' priced time); ``staleness``: per trained trajectory, the
-    version it was trained at minus the version it started at (``staleness_counts``, ``max_staleness``); ``group_latency_p50_s`` / ``p90``: per GRPO group, its last
-    trajectory's end minus its first one's start."""
+    ``rollout_s``: the synchronous runs' ``simulated_s``; ``gpu_busy_s``: the engine steps' priced time;
+    ``staleness``: per trained trajectory, the version it was trained at minus the version it started at."""
     end = max([rollout_s] + [t.end_s for t in trajectories] + [r.synced_s for r in trains])
     n = len(trajectories)
-    stale: dict[int, int] = {}
     group_of = dict(zip(workload.session_id, workload.group_id))
     groups: dict[tuple[int, str], list[float]] = {}
     for t in trajectories:
         g = groups.setdefault((t.step, group_of[t.session_id]), [t.start_s, t.end_s])
         g[0], g[1] = min(g[0], t.start_s), max(g[1], t.end_s)
     latency = [hi - lo for lo, hi in groups.values()]
-    out: dict[str, Any] = {
-        "run_s": end,
-        "trajectories_per_s": n / end if end > 0 else 0.0,
-        "rollout_idle_share": max(0.0, 1.0 - gpu_busy_s / (replicas * end)) if end > 0 else None,
-        "group_latency_p50_s": _pct(latency, 50),
-        "group_latency_p90_s": _pct(latency, 90),
-        "versions_spanned_mean": float(np.mean([t.version_end - t.version_start + 1 for t in trajectories]))
+    out = TrainedThroughput(
+        run_s=end,
+        trajectories_per_s=n / end if end > 0 else 0.0,
+        rollout_idle_share=max(0.0, 1.0 - gpu_busy_s / (replicas * end)) if end > 0 else None,
+        group_latency_p50_s=_pct(latency, 50),
+        group_latency_p90_s=_pct(latency, 90),
+        versions_spanned_mean=float(np.mean([t.version_end - t.version_start + 1 for t in trajectories]))
         if trajectories else 0.0,
-        "trainer_idle_share": None, "trained_tokens": 0, "trained_tokens_per_s_after_warmup": None,
-        "trajectories_per_s_after_warmup": None,
-        "staleness_counts": {}, "max_staleness": 0, "mean_staleness": 0.0,
-    }
+        trainer_idle_share=None, trained_tokens=0, trained_tokens_per_s_after_warmup=None,
+        trajectories_per_s_after_warmup=None, staleness_counts={}, max_staleness=0, mean_staleness=0.0,
+    )
     if not trains:
         return out
     trained = list(trains)
+    stale: dict[int, int] = {}
     for x in staleness:
         stale[x] = stale.get(x, 0) + 1
-    out.update(staleness_counts=dict(sorted(stale.items())), max_staleness=max(staleness, default=0),
-               mean_staleness=float(np.mean(staleness)) if len(staleness) else 0.0)
     busy = sum(r.synced_s - r.start_s for r in trained)
-    out["trainer_idle_share"] = max(0.0, 1.0 - busy / end) if end > 0 else None
-    out["trained_tokens"] = sum(r.tokens for r in trained)
+    tokens_rate = trajectories_rate = None
     if len(trained) > 1:
         span = trained[-1].synced_s - trained[0].synced_s
         if span > 0:
-            out["trained_tokens_per_s_after_warmup"] = sum(r.tokens for r in trained[1:]) / span
-            out["trajectories_per_s_after_warmup"] = sum(r.trajectories for r in trained[1:]) / span
-    return out
+            tokens_rate = sum(r.tokens for r in trained[1:]) / span
+            trajectories_rate = sum(r.trajectories for r in trained[1:]) / span
+    return replace(out, staleness_counts=dict(sorted(stale.items())), max_staleness=max(staleness, default=0),
+                   mean_staleness=float(np.mean(staleness)) if len(staleness) else 0.0,
+                   trainer_idle_share=max(0.0, 1.0 - busy / end) if end > 0 else None,
+                   trained_tokens=sum(r.tokens for r in trained), trained_tokens_per_s_after_warmup=tokens_rate,
+                   trajectories_per_s_after_warmup=trajectories_rate)
 
 
 def _critical_split(requests: pa.Table, trajectories: Sequence[TrajectoryRecord],
@@ -264,41 +230,3 @@ def _tail_bubble(steps: pa.Table, rl: StepRecord, capacity: int | None, replicas
         bubbles.append(window - float((overlap[mine] * use).sum()))
     return float(np.mean(bubbles)) if bubbles else window
 
-
-def render_summary(summary: dict[str, Any]) -> str:
-    """Plain-text report of :func:`summarize` output (per-group and per-step lists summarised)."""
-    s = summary
-    steps = "  ".join(f"{m:.2f}" for m in s["makespan_per_step_s"])
-    lines = [
-        (f"requests {s['requests']}  turns {s['turns']}  trajectories {s['trajectories']}  "
-         f"simulated {s['simulated_s']:.2f} s"),
-        (f"makespan {s['makespan_s']:.2f} s/step (per step: {steps})  "
-         f"throughput {s['tokens_per_s']:.1f} tok/s ({s['output_tokens']} output tokens)"),
-        (f"prefix hit rate {s['prefix_hit_rate']:.3f}  preemptions {s['preemptions']}  "
-         f"recomputed tokens {s['recomputed_tokens']} (preemption {s['recomputed_tokens_preemption']}, "
-         f"eviction {s['recomputed_tokens_eviction']})"),
-        (f"trajectory p50 {s['trajectory_p50_s']:.2f} s  p99 {s['trajectory_p99_s']:.2f} s  "
-         f"group completion p50 {s['group_completion_p50_s']:.2f} s  p99 {s['group_completion_p99_s']:.2f} s  "
-         f"mean {s['group_completion_mean_s']:.2f} s ({len(s['group_completion_s'])} groups)"),
-        f"tail bubble {s['tail_bubble_s']:.2f} s/step",
-        (f"critical trajectory (the step's last): queued {s['critical_queue_s']:.1f} s, served "
-         f"{s['critical_service_s']:.1f} s, tools and verifier {s['critical_other_s']:.1f} s (per step)"),
-    ]
-    if s.get("bound_s") is not None:
-        lines.append(f"lower bound {s['bound_s']:.2f} s/step ({s['bound_total_s']:.2f} s in all): the run is "
-                     f"{s['makespan_over_bound']:.3f}x the bound")
-    if s.get("trajectories_per_s") is not None and s.get("throughput_bound_trajectories_per_s"):
-        trainer = (f", {s['weight_updates']} weight updates, trainer idle {s['trainer_idle_share']:.2f}, max staleness "
-                   f"{s['max_staleness']}" if s.get("weight_updates") else "")
-        lines.append(f"trained {s['trajectories_per_s']:.4g} trajectories/s over {s['run_s']:.1f} s (bound "
-                     f"{s['throughput_bound_trajectories_per_s']:.4g}, {s['throughput_over_bound']:.3f} of it, "
-                     f"{s['throughput_bound_binding']}-bound){trainer}")
-    if s.get("gpu_decode_s") is not None:
-        causes = ("decode", "prefill_new", "recompute_preemption", "recompute_eviction", "offload_wait", "idle")
-        lines.append("GPU seconds: " + "  ".join(f"{c.replace('_', ' ')} {s[f'gpu_{c}_s']:.1f}" for c in causes
-                                                 if f"gpu_{c}_s" in s))
-    if s.get("offload_blocks"):
-        lines.append(f"CPU offload tier {s['offload_gib']:g} GiB ({s['offload_blocks']} blocks): "
-                     f"loaded {s['offload_load_bytes'] / 2**30:.2f} GiB in {s['offload_loads']} jobs, "
-                     f"stored {s['offload_store_bytes'] / 2**30:.2f} GiB in {s['offload_stores']} jobs")
-    return "\n".join(lines)

@@ -15,7 +15,7 @@ Cost: each step lasts the cost model's
 :meth:`~simulator.cost_model.CostModel.step_time` of what it scheduled (prefill
 tokens and their attention pairs, decode sequences and their context). The run's
 GPU time is split by cause (:meth:`ScriptedRunner.breakdown`, the summary's
-``gpu_s``): each step's decode iterations priced alone are decode; what its
+:class:`~simulator.summary.GpuSeconds`): each step's decode iterations priced alone are decode; what its
 prefill chunks add to them is prefill, split into new tokens, recompute after
 preemption and recompute after eviction by their token counts; the rest of
 replicas x the run is idle (waiting on tools, verifiers or arrivals, or held
@@ -73,6 +73,7 @@ from typing import Any
 
 from simulator.cost_model import CostModel, prefill_attention_pairs
 from simulator.engine import EOS_TOKEN_ID
+from simulator.summary import GpuSeconds
 from simulator.workload import PreparedWorkload
 
 __all__ = ["ScriptedRunner", "StepOutput"]
@@ -186,7 +187,7 @@ class ScriptedRunner:
         self.prefill_tokens += prefill_tokens
 
     def breakdown(self, recomputed_preemption: int, recomputed_eviction: int, gpu_s: float,
-                  offload_wait_s: float = 0.0) -> dict[str, float]:
+                  offload_wait_s: float = 0.0) -> GpuSeconds:
         """GPU seconds by cause: decode, prefill of new tokens, recompute after preemption and after eviction (the
         prefill time split by the tokens' shares), waits for the CPU offload tier's blocking transfers
         (:mod:`simulator.offload`), and idle (``gpu_s``, replicas x the run, less the rest)."""
@@ -194,6 +195,7 @@ class ScriptedRunner:
         share = (lambda n: self.prefill_s * min(n, total) / total) if total else (lambda n: 0.0)  # noqa: E731
         preempt = share(recomputed_preemption)
         evict = min(share(recomputed_eviction), self.prefill_s - preempt)
-        return {"decode": self.decode_s, "prefill_new": self.prefill_s - preempt - evict,
-                "recompute_preemption": preempt, "recompute_eviction": evict, "offload_wait": offload_wait_s,
-                "idle": max(0.0, gpu_s - self.decode_s - self.prefill_s - offload_wait_s)}
+        return GpuSeconds(gpu_decode_s=self.decode_s, gpu_prefill_new_s=self.prefill_s - preempt - evict,
+                          gpu_recompute_preemption_s=preempt, gpu_recompute_eviction_s=evict,
+                          gpu_offload_wait_s=offload_wait_s,
+                          gpu_idle_s=max(0.0, gpu_s - self.decode_s - self.prefill_s - offload_wait_s))

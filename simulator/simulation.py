@@ -4,7 +4,7 @@
 on ``replicas`` copies of the kvpilot-hooked vLLM v1 scheduler
 (:class:`serving_hook.KVPilotScheduler`, built by :mod:`simulator.engine` on the
 CPU), behind a router (:mod:`simulator.routers`), and returns the run's summary
-(:func:`simulator.metrics.summarize`) with the hook's telemetry written under
+(:class:`simulator.summary.RunSummary`) with the hook's telemetry written under
 ``out_dir/telemetry``.
 
 This module wires a run; each part is its own module:
@@ -18,6 +18,7 @@ This module wires a run; each part is its own module:
   pauses, verification and scoring, over-provisioning, trace replay);
 * :mod:`simulator.tail`: tail batching (RollPacker);
 * :mod:`simulator.async_rl`: asynchronous RL (no step barrier, a trainer, weight updates mid-session);
+* :mod:`simulator.metrics`, :mod:`simulator.summary`: the run's metrics and its summary record;
 * :mod:`simulator.engine`: every call into vLLM.
 """
 
@@ -28,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,22 +41,23 @@ from simulator.bound import makespan_bound, throughput_bound
 from simulator.clock import ARRIVE, KICK, RELEASE, STEP_END, SYNC_END, TRAIN_END, VERIFIED, EventClock
 from simulator.config import Overprovision, PolicySpec, SimConfig, SimulationError
 from simulator.drivers import StepDriver
-from simulator.metrics import StepRecord, TrajectoryRecord, render_summary, rl_summary, summarize
+from simulator.metrics import StepRecord, TrajectoryRecord, rl_summary, summarize
 from simulator.replica import Fleet, Replica, build_replicas
 from simulator.routers import Router
 from simulator.runner import ScriptedRunner
+from simulator.summary import (AsyncDriverStats, MakespanBoundSummary, OffloadSummary, RunMetrics, RunSummary,
+                               SyncDriverStats, ThroughputBoundSummary)
 from simulator.tail import TailBatchingDriver, tail_batching_spec
 from simulator.workload import PreparedWorkload, prepare_workload
 
-__all__ = ["Overprovision", "SimConfig", "SimResult", "Simulation", "SimulationError", "render_summary",
-           "run_simulation"]
+__all__ = ["Overprovision", "SimConfig", "SimResult", "Simulation", "SimulationError", "run_simulation"]
 
 
 @dataclass
 class SimResult:
-    """What a run returns: the summary (also ``out_dir/summary.json``), where telemetry went, and timings."""
+    """What a run returns: the summary (also ``out_dir/summary.json``, :meth:`RunSummary.to_dict`), where telemetry
+    went, and timings."""
 
-    summary: dict[str, Any]
     out_dir: Path | None
     requests: pa.Table  # the hook's requests telemetry
     steps: pa.Table  # the hook's steps telemetry
@@ -65,6 +67,7 @@ class SimResult:
     scheduler_s: float = 0.0  # inside schedule() + update_from_output(), hook included
     hook_s: float = 0.0  # the hook's own share of scheduler_s
     router_s: float = 0.0  # routing requests to replicas (Fleet._route), outside scheduler_s
+    summary: RunSummary = field(init=False)  # set once the run is summarised
 
     @property
     def overhead(self) -> float:
@@ -144,73 +147,78 @@ class Simulation:
                 gc.unfreeze()
         finally:
             writer.close()
-        dropped = writer.dropped
         requests = read_telemetry(tel_dir, "requests")
         steps = read_telemetry(tel_dir, "steps")
         driver = self.driver
         resets = not config.keep_cache_across_steps and not self.workload.trace
         epochs = driver.cache_epoch if isinstance(driver, AsyncDriver) else None
-        summary = summarize(self.workload, requests, steps, result.trajectories, result.rl_steps,
+        metrics = summarize(self.workload, requests, steps, result.trajectories, result.rl_steps,
                             aliases=driver.aliases, cache_per_step=resets and epochs is None, cache_epoch=epochs)
-        summary.update(
-            policy=policy_name, router=config.router_name if config.replicas > 1 else None,
-            replicas=config.replicas, kv_blocks=self.kv_blocks, kv_fraction=config.kv_fraction,
-            preset=config.preset, decode_stride=config.decode_stride, engine_steps=fleet.engine_steps,
-            aborted_trajectories=driver.aborted, session_moves=fleet.session_moves,
-            session_move_tokens=fleet.session_move_tokens, telemetry_dropped_rows=dropped, wall_s=result.wall_s,
-            scheduler_s=result.scheduler_s, hook_s=result.hook_s, router_s=result.router_s,
-            simulator_overhead=result.overhead,
-            # policy ``registry``: the registry version served at the end (replica 0) and swaps after start-up
-            model_version=replicas[0].sched.kvpilot_stats.model_version,
-            model_swaps=sum(rep.sched.kvpilot_stats.model_swaps for rep in replicas),
-            prefix_cache_resets=fleet.cache_resets, keep_cache_across_steps=config.keep_cache_across_steps,
-            session_ids=config.session_ids,
-            # the KV per replica as a fraction of the largest step's need (= kv_fraction when that was given)
-            kv_share_of_need=(self.kv_blocks - 1) / self.workload.kv_need if self.workload.kv_need else None,
-        )
-        summary.update(self.bound_summary(summary["simulated_s"]))
-        summary.update(self.offload_summary(replicas))
-        breakdown = self.runner.breakdown(summary["recomputed_tokens_preemption"],
-                                          summary["recomputed_tokens_eviction"], config.replicas * summary["simulated_s"],
-                                          summary["offload_wait_s"])
-        summary.update({f"gpu_{cause}_s": seconds for cause, seconds in breakdown.items()})
-        summary.update(self.rl_summary(summary))
+        summary = self.summary(metrics, result, fleet, replicas, policy_name, writer.dropped)
         result.summary, result.requests, result.steps = summary, requests, steps
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             result.out_dir = None
         else:
-            (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            (out_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
             result.out_dir = out_dir
         return result
 
-    def bound_summary(self, simulated_s: float) -> dict[str, Any]:
+    def summary(self, metrics: RunMetrics, result: SimResult, fleet: Fleet, replicas: list[Replica],
+                policy_name: str, dropped_rows: int) -> RunSummary:
+        """The run's summary: its metrics beside its setting, counters, bounds, CPU tier, GPU time and training."""
+        config, stats = self.config, [rep.sched.kvpilot_stats for rep in replicas]
+        offload = self.offload_summary(replicas)
+        gpu = self.runner.breakdown(metrics.recomputed_tokens_preemption, metrics.recomputed_tokens_eviction,
+                                    config.replicas * metrics.simulated_s, offload.offload_wait_s)
+        trained = rl_summary(self.workload, self.driver.traj_records, self.driver.train_records, metrics.simulated_s,
+                             config.replicas, gpu.busy_s, self.staleness())
+        return RunSummary(
+            metrics=metrics, policy=policy_name,
+            router=config.router_name if config.replicas > 1 else None,
+            replicas=config.replicas, kv_blocks=self.kv_blocks, kv_fraction=config.kv_fraction,
+            preset=config.preset, decode_stride=config.decode_stride, engine_steps=fleet.engine_steps,
+            aborted_trajectories=self.driver.aborted, session_moves=fleet.session_moves,
+            session_move_tokens=fleet.session_move_tokens, telemetry_dropped_rows=dropped_rows, wall_s=result.wall_s,
+            scheduler_s=result.scheduler_s, hook_s=result.hook_s, router_s=result.router_s,
+            simulator_overhead=result.overhead, model_version=stats[0].model_version,
+            model_swaps=sum(st.model_swaps for st in stats), prefix_cache_resets=fleet.cache_resets,
+            keep_cache_across_steps=config.keep_cache_across_steps, session_ids=config.session_ids,
+            kv_share_of_need=(self.kv_blocks - 1) / self.workload.kv_need if self.workload.kv_need else None,
+            bound=self.makespan_bound(metrics.simulated_s), offload=offload, gpu=gpu, trained=trained,
+            driver=self.driver_stats(), throughput_bound=self.throughput_bound(trained.trajectories_per_s),
+        )
+
+    def makespan_bound(self, simulated_s: float) -> MakespanBoundSummary:
         """The run's physics lower bound (:mod:`simulator.bound`) and where the run stands against it."""
         c = self.config
         b = makespan_bound(self.workload, c.cost, self.kv_blocks, replicas=c.replicas, preset=c.preset,
                            decode_stride=c.decode_stride, max_num_seqs=c.max_num_seqs)
-        return {"bound_s": b.mean_s, "bound_total_s": b.total_s, "bound_per_step_s": [s.bound_s for s in b.steps],
-                "makespan_over_bound": simulated_s / b.total_s if b.total_s > 0 else None}
+        return MakespanBoundSummary(bound_s=b.mean_s, bound_total_s=b.total_s,
+                                    bound_per_step_s=[s.bound_s for s in b.steps],
+                                    makespan_over_bound=simulated_s / b.total_s if b.total_s > 0 else None)
 
-    def rl_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """Trained trajectories per second beside their upper bound, the trainer, staleness and weight updates
-        (:func:`simulator.metrics.rl_summary`, :func:`simulator.bound.throughput_bound`)."""
+    def staleness(self) -> list[int]:
+        """Per trained trajectory, its staleness (0 on synchronous steps; none without a trainer)."""
+        d = self.driver
+        return d.staleness if isinstance(d, AsyncDriver) else [0] * len(d.traj_records) * bool(d.train_records)
+
+    def driver_stats(self) -> SyncDriverStats | AsyncDriverStats:
+        """The driver's settings and weight updates."""
+        d = self.driver
+        if not isinstance(d, AsyncDriver):
+            return SyncDriverStats(weight_updates=len(d.train_records))
+        return AsyncDriverStats(
+            staleness_eta=d.spec.staleness, weight_sync=d.spec.weight_sync, async_admission=d.spec.admission,
+            train_batch_groups=d.batch, weight_updates=d.updates, cache_reset_retries=self.fleet.cache_reset_retries,
+            reprefill_tokens=d.reprefill_tokens,
+            reprefill_tokens_per_update=d.reprefill_tokens / d.updates if d.updates else 0.0,
+            kv_tokens_by_version_age={a: v / d.updates for a, v in sorted(d.kv_by_age.items())} if d.updates else {})
+
+    def throughput_bound(self, trajectories_per_s: float) -> ThroughputBoundSummary:
+        """The run's upper bound on trained trajectories per second (:func:`simulator.bound.throughput_bound`, with
+        its trainer's steps and weight updates when it has one) and the run's rate against it."""
         c, d, w = self.config, self.driver, self.workload
-        gpu_busy = sum(summary.get(f"gpu_{k}_s", 0.0) for k in ("decode", "prefill_new", "recompute_preemption",
-                                                                "recompute_eviction", "offload_wait"))
-        staleness = d.staleness if isinstance(d, AsyncDriver) else [0] * len(d.traj_records) * bool(d.train_records)
-        out = rl_summary(w, d.traj_records, d.train_records, summary["simulated_s"], c.replicas, gpu_busy, staleness)
-        if isinstance(d, AsyncDriver):
-            out.update(driver="async", staleness_eta=d.spec.staleness, weight_sync=d.spec.weight_sync,
-                       async_admission=d.spec.admission, train_batch_groups=d.batch, weight_updates=d.updates,
-                       cache_reset_retries=self.fleet.cache_reset_retries,
-                       reprefill_tokens=d.reprefill_tokens,
-                       reprefill_tokens_per_update=d.reprefill_tokens / d.updates if d.updates else 0.0,
-                       kv_tokens_by_version_age={a: v / d.updates for a, v in sorted(d.kv_by_age.items())}
-                       if d.updates else {})
-        else:
-            out.update(driver="sync", weight_updates=len(d.train_records),
-                       train_batch_groups=None)
         trainer = c.trainer if d.train_records else None
         if trainer is not None:
             tokens = min(d.trained_tokens([x]) for x in d.trajectories)
@@ -222,30 +230,29 @@ class Simulation:
         else:
             bound = throughput_bound(w, c.cost, self.kv_blocks, replicas=c.replicas, decode_stride=c.decode_stride,
                                      max_num_seqs=c.max_num_seqs)
-        rate = out["trajectories_per_s"]
-        out.update(throughput_bound_trajectories_per_s=bound.trajectories_per_s, throughput_bound_s=bound.bound_s,
-                   throughput_bound_binding=bound.binding,
-                   throughput_over_bound=rate / bound.trajectories_per_s if bound.trajectories_per_s else None)
-        return out
+        return ThroughputBoundSummary(
+            throughput_bound_trajectories_per_s=bound.trajectories_per_s, throughput_bound_s=bound.bound_s,
+            throughput_bound_binding=bound.binding,
+            throughput_over_bound=trajectories_per_s / bound.trajectories_per_s if bound.trajectories_per_s else None)
 
-    def offload_summary(self, replicas: list[Replica]) -> dict[str, Any]:
+    def offload_summary(self, replicas: list[Replica]) -> OffloadSummary:
         """The CPU offload tier's size and transfers, all replicas (zeros without a tier)."""
         workers = [r.offload for r in replicas if r.offload is not None]
         need = self.workload.kv_need
-        return {
-            "offload_gib": self.config.offload_gib if workers else 0.0,
-            "offload_blocks": self.offload_blocks,
-            "offload_share_of_need": self.offload_blocks / need if workers and need else None,
-            "offload_loads": sum(w.loads for w in workers),
-            "offload_stores": sum(w.stores for w in workers),
-            "offload_loaded_blocks": sum(w.load_blocks for w in workers),
-            "offload_stored_blocks": sum(w.store_blocks for w in workers),
-            "offload_load_bytes": sum(w.load_bytes for w in workers),
-            "offload_store_bytes": sum(w.store_bytes for w in workers),
-            "offload_wait_s": sum(w.blocking_s for w in workers),
-            "offload_host_evict_calls": sum(r.sched.kvpilot_stats.host_evict_calls for r in replicas),
-            "offload_host_bypassed": sum(r.sched.kvpilot_stats.host_bypassed for r in replicas),
-        }
+        return OffloadSummary(
+            offload_gib=self.config.offload_gib if workers else 0.0,
+            offload_blocks=self.offload_blocks,
+            offload_share_of_need=self.offload_blocks / need if workers and need else None,
+            offload_loads=sum(w.loads for w in workers),
+            offload_stores=sum(w.stores for w in workers),
+            offload_loaded_blocks=sum(w.load_blocks for w in workers),
+            offload_stored_blocks=sum(w.store_blocks for w in workers),
+            offload_load_bytes=sum(w.load_bytes for w in workers),
+            offload_store_bytes=sum(w.store_bytes for w in workers),
+            offload_wait_s=sum(w.blocking_s for w in workers),
+            offload_host_evict_calls=sum(r.sched.kvpilot_stats.host_evict_calls for r in replicas),
+            offload_host_bypassed=sum(r.sched.kvpilot_stats.host_bypassed for r in replicas),
+        )
 
     def _loop(self, replicas: list[Replica]) -> tuple[SimResult, Fleet]:
         """Wire the run's clock, runner, fleet and driver, and run every event."""
@@ -286,7 +293,7 @@ class Simulation:
         wall = time.perf_counter() - t_start
         hook = fleet.close()
         driver.check_finished()
-        return SimResult(summary={}, out_dir=None, requests=pa.table({}), steps=pa.table({}),
+        return SimResult(out_dir=None, requests=pa.table({}), steps=pa.table({}),
                          trajectories=driver.traj_records, rl_steps=driver.step_records, wall_s=wall,
                          scheduler_s=fleet.scheduler_s, hook_s=hook, router_s=fleet.router_s), fleet
 
@@ -334,5 +341,5 @@ def run_simulation(
                      kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, overprovision=overprovision,
                      progress=progress, **options)
     result = sim.run()
-    result.summary["setup_s"] = sim.setup_s
+    result.summary = replace(result.summary, setup_s=sim.setup_s)
     return result

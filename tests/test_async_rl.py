@@ -74,13 +74,14 @@ def test_the_throughput_bound_holds_on_random_workloads(vllm_engine: Any) -> Non
         eta = rng.choice([0, 1, 2, 4])
         for mode in ("abort", "recompute", "keep"):
             s = run_simulation(prepared, policy, driver="async", async_rl=AsyncRL(eta, mode), **common).summary
-            assert s["max_staleness"] <= eta, (i, mode)
-            assert sum(s["staleness_counts"].values()) == s["trajectories"] == len(prepared.sessions)
+            assert s.trained.max_staleness <= eta, (i, mode)
+            assert sum(s.trained.staleness_counts.values()) == s.metrics.trajectories == len(prepared.sessions)
             runs.append(s)
         for s in runs:
-            assert s["trajectories_per_s"] <= s["throughput_bound_trajectories_per_s"] * (1 + 1e-9), \
-                (i, policy, s["driver"], s.get("weight_sync"))
-            assert 0 < s["throughput_over_bound"] <= 1 + 1e-9
+            bound = s.throughput_bound
+            assert s.trained.trajectories_per_s <= bound.throughput_bound_trajectories_per_s * (1 + 1e-9), \
+                (i, policy, s.driver)
+            assert 0 < bound.throughput_over_bound <= 1 + 1e-9
 
 
 def test_a_trainer_bound_uniform_run_comes_within_10_percent_of_the_bound(vllm_engine: Any) -> None:
@@ -88,9 +89,9 @@ def test_a_trainer_bound_uniform_run_comes_within_10_percent_of_the_bound(vllm_e
     trainer = Trainer(mfu=0.02, gpus=1, fixed_s=0.5)
     s = run_simulation(_uniform(steps=12, groups=2, group=4), "vllm-default", driver="async",
                        async_rl=AsyncRL(2, "keep"), trainer=trainer, kv_fraction=2.0, progress=False).summary
-    assert s["throughput_bound_binding"] == "trainer"
-    assert s["throughput_over_bound"] >= 0.9
-    assert s["trainer_idle_share"] < 0.1
+    assert s.throughput_bound.throughput_bound_binding == "trainer"
+    assert s.throughput_bound.throughput_over_bound >= 0.9
+    assert s.trained.trainer_idle_share < 0.1
 
 
 def test_staleness_bound_and_versions(vllm_engine: Any) -> None:
@@ -102,8 +103,8 @@ def test_staleness_bound_and_versions(vllm_engine: Any) -> None:
                          progress=False, trainer=Trainer(train_batch=2))
         result = sim.run()
         s = result.summary
-        assert s["max_staleness"] <= eta and s["weight_updates"] == 6
-        assert (s["max_staleness"] == eta) if eta < 3 else s["max_staleness"] >= 1
+        assert s.trained.max_staleness <= eta and s.driver.weight_updates == 6
+        assert (s.trained.max_staleness == eta) if eta < 3 else s.trained.max_staleness >= 1
         for t in result.trajectories:
             assert 0 <= t.version_start <= t.version_end
         versions = [r.version for r in sim.driver.train_records]
@@ -123,17 +124,18 @@ def test_weight_sync_modes_reprefill(vllm_engine: Any) -> None:
         assert sim.finished == [1] * w.num_rows
         out = sum(result.requests.column("output_tokens").to_pylist())
         assert out == sum(w.output_tokens)  # abort's two attempts of a request sample its tokens once in all
-    assert summaries["keep"]["reprefill_tokens_per_update"] == 0
-    assert summaries["abort"]["reprefill_tokens_per_update"] > 0
-    assert summaries["recompute"]["reprefill_tokens_per_update"] > 0
-    assert summaries["keep"]["prefix_cache_resets"] == 0
-    assert summaries["abort"]["prefix_cache_resets"] == summaries["abort"]["weight_updates"]
+    assert summaries["keep"].driver.reprefill_tokens_per_update == 0
+    assert summaries["abort"].driver.reprefill_tokens_per_update > 0
+    assert summaries["recompute"].driver.reprefill_tokens_per_update > 0
+    assert summaries["keep"].prefix_cache_resets == 0
+    assert summaries["abort"].prefix_cache_resets == summaries["abort"].driver.weight_updates
 
 
 def test_same_seed_same_summary(vllm_engine: Any) -> None:
     w = prepare_workload(_tiny(seed=9))
     a, b = (run_simulation(w, "continuum", driver="async", async_rl=AsyncRL(1, "abort"), kv_fraction=0.8,
                            progress=False).summary for _ in range(2))
+    a, b = a.to_dict(), b.to_dict()
     assert {k: v for k, v in a.items() if k not in _VOLATILE} == {k: v for k, v in b.items() if k not in _VOLATILE}
 
 
@@ -142,11 +144,11 @@ def test_sync_trainer_prices_the_same_work(vllm_engine: Any) -> None:
     w = prepare_workload(_tiny(seed=11))
     plain = run_simulation(w, "vllm-default", kv_fraction=1.0, progress=False).summary
     trained = run_simulation(w, "vllm-default", kv_fraction=1.0, progress=False, trainer=Trainer()).summary
-    assert plain["weight_updates"] == 0 and trained["weight_updates"] == len(w.steps)
-    assert trained["prefix_hit_rate"] == plain["prefix_hit_rate"]
-    assert trained["makespan_per_step_s"] == pytest.approx(plain["makespan_per_step_s"])
-    assert trained["run_s"] > plain["run_s"] == pytest.approx(plain["simulated_s"])
-    assert trained["max_staleness"] == 0
+    assert plain.driver.weight_updates == 0 and trained.driver.weight_updates == len(w.steps)
+    assert trained.metrics.prefix_hit_rate == plain.metrics.prefix_hit_rate
+    assert trained.metrics.makespan_per_step_s == pytest.approx(plain.metrics.makespan_per_step_s)
+    assert trained.trained.run_s > plain.trained.run_s == pytest.approx(plain.metrics.simulated_s)
+    assert trained.trained.max_staleness == 0
 
 
 @pytest.mark.parametrize("options, match", [
@@ -204,10 +206,10 @@ def test_every_policy_and_router_runs_async(vllm_engine: Any) -> None:
             with pytest.raises(SimulationError, match="tail batching"):
                 Simulation(w, name, **opts)
             continue
-        assert run_simulation(w, name, **opts).summary["trajectories"] == len(w.sessions), name
+        assert run_simulation(w, name, **opts).summary.metrics.trajectories == len(w.sessions), name
     for router in ROUTERS:
         s = run_simulation(w, "vllm-default", replicas=2, router=router, **opts).summary
-        assert s["trajectories"] == len(w.sessions), router
+        assert s.metrics.trajectories == len(w.sessions), router
 
 
 def test_version_aware_eviction_lists_dead_versions_first() -> None:

@@ -75,7 +75,7 @@ def test_no_simulated_step_ends_before_its_bound(seed: int) -> None:
         for policy in POLICIES:
             res = run_simulation(workload, policy, replicas=replicas, router="round-robin", kv_blocks=kv_blocks,
                                  progress=False, decode_stride=stride)
-            simulated = res.summary["makespan_per_step_s"]
+            simulated = res.summary.metrics.makespan_per_step_s
             bounds = [s.bound_s for s in bound.steps]
             assert len(simulated) == len(bounds)
             for got, floor in zip(simulated, bounds):
@@ -93,7 +93,7 @@ def test_a_session_alone_takes_about_its_bound(domain: str) -> None:
     kv_blocks = COST.max_kv_blocks(16)
     bound = makespan_bound(workload, COST, kv_blocks)
     res = run_simulation(workload, "vllm-default", kv_blocks=kv_blocks, progress=False)
-    got = res.summary["makespan_s"]
+    got = res.summary.metrics.makespan_s
     assert bound.steps[0].binding == "chain"
     assert bound.mean_s <= got <= 1.05 * bound.mean_s, (got, render_bound(bound))
     assert np.isclose(bound.total_s, bound.mean_s)

@@ -94,10 +94,10 @@ def test_replay_agrees_with_simulate(hook_server, workload_file, tmp_path):
     sim = run_simulation(prepared, "vllm-default", out_dir=tmp_path / "sim", progress=False)
     n = prepared.num_rows
     assert served["failed"] == 0, served["failures"]
-    assert served["requests"] == sim.summary["requests"] == n
-    assert served["turns"] == sim.summary["turns"]
-    assert served["trajectories"] == sim.summary["trajectories"]
-    assert served["output_tokens"] == sim.summary["output_tokens"]
+    assert served["requests"] == sim.summary.metrics.requests == n
+    assert served["turns"] == sim.summary.metrics.turns
+    assert served["trajectories"] == sim.summary.metrics.trajectories
+    assert served["output_tokens"] == sim.summary.metrics.output_tokens
     assert served["cache_resets"] == len(prepared.steps) - 1  # the weight sync between steps, as simulated
     assert served["prefix_cache_queries"] == served["prompt_tokens"] == sum(prepared.prompt_tokens)
     sim_cached = np.asarray(sim.requests.column("cached_tokens").to_pylist())

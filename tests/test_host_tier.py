@@ -182,8 +182,8 @@ def test_oracle_offload_runs_both_tiers_in_a_simulation(vllm_engine):
               offload_gib=2.0)
     orc = run_simulation(w, "oracle-offload", **kw).summary
     lru = run_simulation(w, "vllm-offload", **kw).summary
-    assert orc["offload_host_evict_calls"] > 0 and lru["offload_host_evict_calls"] == 0
+    assert orc.offload.offload_host_evict_calls > 0 and lru.offload.offload_host_evict_calls == 0
     # Belady keeps what returns: more of what the tier stores comes back, and less is written to it
-    assert orc["offload_loaded_blocks"] / orc["offload_stored_blocks"] > \
-        lru["offload_loaded_blocks"] / lru["offload_stored_blocks"]
-    assert orc["makespan_over_bound"] >= 1.0
+    assert orc.offload.offload_loaded_blocks / orc.offload.offload_stored_blocks > \
+        lru.offload.offload_loaded_blocks / lru.offload.offload_stored_blocks
+    assert orc.bound.makespan_over_bound >= 1.0

@@ -63,7 +63,7 @@ def test_table_features_equal_a_fresh_build(vllm_engine, tmp_path: Path, kind: s
     seen = _checked(policy)
     res = run_simulation(tiny_workload(5), policy, kv_fraction=KV_FRACTION, out_dir=tmp_path, progress=False)
     assert seen["incremental"] > 20 and seen["rows"] > 200, seen
-    assert res.summary["preemptions"] > 0  # running rows were preempted back into the queue
+    assert res.summary.metrics.preemptions > 0  # running rows were preempted back into the queue
 
 
 def _recorded(policy, kinds: set) -> list:
@@ -106,4 +106,5 @@ def test_lazy_candidates_decide_the_same(vllm_engine, tmp_path: Path) -> None:
     (lazy_log, lazy_sum), (full_log, full_sum) = runs[True], runs[False]
     assert len(lazy_log) > 50 and any(d[0] == "preempt" for d in full_log)
     assert lazy_log == full_log
-    assert lazy_sum["makespan_s"] == full_sum["makespan_s"] and lazy_sum["preemptions"] == full_sum["preemptions"]
+    lazy_m, full_m = lazy_sum.metrics, full_sum.metrics
+    assert lazy_m.makespan_s == full_m.makespan_s and lazy_m.preemptions == full_m.preemptions

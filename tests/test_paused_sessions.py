@@ -194,20 +194,22 @@ def test_tier_cuts_recompute_and_off_is_vllm_default(vllm_engine, agentic_small)
     res = _run(agentic_small, "vllm-offload", offload_gib=8.0)
     off = res.summary
     # the hook's steps telemetry reads the same transfers from vLLM's connector metadata
-    assert sum(res.steps.column("offload_loaded_blocks").to_pylist()) == off["offload_loaded_blocks"]
-    assert sum(res.steps.column("offload_stored_blocks").to_pylist()) == off["offload_stored_blocks"]
-    assert sum(res.steps.column("offload_loaded_bytes").to_pylist()) == off["offload_load_bytes"]
-    assert sum(res.steps.column("offload_stored_bytes").to_pylist()) == off["offload_store_bytes"]
-    assert off["offload_blocks"] == int(8 * 2**30 // (16 * 57344))
-    assert off["offload_loads"] > 0 and off["offload_load_bytes"] == off["offload_loaded_blocks"] * 16 * 57344
-    assert off["offload_stores"] > 0 and off["offload_store_bytes"] == off["offload_stored_blocks"] * 16 * 57344
-    assert off["recomputed_tokens_eviction"] < 0.5 * base["recomputed_tokens_eviction"]
-    assert off["prefix_hit_rate"] > base["prefix_hit_rate"]
-    assert off["simulated_s"] < base["simulated_s"]
-    assert off["makespan_over_bound"] >= 1.0  # the bound charges no transfer: it still holds
+    assert sum(res.steps.column("offload_loaded_blocks").to_pylist()) == off.offload.offload_loaded_blocks
+    assert sum(res.steps.column("offload_stored_blocks").to_pylist()) == off.offload.offload_stored_blocks
+    assert sum(res.steps.column("offload_loaded_bytes").to_pylist()) == off.offload.offload_load_bytes
+    assert sum(res.steps.column("offload_stored_bytes").to_pylist()) == off.offload.offload_store_bytes
+    assert off.offload.offload_blocks == int(8 * 2**30 // (16 * 57344))
+    tier = off.offload
+    assert tier.offload_loads > 0 and tier.offload_load_bytes == tier.offload_loaded_blocks * 16 * 57344
+    assert tier.offload_stores > 0 and tier.offload_store_bytes == tier.offload_stored_blocks * 16 * 57344
+    assert off.metrics.recomputed_tokens_eviction < 0.5 * base.metrics.recomputed_tokens_eviction
+    assert off.metrics.prefix_hit_rate > base.metrics.prefix_hit_rate
+    assert off.metrics.simulated_s < base.metrics.simulated_s
+    assert off.bound.makespan_over_bound >= 1.0  # the bound charges no transfer: it still holds
     none = _sim(agentic_small, "vllm-offload", offload_gib=0.0)
-    assert none["offload_blocks"] == 0 and none["offload_loads"] == 0
+    assert none.offload.offload_blocks == 0 and none.offload.offload_loads == 0
     skip = {"policy", "wall_s", "scheduler_s", "hook_s", "router_s", "simulator_overhead", "setup_s"}
+    none, base = none.to_dict(), base.to_dict()
     assert {k: v for k, v in none.items() if k not in skip} == {k: v for k, v in base.items() if k not in skip}
 
 
@@ -217,4 +219,4 @@ def test_working_set_admission_holds_and_every_request_finishes(vllm_engine, age
     res = _run(agentic_small, "working-set")
     held = res.steps.column("held").to_pylist()
     assert sum(held) > 0
-    assert res.summary["requests"] == agentic_small.num_rows
+    assert res.summary.metrics.requests == agentic_small.num_rows

@@ -71,8 +71,8 @@ def test_tail_batching_cuts_and_runs_long_rounds(vllm_engine: Any) -> None:
     assert all(sim.submitted[rows[f"s0{g}-{i}"]] == 2 for g in "cd" for i in range(4))
     assert all(sim.submitted[rows[f"s0{g}-{i}"]] == 1 for g in "ab" for i in range(4))
     # 2 aborted samples per kept prompt + 8 per step of the cut prompts, in two steps
-    assert result.summary["aborted_trajectories"] == 2 * (4 + 8)
-    assert result.summary["trajectories"] == 2 * (4 + 8)
+    assert result.summary.aborted_trajectories == 2 * (4 + 8)
+    assert result.summary.metrics.trajectories == 2 * (4 + 8)
 
 
 @pytest.mark.vllm

@@ -138,7 +138,7 @@ def test_affinity_keeps_every_turn_home_at_low_load(vllm_engine: Any, agentic: A
     assert {r["replica"] for t in turns.values() for r in t} == {0, 1}
     for sid, t in turns.items():
         assert len({r["replica"] for r in t}) == 1, sid
-    assert result.summary["session_moves"] == 0 and result.summary["session_move_tokens"] == 0
+    assert result.summary.session_moves == 0 and result.summary.session_move_tokens == 0
     assert sim.submitted == [1] * agentic.num_rows and sim.finished == [1] * agentic.num_rows
 
 
@@ -151,12 +151,12 @@ def test_affinity_past_the_threshold_moves_sessions_and_the_move_is_priced(vllm_
         for a, b in zip(t, t[1:]):
             (moved if b["replica"] != a["replica"] else stayed).append(b)
     s = result.summary
-    assert len(moved) == s["session_moves"] > 0 and stayed
-    assert s["session_move_tokens"] == sum(r["prompt_tokens"] for r in moved)
+    assert len(moved) == s.session_moves > 0 and stayed
+    assert s.session_move_tokens == sum(r["prompt_tokens"] for r in moved)
     # priced: the new replica prefills the context again (it holds at most the siblings' shared prompt)
     share = lambda rs: sum(r["cached_tokens"] for r in rs) / sum(r["prompt_tokens"] for r in rs)  # noqa: E731
     assert share(moved) < 0.5 * share(stayed)
-    assert sum(r["prompt_tokens"] - r["cached_tokens"] for r in moved) > 0.5 * s["session_move_tokens"]
+    assert sum(r["prompt_tokens"] - r["cached_tokens"] for r in moved) > 0.5 * s.session_move_tokens
     assert sim.submitted == [1] * agentic.num_rows and sim.finished == [1] * agentic.num_rows
 
 
@@ -167,4 +167,4 @@ def test_kvpilot_router_runs_every_request_and_moves_only_sessions(vllm_engine: 
     turns = _turns(result)
     assert {r["replica"] for t in turns.values() for r in t} == {0, 1}
     moves = sum(b["replica"] != a["replica"] for t in turns.values() for a, b in zip(t, t[1:]))
-    assert moves == result.summary["session_moves"]
+    assert moves == result.summary.session_moves

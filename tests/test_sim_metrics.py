@@ -8,7 +8,8 @@ import pyarrow as pa
 import pytest
 
 from data.schemas import REQUESTS, STEPS, WORKLOAD
-from simulator.metrics import StepRecord, TrajectoryRecord, render_summary, summarize
+from simulator.metrics import StepRecord, TrajectoryRecord, summarize
+from simulator.summary import render_metrics
 from simulator.workload import PreparedWorkload, prepare_workload
 
 REQUESTS_SCHEMA = REQUESTS.schema if "computed_tokens" in REQUESTS.schema.names else REQUESTS.schema.append(
@@ -71,45 +72,45 @@ RL_STEPS = [StepRecord(1, 10.0, 16.0), StepRecord(0, 0.0, 10.0)]
 
 def test_hand_worked_summary() -> None:
     s = summarize(_workload(), _requests(), _steps(), TRAJECTORIES, RL_STEPS)
-    assert s["requests"] == 4 and s["turns"] == 4 and s["trajectories"] == 3
-    assert s["makespan_per_step_s"] == [10.0, 6.0] and s["makespan_s"] == 8.0
-    assert s["simulated_s"] == 16.0 and s["output_tokens"] == 59
-    assert s["tokens_per_s"] == pytest.approx(59 / 16)
-    assert s["prefix_hit_rate"] == pytest.approx(64 / 180)
-    assert s["preemptions"] == 1
-    assert s["recomputed_tokens_preemption"] == 16
-    assert s["recomputed_tokens_eviction"] == 32
-    assert s["recomputed_tokens"] == 48
+    assert s.requests == 4 and s.turns == 4 and s.trajectories == 3
+    assert s.makespan_per_step_s == [10.0, 6.0] and s.makespan_s == 8.0
+    assert s.simulated_s == 16.0 and s.output_tokens == 59
+    assert s.tokens_per_s == pytest.approx(59 / 16)
+    assert s.prefix_hit_rate == pytest.approx(64 / 180)
+    assert s.preemptions == 1
+    assert s.recomputed_tokens_preemption == 16
+    assert s.recomputed_tokens_eviction == 32
+    assert s.recomputed_tokens == 48
     # trajectory durations 9, 4, 6: p50 6; p99 at rank 1.98 of [4, 6, 9] = 6 + 0.98 * 3
-    assert s["trajectory_p50_s"] == 6.0 and s["trajectory_p99_s"] == pytest.approx(8.94)
+    assert s.trajectory_p50_s == 6.0 and s.trajectory_p99_s == pytest.approx(8.94)
     # group g: max(9, 4) - 0; group h: 16 - 10
-    assert s["group_completion_s"] == {"g": 9.0, "h": 6.0}
-    assert s["group_completion_p50_s"] == 7.5 and s["group_completion_mean_s"] == 7.5
-    assert s["group_completion_p99_s"] == pytest.approx(8.97)
+    assert s.group_completion_s == {"g": 9.0, "h": 6.0}
+    assert s.group_completion_p50_s == 7.5 and s.group_completion_mean_s == 7.5
+    assert s.group_completion_p99_s == pytest.approx(8.97)
     # Step 0 [0, 10], replica 0 (peak 2): busy 2*1 (queue) + 4*2/2 + 2*1/2 + 0.5*1/2 = 7.25 -> 2.75 idle;
     #   replica 1 ran nothing -> 10; mean 6.375.
     # Step 1 [10, 16], replica 0 (peak 1): 0.5 busy -> 5.5; replica 1 (peak 1): 3 + 1 busy -> 2; mean 3.75.
-    assert s["tail_bubble_per_step_s"] == pytest.approx([6.375, 3.75])
-    assert s["tail_bubble_s"] == pytest.approx(5.0625)
+    assert s.tail_bubble_per_step_s == pytest.approx([6.375, 3.75])
+    assert s.tail_bubble_s == pytest.approx(5.0625)
 
 
 def test_tail_bubble_with_fixed_capacity() -> None:
     # Capacity 4. Step 0: replica 0 busy 2 + 4*0.5 + 2*0.25 + 0.5*0.25 = 4.625 -> 5.375; replica 1 -> 10.
     # Step 1: replica 0 busy 0.125 -> 5.875; replica 1 busy 4*0.25 = 1 -> 5.
     s = summarize(_workload(), _requests(), _steps(), TRAJECTORIES, RL_STEPS, batch_capacity=4)
-    assert s["tail_bubble_per_step_s"] == pytest.approx([7.6875, 5.4375])
-    assert s["tail_bubble_s"] == pytest.approx(6.5625)
+    assert s.tail_bubble_per_step_s == pytest.approx([7.6875, 5.4375])
+    assert s.tail_bubble_s == pytest.approx(6.5625)
 
 
 def test_unlimited_cache_is_per_replica() -> None:
     # With r1 on replica 1, an unlimited cache there holds nothing for it: r1's 32 cached tokens exceed it (clip 0).
     req = _requests()
     req = req.set_column(req.schema.get_field_index("replica"), "replica", pa.array([0, 1, 0, 1], pa.int32()))
-    assert summarize(_workload(), req, _steps(), TRAJECTORIES, RL_STEPS)["recomputed_tokens_eviction"] == 32
+    assert summarize(_workload(), req, _steps(), TRAJECTORIES, RL_STEPS).recomputed_tokens_eviction == 32
 
 
 def test_render_summary_mentions_every_headline() -> None:
-    text = render_summary(summarize(_workload(), _requests(), _steps(), TRAJECTORIES, RL_STEPS))
+    text = render_metrics(summarize(_workload(), _requests(), _steps(), TRAJECTORIES, RL_STEPS))
     for word in ("makespan 8.00 s/step", "prefix hit rate 0.356", "recomputed tokens 48", "tail bubble 5.06",
                  "trajectory p50 6.00", "2 groups", "3.7 tok/s"):
         assert word in text
@@ -127,7 +128,7 @@ def test_critical_trajectory_split() -> None:
         i = req.schema.get_field_index(name)
         req = req.set_column(i, req.schema.field(i), pa.array(values, req.schema.field(i).type))
     s = summarize(_workload(), req, _steps(), TRAJECTORIES, RL_STEPS)
-    assert s["critical_queue_s"] == pytest.approx((1.5 + 2.0) / 2)
-    assert s["critical_service_s"] == pytest.approx((6.0 + 3.0) / 2)
-    assert s["critical_other_s"] == pytest.approx((1.5 + 1.0) / 2)
-    assert "critical trajectory (the step's last): queued 1.8 s, served 4.5 s" in render_summary(s)
+    assert s.critical_queue_s == pytest.approx((1.5 + 2.0) / 2)
+    assert s.critical_service_s == pytest.approx((6.0 + 3.0) / 2)
+    assert s.critical_other_s == pytest.approx((1.5 + 1.0) / 2)
+    assert "critical trajectory (the step's last): queued 1.8 s, served 4.5 s" in render_metrics(s)

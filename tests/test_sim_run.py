@@ -72,8 +72,8 @@ def check_conservation(workload: pa.Table, sim: Simulation, result: Any, stride:
         extra_total += max(extra, 0)
         assert r["arrival_s"] <= r["first_scheduled_s"] <= r["first_token_s"] <= r["finish_s"], rid
         assert r["session_id"] == x["session_id"] and r["turn"] == x["turn"] and r["step"] == x["step"]
-    assert result.summary["recomputed_tokens_preemption"] == extra_total
-    if result.summary["preemptions"]:
+    assert result.summary.metrics.recomputed_tokens_preemption == extra_total
+    if result.summary.metrics.preemptions:
         assert extra_total > 0
     # Turns in order: turn k+1 arrives when turn k's tool returns; scoring when the trajectory's last turn ends.
     sessions: dict[str, list[dict]] = {}
@@ -104,7 +104,7 @@ def check_conservation(workload: pa.Table, sim: Simulation, result: Any, stride:
         assert b.start_s == a.end_s
     for a in steps:
         assert a.end_s == max(t.end_s for t in result.trajectories if t.step == a.step)
-    assert result.summary["trajectories"] == len(sessions)
+    assert result.summary.metrics.trajectories == len(sessions)
 
 
 def check_step_rows(result: Any) -> None:
@@ -144,7 +144,7 @@ def test_conservation_over_random_workloads(random_runs: list) -> None:
     for workload, sim, result in random_runs:
         check_conservation(workload, sim, result)
         check_step_rows(result)
-    assert sum(r.summary["preemptions"] for _, _, r in random_runs) > 0, "no run preempted: KV too large"
+    assert sum(r.summary.metrics.preemptions for _, _, r in random_runs) > 0, "no run preempted: KV too large"
 
 
 @pytest.mark.vllm
@@ -163,7 +163,7 @@ def test_multi_replica_routers_conserve(vllm_engine: Any) -> None:
         for x, rep in zip(result.requests.to_pylist(), replicas):
             key = x["session_id"].removesuffix("-score")
             assert stream.setdefault(key, rep) == rep
-        hits[router] = result.summary["prefix_hit_rate"]
+        hits[router] = result.summary.metrics.prefix_hit_rate
     # cache-aware keeps a group's siblings together; round robin splits them across the replicas
     assert hits["cache-aware"] > hits["round-robin"]
 
@@ -178,9 +178,9 @@ def _hit_checks(workload: pa.Table, result: Any) -> tuple[float, float, float]:
     rows = prepared.rows(_col(req, "request_id"))
     expected = unlimited_cached_tokens(prepared.tokens, include_outputs=True)
     np.testing.assert_array_equal(req.column("cached_tokens").to_numpy(), expected[rows])
-    measured = result.summary["prefix_hit_rate"]
+    measured = result.summary.metrics.prefix_hit_rate
     assert measured == pytest.approx(expected.sum() / prepared.tokens.prompt.sum(), abs=1e-12)
-    assert result.summary["recomputed_tokens"] == 0 and result.summary["preemptions"] == 0
+    assert result.summary.metrics.recomputed_tokens == 0 and result.summary.metrics.preemptions == 0
     stats = workload_stats(workload)
     return measured, stats["unlimited_cache_hit_fraction_with_outputs"], stats["unlimited_cache_hit_fraction"]
 
@@ -216,11 +216,11 @@ def test_unlimited_cache_hits_equal_workload_stats_single_turn(vllm_engine: Any)
 def test_hits_fall_and_recompute_rises_as_kv_shrinks(vllm_engine: Any) -> None:
     workload = generate(small_config(3))
     runs = [run_simulation(workload, "vllm-default", kv_fraction=f, progress=False).summary for f in (1.0, 0.3, 0.12)]
-    hit = [s["prefix_hit_rate"] for s in runs]
-    recomputed = [s["recomputed_tokens"] for s in runs]
+    hit = [s.metrics.prefix_hit_rate for s in runs]
+    recomputed = [s.metrics.recomputed_tokens for s in runs]
     assert hit[0] > hit[1] > hit[2]
     assert 0 == recomputed[0] < recomputed[1] < recomputed[2]
-    assert runs[2]["preemptions"] > 0 and runs[2]["recomputed_tokens_eviction"] > 0
+    assert runs[2].metrics.preemptions > 0 and runs[2].metrics.recomputed_tokens_eviction > 0
 
 
 # ------------------------------------------------------------------------ drivers
@@ -236,7 +236,7 @@ def test_overprovisioned_steps_stop_at_quota(vllm_engine: Any) -> None:
                 for s in (0, 1)}
     kept = {s: sum(1 for t in result.trajectories if t.step == s) for s in (0, 1)}
     assert kept == {s: math.ceil(n / 2) for s, n in per_step.items()}
-    assert result.summary["aborted_trajectories"] == sum(per_step.values()) - sum(kept.values())
+    assert result.summary.aborted_trajectories == sum(per_step.values()) - sum(kept.values())
     steps = sorted(result.rl_steps, key=lambda s: s.step)
     assert steps[1].start_s == steps[0].end_s == max(t.end_s for t in result.trajectories if t.step == 0)
     reasons = _col(result.requests, "finish_reason")
@@ -269,9 +269,9 @@ def test_trace_replay_at_arrival_times(vllm_engine: Any) -> None:
     assert [req[f"q{i}"]["cached_tokens"] for i in range(4)] == [0, 0, 32, 32]
     assert all(req[f"q{i}"]["first_scheduled_s"] == req[f"q{i}"]["arrival_s"] for i in range(4))  # idle engine
     s = result.summary
-    assert s["trajectories"] == 4 and s["prefix_hit_rate"] == pytest.approx(64 / 140)
-    assert s["makespan_s"] == pytest.approx(max(r["finish_s"] for r in req.values()))
-    assert 0 < s["trajectory_p50_s"] <= s["trajectory_p99_s"]
+    assert s.metrics.trajectories == 4 and s.metrics.prefix_hit_rate == pytest.approx(64 / 140)
+    assert s.metrics.makespan_s == pytest.approx(max(r["finish_s"] for r in req.values()))
+    assert 0 < s.metrics.trajectory_p50_s <= s.metrics.trajectory_p99_s
 
 
 # ------------------------------------------------------------------------ CLI
@@ -381,13 +381,13 @@ def test_mooncake_replay_at_two_kv_sizes(vllm_engine: Any) -> None:
             assert r["arrival_s"] == x["arrival_s"] and r["output_tokens"] == x["output_tokens"]
             assert r["first_scheduled_s"] >= r["arrival_s"]
         s = result.summary
-        assert 0 < s["trajectory_p50_s"] <= s["trajectory_p99_s"]
-        assert s["makespan_s"] >= max(_col(trace, "arrival_s")) - min(_col(trace, "arrival_s"))
+        assert 0 < s.metrics.trajectory_p50_s <= s.metrics.trajectory_p99_s
+        assert s.metrics.makespan_s >= max(_col(trace, "arrival_s")) - min(_col(trace, "arrival_s"))
     measured, _, plain = _hit_checks(trace, big)
     assert abs(measured - plain) <= _rounding(trace)
     b, s = big.summary, small.summary
-    assert s["prefix_hit_rate"] < b["prefix_hit_rate"]
-    assert s["recomputed_tokens"] > b["recomputed_tokens"] == 0
+    assert s.metrics.prefix_hit_rate < b.metrics.prefix_hit_rate
+    assert s.metrics.recomputed_tokens > b.metrics.recomputed_tokens == 0
 
 
 # ------------------------------------------------------------------------ pluggable policies
@@ -400,9 +400,9 @@ def test_policy_by_factory_matches_by_name(vllm_engine: Any, tmp_path: Path) -> 
     from policy.vllm_default import VllmDefaultPolicy
 
     workload = generate(small_config(9, prompts=4, group=4, steps=1))
-    by_name = run_simulation(workload, "vllm-default", kv_fraction=0.3, progress=False).summary
+    by_name = run_simulation(workload, "vllm-default", kv_fraction=0.3, progress=False).summary.to_dict()
     explicit = run_simulation(workload, lambda: VllmDefaultPolicy(explicit=True), kv_fraction=0.3, progress=False,
-                              out_dir=tmp_path, decision_budget_s=10.0).summary
+                              out_dir=tmp_path, decision_budget_s=10.0).summary.to_dict()
     for key in ("makespan_s", "prefix_hit_rate", "preemptions", "recomputed_tokens", "engine_steps"):
         assert explicit[key] == by_name[key], key
     assert by_name["preemptions"] > 0
@@ -458,9 +458,9 @@ def test_cached_env_reads_change_no_result(vllm_engine: Any, policy: str, monkey
 
     workload = prepare_workload(generate(small_config(9, prompts=8, group=4, steps=1)))
     kw: dict[str, Any] = {"kv_fraction": 0.2, "progress": False, "decode_stride": 8}
-    cached = run_simulation(workload, policy, **kw).summary
+    cached = run_simulation(workload, policy, **kw).summary.to_dict()
     monkeypatch.setattr(engine, "vllm_envs_cached", contextlib.nullcontext)
-    uncached = run_simulation(workload, policy, **kw).summary
+    uncached = run_simulation(workload, policy, **kw).summary.to_dict()
     for key in ("makespan_s", "preemptions", "recomputed_tokens", "prefix_hit_rate", "engine_steps",
                 "group_completion_s"):
         assert cached[key] == uncached[key], key

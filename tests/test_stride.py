@@ -43,17 +43,17 @@ def test_stride_keeps_every_output_length_and_finish_reason(runs: dict) -> None:
     workload, sim, result = runs[K]
     check_conservation(workload, sim, result, stride=K)
     check_step_rows(result)
-    assert result.summary["preemptions"] > 0
+    assert result.summary.metrics.preemptions > 0
 
 
 @pytest.mark.vllm
 def test_stride_stays_close_to_the_exact_path(runs: dict) -> None:
     """Tolerances: makespan 2 %, preemptions 30 %, prefix hit rate 0.02; with 1/4 of the engine steps or fewer."""
     exact, strided = runs[1][2].summary, runs[K][2].summary
-    assert strided["makespan_s"] == pytest.approx(exact["makespan_s"], rel=0.02)
-    assert strided["preemptions"] == pytest.approx(exact["preemptions"], rel=0.3)
-    assert strided["prefix_hit_rate"] == pytest.approx(exact["prefix_hit_rate"], abs=0.02)
-    assert strided["engine_steps"] <= exact["engine_steps"] / 4
+    assert strided.metrics.makespan_s == pytest.approx(exact.metrics.makespan_s, rel=0.02)
+    assert strided.metrics.preemptions == pytest.approx(exact.metrics.preemptions, rel=0.3)
+    assert strided.metrics.prefix_hit_rate == pytest.approx(exact.metrics.prefix_hit_rate, abs=0.02)
+    assert strided.engine_steps <= exact.engine_steps / 4
 
 
 @pytest.mark.vllm
@@ -76,7 +76,7 @@ def test_stride_one_is_the_exact_path(runs: dict) -> None:
     for c in ("time_s", "duration_s", "running", "waiting", "free_blocks", "prefill_tokens", "decode_tokens",
               "preemptions"):
         h.update(repr(result.steps.column(c).to_pylist()).encode())
-    assert (s["makespan_s"], s["engine_steps"], s["preemptions"], s["recomputed_tokens"]) == (
+    assert (s.metrics.makespan_s, s.engine_steps, s.metrics.preemptions, s.metrics.recomputed_tokens) == (
         9.238984162017964, 1031, 15, 9782)
     assert h.hexdigest() == "5c2d8554824ff5f83cb6a41da2ed36910f2cc4fbca9eb8c20cc716a70e01d318"
 
@@ -92,7 +92,7 @@ def test_a_lone_request_takes_as_long_as_at_stride_one(vllm_engine: Any) -> None
     finish, steps = {}, {}
     for k in (1, 5, 16):
         sim = Simulation(lone, "vllm-default", decode_stride=k, progress=False)
-        steps[k] = sim.run().summary["engine_steps"]
+        steps[k] = sim.run().summary.engine_steps
         finish[k] = sim.finish_times[0]
     assert steps[16] * 10 < steps[1]
     assert finish[5] == pytest.approx(finish[1], rel=1e-9) and finish[16] == pytest.approx(finish[1], rel=1e-9)

@@ -35,12 +35,12 @@ def test_step_boundary_resets_the_prefix_cache(replicas: int) -> None:
     workload = _repeated_step()
     reset = run_simulation(workload, "vllm-default", replicas=replicas, progress=False)
     kept = run_simulation(workload, "vllm-default", replicas=replicas, progress=False, keep_cache_across_steps=True)
-    assert reset.summary["prefix_cache_resets"] == replicas  # one weight sync, every replica
-    assert kept.summary["prefix_cache_resets"] == 0
+    assert reset.summary.prefix_cache_resets == replicas  # one weight sync, every replica
+    assert kept.summary.prefix_cache_resets == 0
     assert _first_request_of_step_1(reset)["cached_tokens"] == 0  # step 0's blocks are gone
     first = _first_request_of_step_1(kept)
     assert first["cached_tokens"] >= first["prompt_tokens"] - 16  # all its full blocks hit step 0's
-    assert kept.summary["prefix_hit_rate"] > reset.summary["prefix_hit_rate"]
+    assert kept.summary.metrics.prefix_hit_rate > reset.summary.metrics.prefix_hit_rate
 
 
 def test_a_trace_replay_never_resets() -> None:
@@ -49,7 +49,7 @@ def test_a_trace_replay_never_resets() -> None:
     rows = [{**r, "arrival_s": 0.0 if i < half else 1000.0} for i, r in enumerate(workload.to_pylist())]
     trace = pa.Table.from_pylist(rows, schema=WORKLOAD.schema)
     summary = run_simulation(trace, "vllm-default", progress=False).summary
-    assert summary["prefix_cache_resets"] == 0
+    assert summary.prefix_cache_resets == 0
     # a trace's whole run is bounded by its latest window: that window's start (1000 s) plus its bound
-    assert summary["bound_total_s"] == pytest.approx(1000.0 + summary["bound_per_step_s"][1])
-    assert summary["makespan_over_bound"] >= 1.0
+    assert summary.bound.bound_total_s == pytest.approx(1000.0 + summary.bound.bound_per_step_s[1])
+    assert summary.bound.makespan_over_bound >= 1.0

@@ -53,7 +53,7 @@ def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes:
         for name, sim in sims:
             row = {"policy": policy, "kv_fraction": kv_fraction, "replicas": replicas, "run": name, "error": None}
             try:
-                s = sim.run().summary
+                s = sim.run().summary.to_dict()
             except Exception as e:  # noqa: BLE001 - a row with its error, not a lost sweep
                 row["error"] = f"{type(e).__name__}: {e}"
                 s = {}

@@ -20,6 +20,7 @@ from rich.console import Console
 from data.errors import DataValidationError
 from training import predictors_cli
 from simulator.config import DEFAULT_OFFLOAD_GIB
+from simulator.summary import RunSummary, render_summary
 from training.evaluate import DEFAULT_DECODE_STRIDE
 from training.policy_cli import register as register_train_policy
 from training.predictors_cli import predictors_app
@@ -307,10 +308,8 @@ def simulate(
                         max_num_seqs, max_num_batched_tokens, progress, decode_stride, keep_cache, offload_gib,
                         session_ids, trainer_spec)
     if as_json:
-        typer.echo(json.dumps(summary, indent=2))
+        typer.echo(json.dumps(summary.to_dict(), indent=2))
     else:
-        from simulator.metrics import render_summary
-
         typer.echo(render_summary(summary))
     console.print(f"telemetry and summary.json in {out_dir}", highlight=False)
 
@@ -346,7 +345,7 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
               kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: int,
               max_num_batched_tokens: int, progress: bool, decode_stride: int = 1, keep_cache: bool = False,
               offload_gib: float = DEFAULT_OFFLOAD_GIB, session_ids: bool = True,
-              trainer: object = None) -> dict:
+              trainer: object = None) -> RunSummary:
     """Read, check and simulate; user errors exit with status 2 before anything runs."""
     from simulator.workload import load_workload
 

@@ -24,13 +24,16 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from data.synth import SynthConfig
 from training.evaluate import gap_closed
 from training.train import HELDOUT_DECODE_STRIDE, HELDOUT_SEED, HeldoutParams
+
+if TYPE_CHECKING:
+    from simulator.summary import RunSummary
 
 #: The demo's KV size: the agentic criterion's middle size, where vLLM default recomputes paused sessions.
 DEMO_KV_FRACTION = 0.2
@@ -90,14 +93,14 @@ def _synth(cfg: SynthConfig, path: Path) -> Path:
 
 
 def _simulate(workload: Path, policy: str, out_dir: Path, cfg: DemoConfig,
-              policy_options: dict[str, Any] | None = None) -> dict[str, Any]:
+              policy_options: dict[str, Any] | None = None) -> RunSummary:
     from simulator.simulation import run_simulation
     from simulator.workload import load_workload
 
     shutil.rmtree(out_dir, ignore_errors=True)  # the demo's own output of an earlier run
     result = run_simulation(load_workload(workload), policy, kv_fraction=cfg.kv_fraction, out_dir=out_dir,
                             progress=True, policy_options=dict(policy_options or {}), **cfg.sim_options)
-    return dict(result.summary)
+    return result.summary
 
 
 def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | None = None) -> DemoResult:
@@ -127,8 +130,8 @@ def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | No
     log_dir = out_dir / "logs" / "logging"
     summary = _simulate(train_wl, "logging", log_dir, cfg, cfg.logging_options)
     shutil.copy(train_wl, log_dir / "workload.parquet")  # the predictors join prompt ids and tools from it
-    console.print(f"makespan {summary['makespan_s']:.1f} s, {summary['preemptions']} preemptions, "
-                  f"simulated in {summary['wall_s']:.0f} s; telemetry in {log_dir}", highlight=False)
+    console.print(f"makespan {summary.metrics.makespan_s:.1f} s, {summary.metrics.preemptions} preemptions, "
+                  f"simulated in {summary.wall_s:.0f} s; telemetry in {log_dir}", highlight=False)
 
     stage(3, "kvpilot train: predictors and policy in one MLflow run")
     heldout = HeldoutParams(workload=heldout_wl, kv_fraction=cfg.kv_fraction, sim_options=dict(cfg.sim_options))
@@ -148,7 +151,7 @@ def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | No
     before_uri = os.environ.get("KVPILOT_MODEL_URI")
     os.environ["KVPILOT_MODEL_URI"] = registry.DEFAULT_MODEL_URI
     try:
-        served = _simulate(heldout_wl, "registry", out_dir / "serve-champion", cfg)
+        served = _simulate(heldout_wl, "registry", out_dir / "serve-champion", cfg).to_dict()
     finally:
         if before_uri is None:
             del os.environ["KVPILOT_MODEL_URI"]

@@ -22,7 +22,7 @@ It writes, under ``out_dir``:
 
 * ``summary.json``: a list of rows, each with ``policy``, ``kv_fraction``,
   ``replicas``, ``router`` (``None`` at one replica), ``error`` (``None`` when it ran), the simulator's summary keys
-  (:func:`simulator.metrics.summarize` plus the run's own keys) and the ratios
+  (:meth:`simulator.summary.RunSummary.to_dict`) and the ratios
   to vllm-default at the same KV fraction, replicas and router:
   ``makespan_ratio_vs_default``, ``recompute_ratio_vs_default`` (recomputed
   tokens), ``hit_rate_ratio_vs_default`` (prefix hit rate) and
@@ -308,7 +308,7 @@ def run_case(workload: Any, case: Case, out_dir: Path, *, preset: str = "H200-7B
         return row, []
     durations = [t.end_s - t.start_s for t in result.trajectories]
     (run_dir / "trajectories.json").write_text(json.dumps(durations))
-    return _row(row, result.summary), durations
+    return _row(row, result.summary.to_dict()), durations
 
 
 def _row(row: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
