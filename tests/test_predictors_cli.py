@@ -69,6 +69,11 @@ def test_cli_errors_are_clean(run_dir, tmp_path):
     res = runner.invoke(app, ["train", "predictors", "--logs", str(run_dir), "-o", str(tmp_path / "m"),
                                     "--test-steps", "9"])
     assert res.exit_code == 2 and "empty" in res.output
+    res = runner.invoke(app, ["train", "predictors", "--logs", str(run_dir), "-o", str(tmp_path / "m"),
+                              "--test-steps", "1-x"])
+    assert res.exit_code == 2 and "RL steps must be integers or ranges" in res.output
+    res = runner.invoke(app, ["predictors", "eval", "--model", str(tmp_path / "none"), "--logs", str(run_dir)])
+    assert res.exit_code == 2 and "no such model directory" in res.output
     (tmp_path / "bad").mkdir()
     res = runner.invoke(app, ["predictors", "eval", "--model", str(tmp_path / "bad"), "--logs", str(run_dir)])
     assert res.exit_code == 2 and "manifest" in res.output
