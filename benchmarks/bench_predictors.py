@@ -139,16 +139,15 @@ def main() -> None:
     args = ap.parse_args()
 
     from predictors.features import REUSE_FEATURES, length_features, reuse_rows
-    from predictors.logs import load_logs
+    from predictors.logs import load_logs, parse_steps
     from predictors.pipeline import render_report, train_bundle
-    from training.predictors_cli import _steps
 
     bundle, df = None, None
     if args.synth_logs:
         print(f"== synthetic telemetry: {', '.join(args.synth_logs)} ==")
         df = load_logs(args.synth_logs)
         t = time.perf_counter()
-        bundle = train_bundle(df, test_steps=_steps(args.test_steps), num_trees=args.trees)
+        bundle = train_bundle(df, test_steps=parse_steps(args.test_steps), num_trees=args.trees)
         print(render_report(bundle.report))
         print(f"trained in {time.perf_counter() - t:.1f} s")
     search = TRACES / "polytrace" / "search_r1"

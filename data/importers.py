@@ -107,10 +107,12 @@ class _BadLine(Exception):
 
 
 def _paths(paths: PathsLike) -> list[Path]:
-    """Normalise one path or an iterable of paths."""
-    if isinstance(paths, (str, Path)):
-        return [Path(paths)]
-    return [Path(p) for p in paths]
+    """Normalise one path or an iterable of paths; any that is not a file raises :class:`FileNotFoundError`."""
+    files = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"no such file: {', '.join(missing)}")
+    return files
 
 
 def _records(path: Path, skip_bad: bool, skipped: list[Issue]) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -36,7 +36,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -101,6 +101,24 @@ class OfflineConfig:
         if self.oracle_rule not in ("lpt", "srpt"):
             raise ValueError(f"oracle_rule must be 'lpt' or 'srpt', got {self.oracle_rule!r}")
         self.hidden = tuple(int(h) for h in self.hidden)
+
+    @classmethod
+    def from_json(cls, text: str | None) -> OfflineConfig:
+        """A config from a JSON object of its fields (None or empty: the defaults); a bad one raises
+        :class:`ValueError` naming the fields."""
+        if not text:
+            return cls()
+        try:
+            values = json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"not valid JSON: {err}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"must be a JSON object of OfflineConfig fields, got {type(values).__name__}")
+        try:
+            return cls(**values)
+        except (ValueError, TypeError) as err:
+            known = ", ".join(f.name for f in fields(cls))
+            raise ValueError(f"{err} (OfflineConfig fields: {known})") from None
 
 
 @dataclass
@@ -592,10 +610,11 @@ def train_policy(
 ) -> dict[str, float]:
     """Fit the learned policy from ``log_dirs`` and write POLICY_DIR ``out_dir``; returns flat metrics."""
     from policy.learned import _read_predictor
+    from predictors.logs import existing_logs
 
     t0 = time.perf_counter()
     config = config or OfflineConfig()
-    log_dirs = [Path(p) for p in log_dirs]
+    log_dirs = existing_logs(log_dirs)
     if not log_dirs:
         raise ValueError("no logs given")
     predictors_dir = Path(predictors_dir)

@@ -26,6 +26,33 @@ def telemetry_dir(path: Path) -> Path | None:
     return None
 
 
+def existing_logs(paths: Sequence[str | Path]) -> list[Path]:
+    """The log paths, each of which exists; missing ones raise :class:`FileNotFoundError` naming them all."""
+    paths = [Path(p) for p in paths]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"no such log: {', '.join(missing)}")
+    return paths
+
+
+def parse_steps(text: str | None) -> list[int] | None:
+    """RL steps from a comma list of steps and ranges (``"2"``, ``"6-7"``, ``"0,4-5"``); None or empty: None."""
+    if not text:
+        return None
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise ValueError(f"RL steps must be integers or ranges like 6-7, comma-separated; got {text!r}") from None
+    return out
+
+
 def load_log(path: str | Path) -> pd.DataFrame:
     """One log: a simulator/hook run directory (its ``workload.parquet`` joined if present) or a workload file."""
     path = Path(path)
@@ -48,6 +75,7 @@ def load_log(path: str | Path) -> pd.DataFrame:
 def load_logs(paths: Sequence[str | Path]) -> pd.DataFrame:
     """Several logs as one frame; ids are prefixed by the log's index when there are several."""
     frames = []
+    paths = existing_logs(paths)
     for i, p in enumerate(paths):
         df = load_log(p)
         if len(paths) > 1:

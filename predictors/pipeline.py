@@ -54,7 +54,10 @@ class Bundle:
 
     @classmethod
     def load(cls, path: str | Path, num_threads: int = 1, compiled: bool = True) -> Bundle:
+        """The bundle saved in model directory ``path`` (:class:`FileNotFoundError` when there is none)."""
         path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no such model directory: {path}")
         length = LengthModel.load(path / "length", num_threads=num_threads, compiled=compiled)
         reuse = (ReuseModel.load(path / "reuse", num_threads=num_threads, compiled=compiled)
                  if (path / "reuse").exists() else None)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from simulator.workload import PreparedWorkload
 
 __all__ = ["ADMISSIONS", "DRIVERS", "SIM_DECISION_BUDGET_S", "WEIGHT_SYNC_MODES", "AsyncRL", "Overprovision",
-           "PolicySpec", "SimConfig", "SimulationError", "Trainer"]
+           "PolicySpec", "SimConfig", "SimulationError", "Trainer", "check_choice"]
 
 #: A policy: a catalog name, a zero-argument factory, or (one replica) an instance.
 PolicySpec = str | Callable[[], Policy] | Policy
@@ -70,6 +70,12 @@ def _positive_int(value: Any) -> bool:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_choice(what: str, value: str, known: tuple[str, ...]) -> None:
+    """Raise :class:`SimulationError` unless ``value`` is one of ``known`` (``what``: the setting, as named)."""
+    if value not in known:
+        raise SimulationError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
 
 #: RL drivers: synchronous steps (the default) or asynchronous rollouts (:mod:`simulator.async_rl`).
@@ -155,11 +161,8 @@ class AsyncRL:
         eta = self.staleness
         if isinstance(eta, bool) or not isinstance(eta, int) or eta < 0:
             raise SimulationError(f"staleness (eta) must be an integer >= 0, got {eta!r}")
-        if self.weight_sync not in WEIGHT_SYNC_MODES:
-            raise SimulationError(f"unknown weight-sync mode {self.weight_sync!r}; known: "
-                                  f"{', '.join(WEIGHT_SYNC_MODES)}")
-        if self.admission not in ADMISSIONS:
-            raise SimulationError(f"unknown async admission {self.admission!r}; known: {', '.join(ADMISSIONS)}")
+        check_choice("weight-sync mode", self.weight_sync, WEIGHT_SYNC_MODES)
+        check_choice("async admission", self.admission, ADMISSIONS)
         if self.max_concurrent_groups is not None and not _positive_int(self.max_concurrent_groups):
             raise SimulationError(f"max_concurrent_groups must be an integer >= 1, got {self.max_concurrent_groups!r}")
         if not (_number(self.kv_low) and _number(self.kv_high) and 0 < self.kv_low < self.kv_high <= 1):
@@ -244,8 +247,7 @@ class SimConfig:
         g = self.offload_gib
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise SimulationError(f"offload_gib must be a number of GiB >= 0, got {g!r}")
-        if self.driver not in DRIVERS:
-            raise SimulationError(f"unknown driver {self.driver!r}; known: {', '.join(DRIVERS)}")
+        check_choice("driver", self.driver, DRIVERS)
         if self.trainer is not None and not isinstance(self.trainer, Trainer):
             raise SimulationError(f"trainer must be a simulator.config.Trainer, got {type(self.trainer).__name__}")
         if self.async_rl is not None and not isinstance(self.async_rl, AsyncRL):

@@ -173,11 +173,11 @@ def test_bad_values(make: Any, match: str) -> None:
 
 @pytest.mark.parametrize("args, match", [
     (["--driver", "async", "--staleness", "-1"], "staleness"),
-    (["--driver", "async", "--weight-sync", "flush"], "weight-sync"),
-    (["--driver", "async", "--train-batch", "0"], "train-batch"),
+    (["--driver", "async", "--weight-sync", "flush"], "unknown weight-sync mode 'flush'"),
+    (["--driver", "async", "--train-batch", "0"], "train_batch must be an integer >= 1"),
     (["--train-batch", "2"], "--train-batch needs --trainer"),
-    (["--driver", "async", "--admission", "fifo"], "--admission"),
-    (["--driver", "bogus"], "driver"),
+    (["--driver", "async", "--admission", "fifo"], "unknown async admission 'fifo'"),
+    (["--driver", "bogus"], "unknown driver 'bogus'"),
 ])
 def test_cli_bad_async_settings_exit_2(tmp_path: Path, args: list[str], match: str) -> None:
     from training.cli import app

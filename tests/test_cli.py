@@ -54,6 +54,12 @@ def test_validate_names_the_file_and_column_of_a_bad_workload(tmp_path: Path) ->
     assert "bad.parquet" in res.output and "prompt_tokens" in res.output
 
 
+def test_import_of_missing_traces_names_each(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["workload", "import", "--format", "mooncake", str(tmp_path / "a.jsonl"),
+                              str(tmp_path / "b.jsonl"), "-o", str(tmp_path / "t.parquet")])
+    assert res.exit_code == 2 and "no such file" in res.output and "a.jsonl" in res.output and "b.jsonl" in res.output
+
+
 @pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is absent")
 def test_import_with_skip_bad_reports_the_skipped_line(tmp_path: Path) -> None:
     lines = (TRACES / "mooncake" / "synthetic_trace.jsonl").read_text().splitlines()[:50]

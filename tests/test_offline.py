@@ -23,6 +23,15 @@ def test_offline_config_rejects_bad_values() -> None:
         OfflineConfig(threads=0)
 
 
+def test_offline_config_from_json_names_what_is_wrong() -> None:
+    assert OfflineConfig.from_json(None) == OfflineConfig()
+    assert OfflineConfig.from_json('{"epochs": 3, "hidden": [8]}') == OfflineConfig(epochs=3, hidden=(8,))
+    for text, match in (("{", "not valid JSON"), ("[1]", "must be a JSON object"),
+                        ('{"epochz": 1}', "OfflineConfig fields: hidden, epochs"), ('{"threads": 0}', "threads")):
+        with pytest.raises(ValueError, match=match):
+            OfflineConfig.from_json(text)
+
+
 def test_train_policy_writes_a_policy_dir(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811
     from policy.learned import LearnedPolicy
     from policy.offline import train_policy

@@ -1,4 +1,4 @@
-"""`kvpilot train predictors` and `kvpilot predictors eval` (sub-apps invoked directly), and Search-R1."""
+"""`kvpilot train predictors` and `kvpilot predictors eval`, and Search-R1."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from data.io import write_telemetry_part, write_workload
 from tests.test_predictors_features import fake_telemetry, small_workload
-from training.predictors_cli import predictors_app, train_app
+from training.cli import app
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SEARCH_R1 = TRACES / "polytrace" / "search_r1"
@@ -29,7 +29,7 @@ def run_dir(tmp_path_factory):
 def test_train_then_eval_json(run_dir, tmp_path):
     runner = CliRunner()
     model = tmp_path / "model"
-    res = runner.invoke(train_app, ["predictors", "--logs", str(run_dir), "-o", str(model), "--trees", "15",
+    res = runner.invoke(app, ["train", "predictors", "--logs", str(run_dir), "-o", str(model), "--trees", "15",
                                     "--threads", "1", "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
@@ -47,7 +47,7 @@ def test_train_then_eval_json(run_dir, tmp_path):
                        ("next_use", "tool_median")):
         assert {"model", base} <= set(rep["session"][name])
 
-    res = runner.invoke(predictors_app, ["eval", "--model", str(model), "--logs", str(run_dir), "--steps", "3",
+    res = runner.invoke(app, ["predictors", "eval", "--model", str(model), "--logs", str(run_dir), "--steps", "3",
                                          "--json"])
     assert res.exit_code == 0, res.output
     ev = json.loads(res.stdout)
@@ -57,20 +57,25 @@ def test_train_then_eval_json(run_dir, tmp_path):
     assert ev["length"]["baselines"]["prompt_history"]["pinball_p50"] == pytest.approx(
         rep["length"]["baselines"]["prompt_history"]["pinball_p50"])
 
-    res = runner.invoke(predictors_app, ["eval", "--model", str(model), "--logs", str(run_dir)])
+    res = runner.invoke(app, ["predictors", "eval", "--model", str(model), "--logs", str(run_dir)])
     assert res.exit_code == 0, res.output
     assert "pinball" in res.stdout and "AUC" in res.stdout and "tool_median" in res.stdout
 
 
 def test_cli_errors_are_clean(run_dir, tmp_path):
     runner = CliRunner()
-    res = runner.invoke(train_app, ["predictors", "--logs", str(tmp_path / "nope"), "-o", str(tmp_path / "m")])
+    res = runner.invoke(app, ["train", "predictors", "--logs", str(tmp_path / "nope"), "-o", str(tmp_path / "m")])
     assert res.exit_code == 2 and "no such log" in res.output
-    res = runner.invoke(train_app, ["predictors", "--logs", str(run_dir), "-o", str(tmp_path / "m"),
+    res = runner.invoke(app, ["train", "predictors", "--logs", str(run_dir), "-o", str(tmp_path / "m"),
                                     "--test-steps", "9"])
     assert res.exit_code == 2 and "empty" in res.output
+    res = runner.invoke(app, ["train", "predictors", "--logs", str(run_dir), "-o", str(tmp_path / "m"),
+                              "--test-steps", "1-x"])
+    assert res.exit_code == 2 and "RL steps must be integers or ranges" in res.output
+    res = runner.invoke(app, ["predictors", "eval", "--model", str(tmp_path / "none"), "--logs", str(run_dir)])
+    assert res.exit_code == 2 and "no such model directory" in res.output
     (tmp_path / "bad").mkdir()
-    res = runner.invoke(predictors_app, ["eval", "--model", str(tmp_path / "bad"), "--logs", str(run_dir)])
+    res = runner.invoke(app, ["predictors", "eval", "--model", str(tmp_path / "bad"), "--logs", str(run_dir)])
     assert res.exit_code == 2 and "manifest" in res.output
 
 
@@ -84,9 +89,8 @@ def test_search_r1_length_model_beats_baselines(tmp_path):
     if len(files) < 3:
         pytest.skip(f"expected 3 step files in {SEARCH_R1}, found {len(files)}")
     write_workload(import_polytrace_multiturn(files).table, tmp_path / "search_r1.parquet")
-    res = CliRunner().invoke(train_app, ["predictors", "--logs", str(tmp_path / "search_r1.parquet"), "-o",
-                                         str(tmp_path / "m"), "--test-steps", "2", "--no-reuse", "--trees", "60",
-                                         "--json"])
+    res = CliRunner().invoke(app, ["train", "predictors", "--logs", str(tmp_path / "search_r1.parquet"), "-o",
+                                   str(tmp_path / "m"), "--test-steps", "2", "--no-reuse", "--trees", "60", "--json"])
     assert res.exit_code == 0, res.output
     L = json.loads(res.stdout)["length"]
     assert L["kendall_tau"] > 0.25

@@ -345,7 +345,7 @@ def test_cli_bad_configuration_exits_2(tmp_path: Path) -> None:
     res = runner.invoke(app, ["simulate", "--workload", str(path), "--preset", "H300-1B", "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and "unknown cost-model preset 'H300-1B'" in res.output
     res = runner.invoke(app, ["simulate", "--workload", str(path), "--replicas", "0", "-o", str(tmp_path / "o")])
-    assert res.exit_code == 2 and "--replicas must be >= 1" in res.output
+    assert res.exit_code == 2 and "replicas must be an integer >= 1, got 0" in res.output
     res = runner.invoke(app, ["simulate", "--workload", str(path), "--kv-blocks", "3", "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and "smaller than the largest request" in res.output
     res = runner.invoke(app, ["simulate", "--workload", str(path), "--decode-stride", "0", "-o", str(tmp_path / "o")])

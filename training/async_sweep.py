@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLUMNS", "sweep", "write_sweep"]
+__all__ = ["COLUMNS", "sweep", "sweep_grid", "write_sweep"]
 
 #: The table's columns, in order (summary keys, and the sweep's own).
 COLUMNS = ("policy", "kv_fraction", "replicas", "run", "eta", "weight_sync", "trajectories_per_s", "ratio_vs_sync",
@@ -33,9 +33,12 @@ def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes:
 
     ``sim_options``: :func:`simulator.simulation.run_simulation`'s options shared by every run (its
     ``trainer`` included); bad settings raise :class:`simulator.config.SimulationError` before any run."""
-    from simulator.config import AsyncRL, Trainer
+    from simulator.config import AsyncRL, SimulationError, Trainer
     from simulator.simulation import Simulation
 
+    if not etas or not modes:
+        raise SimulationError(f"a sweep needs staleness bounds and weight-sync modes, got {list(etas)} and "
+                              f"{list(modes)}")
     opts = dict(sim_options)
     opts.setdefault("trainer", Trainer())
     plan: list[tuple[str, dict[str, Any]]] = [("sync", {})]
@@ -69,6 +72,29 @@ def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes:
         ok = rate is not None and base
         r["ratio_vs_sync"] = rate / base if ok else None
         r["gap_closed"] = (rate - base) / (bound - base) if ok and bound and bound - base > 1e-12 else None
+    return rows
+
+
+def sweep_grid(workload: Any, out_dir: Path, policies: Sequence[str], kv_fractions: Sequence[float | None],
+               replicas: Sequence[int], etas: Sequence[int], modes: Sequence[str], *, sim_options: dict[str, Any],
+               progress: bool = True, admission: str = "staleness", policy_options: dict[str, Any] | None = None,
+               learned_model: Path | None = None) -> list[dict[str, Any]]:
+    """:func:`sweep` for every policy x KV fraction x replica count, each into ``out_dir/<policy>-kv<kv>-r<n>``
+    (``out_dir`` itself for a single one); their rows.
+
+    ``policy_options``: every policy's keyword options; ``learned_model``: the ``model`` (POLICY_DIR) of the
+    ``learned`` policy."""
+    single = len(policies) * len(kv_fractions) * len(replicas) == 1
+    rows = []
+    for policy in policies:
+        for kv in kv_fractions:
+            for reps in replicas:
+                sub = out_dir if single else out_dir / f"{policy}-kv{'gpu' if kv is None else f'{kv:g}'}-r{reps}"
+                options = dict(policy_options or {})
+                if policy == "learned" and learned_model:
+                    options["model"] = str(learned_model)
+                rows += sweep(workload, sub, policy, etas, modes, kv_fraction=kv, replicas=reps, admission=admission,
+                              progress=progress, sim_options={**sim_options, "policy_options": options})
     return rows
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from enum import Enum
 from pathlib import Path
@@ -18,32 +17,36 @@ import typer
 from rich.console import Console
 
 from data.errors import DataValidationError
-from training import predictors_cli
 from simulator.config import DEFAULT_OFFLOAD_GIB
 from simulator.summary import RunSummary, render_summary
+from training import policy_cli, predictors_cli
+from training.cli_errors import fail, reported
 from training.evaluate import DEFAULT_DECODE_STRIDE
-from training.policy_cli import register as register_train_policy
-from training.predictors_cli import predictors_app
 from training.train import HELDOUT_KV_FRACTION, HELDOUT_SEED
 
+#: Every command group is made here; a command is mounted on its group with ``group.command(name)``: as a
+#: decorator for the commands of this module, on the command functions of the sub-CLI modules at the end.
 app = typer.Typer(
     help="kvpilot: a learned, KV-cache-aware scheduler for vLLM rollout servers.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
 workload_app = typer.Typer(help="Generate, import, validate and describe workloads.", no_args_is_help=True)
-app.add_typer(workload_app, name="workload")
-#: ``kvpilot train --logs ...`` trains everything (the group's own callback); its subcommands come from the modules
-#: that own them: ``train predictors`` (every command on predictors_cli's ``train_app``) and ``train policy``.
+#: ``kvpilot train --logs ...`` trains everything (the group's own callback); ``train predictors`` and ``train
+#: policy`` train one part.
 train_app = typer.Typer(help="Train kvpilot's models: with --logs, predictors and policy into one MLflow run; or one "
                         "part with a subcommand.", no_args_is_help=True, invoke_without_command=True,
                         pretty_exceptions_enable=False)
-train_app.registered_commands.extend(predictors_cli.train_app.registered_commands)
-register_train_policy(train_app)
+predictors_app = typer.Typer(help="Inspect and evaluate trained predictors.", no_args_is_help=True,
+                             pretty_exceptions_enable=False)
+app.add_typer(workload_app, name="workload")
 app.add_typer(train_app, name="train")
 app.add_typer(predictors_app, name="predictors")
 
 console = Console(stderr=True)
+
+#: What reading a user's input file raises (:class:`DataValidationError` located in the file; a missing one).
+_INPUT_ERRORS = (DataValidationError, ValueError, OSError)
 
 
 class ImportFormat(str, Enum):
@@ -52,11 +55,6 @@ class ImportFormat(str, Enum):
     mooncake = "mooncake"
     polytrace_multiturn = "polytrace-multiturn"
     polytrace_lengths = "polytrace-lengths"
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
-    return typer.Exit(code)
 
 
 @workload_app.command("synth")
@@ -73,7 +71,7 @@ def workload_synth(
     from data.io import write_workload
     from data.synth import SynthConfig, generate
 
-    try:
+    with reported(*_INPUT_ERRORS):
         base = SynthConfig.preset(preset)
         cfg = SynthConfig.from_file(config, base) if config else base
         if seed is not None:
@@ -81,8 +79,6 @@ def workload_synth(
         t0 = time.perf_counter()
         table = generate(cfg)
         write_workload(table, out)
-    except (DataValidationError, ValueError, OSError) as err:
-        raise _fail(str(err)) from None
     console.print(f"wrote {table.num_rows:,} requests to {out} in {time.perf_counter() - t0:.2f} s")
 
 
@@ -102,14 +98,9 @@ def workload_import(
         ImportFormat.polytrace_multiturn: importers.import_polytrace_multiturn,
         ImportFormat.polytrace_lengths: importers.import_polytrace_lengths,
     }
-    missing = [str(p) for p in inputs if not p.is_file()]
-    if missing:
-        raise _fail(f"no such file: {', '.join(missing)}")
-    try:
+    with reported(*_INPUT_ERRORS):  # a missing trace file is a FileNotFoundError naming each
         result = readers[fmt](inputs, skip_bad=skip_bad)
         write_workload(result.table, out)
-    except (DataValidationError, ValueError, OSError) as err:
-        raise _fail(str(err)) from None
     for file, line, reason in result.skipped[:20]:
         console.print(f"[yellow]skipped[/] {file}:{line}: {reason}", highlight=False)
     if result.skipped:
@@ -133,10 +124,8 @@ def workload_stats(
     from data.io import read_workload
     from data.stats import render_stats, workload_stats as compute
 
-    try:
+    with reported(*_INPUT_ERRORS):
         stats = compute(read_workload(path))
-    except (DataValidationError, ValueError, OSError) as err:
-        raise _fail(str(err)) from None
     if as_json:
         typer.echo(json.dumps(stats, indent=2))
     else:
@@ -148,10 +137,8 @@ def workload_validate(path: Annotated[Path, typer.Argument(help="Workload Parque
     """Check a workload against the schema and its structural rules."""
     from data.io import read_workload
 
-    try:
+    with reported(*_INPUT_ERRORS):
         table = read_workload(path)
-    except (DataValidationError, ValueError, OSError) as err:
-        raise _fail(str(err)) from None
     console.print(f"{path}: valid, {table.num_rows:,} requests")
 
 
@@ -187,20 +174,15 @@ AdmissionOpt = Annotated[str, typer.Option(
 
 def _trainer_spec(driver: str, trainer: bool, train_batch: Optional[int]):
     """The run's Trainer (None: a synchronous run without one); bad settings exit 2."""
-    from simulator.config import DRIVERS, SimulationError, Trainer
+    from simulator.config import DRIVERS, SimulationError, Trainer, check_choice
 
-    if driver not in DRIVERS:
-        raise _fail(f"--driver must be one of {', '.join(DRIVERS)}, got {driver!r}")
-    if train_batch is not None and train_batch < 1:
-        raise _fail(f"--train-batch must be >= 1, got {train_batch}")
-    if driver == "sync" and not trainer:
-        if train_batch is not None:
-            raise _fail("--train-batch needs --trainer or --driver async")
-        return None
-    try:
+    with reported(SimulationError):
+        check_choice("driver", driver, DRIVERS)
+        if driver == "sync" and not trainer:
+            if train_batch is not None:
+                raise fail("--train-batch needs --trainer or --driver async")
+            return None
         return Trainer(train_batch=train_batch)
-    except SimulationError as err:
-        raise _fail(str(err)) from None
 
 
 def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fractions: list, replicas: list[int],
@@ -208,38 +190,19 @@ def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fraction
                  *, policy_options: Optional[str] = None, learned_model: Optional[Path] = None,
                  **sim_options: object) -> None:
     """``--driver async``: the synchronous run and every (eta, mode) async run per policy x KV x replicas."""
-    from simulator.config import ADMISSIONS, WEIGHT_SYNC_MODES, SimulationError
+    from simulator.config import SimulationError
     from simulator.workload import load_workload
-    from training.async_sweep import sweep, write_sweep
+    from training.async_sweep import sweep_grid, write_sweep
 
     etas = _number_list(staleness, int, "--staleness")
-    if any(e < 0 for e in etas):
-        raise _fail(f"--staleness values must be integers >= 0, got {staleness!r}")
     modes = [m.strip() for m in weight_sync.split(",") if m.strip()]
-    bad = [m for m in modes if m not in WEIGHT_SYNC_MODES]
-    if bad or not modes:
-        raise _fail(f"--weight-sync: unknown mode(s) {', '.join(bad) or '(none)'}; known: {', '.join(WEIGHT_SYNC_MODES)}")
-    if admission not in ADMISSIONS:
-        raise _fail(f"--admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
     options = _policy_options(policy_options)
-    try:
+    with reported(*_INPUT_ERRORS):  # SimulationError is a ValueError
         prepared = load_workload(workload)
-    except (DataValidationError, ValueError, OSError) as err:
-        raise _fail(str(err)) from None
-    rows = []
-    try:
-        for policy in policies:
-            for kv in kv_fractions:
-                for reps in replicas:
-                    sub = out_dir if len(policies) * len(kv_fractions) * len(replicas) == 1 else \
-                        out_dir / f"{policy}-kv{'gpu' if kv is None else f'{kv:g}'}-r{reps}"
-                    mine = {**options, "model": str(learned_model)} if policy == "learned" and learned_model \
-                        else options
-                    rows += sweep(prepared, sub, policy, etas, modes, kv_fraction=kv, replicas=reps,
-                                  admission=admission, progress=progress,
-                                  sim_options={**sim_options, "trainer": trainer, "policy_options": mine})
-    except SimulationError as err:
-        raise _fail(str(err)) from None
+    with reported(SimulationError):  # bad staleness, weight-sync mode or admission: before any run
+        rows = sweep_grid(prepared, out_dir, policies, kv_fractions, replicas, etas, modes, admission=admission,
+                          progress=progress, policy_options=options, learned_model=learned_model,
+                          sim_options={**sim_options, "trainer": trainer})
     write_sweep(rows, out_dir)
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
@@ -330,14 +293,10 @@ def bound(
     from simulator.bound import render_bound, workload_bound
     from simulator.workload import load_workload
 
-    if kv_blocks is not None and kv_fraction is not None:
-        raise _fail("give at most one of --kv-blocks and --kv-fraction")
-    try:
+    with reported(*_INPUT_ERRORS):
         table = load_workload(workload)
         result = workload_bound(table, preset=preset, kv_blocks=kv_blocks, kv_fraction=kv_fraction,
                                 replicas=replicas, decode_stride=decode_stride)
-    except (DataValidationError, ValueError, OSError) as err:
-        raise _fail(str(err)) from None
     typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_bound(result))
 
 
@@ -350,15 +309,11 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
     from simulator.workload import load_workload
 
     options = _policy_options(policy_options)
-    if replicas < 1:
-        raise _fail(f"--replicas must be >= 1, got {replicas}")
-    try:
+    with reported(*_INPUT_ERRORS):  # SimulationError is a ValueError
         prepared = load_workload(workload)
-    except (DataValidationError, ValueError, OSError) as err:  # SimulationError is a ValueError
-        raise _fail(str(err)) from None
     from simulator.simulation import SimulationError, run_simulation
 
-    try:
+    with reported(SimulationError):
         result = run_simulation(
             prepared, policy, policy_options=options, replicas=replicas, router=router, kv_blocks=kv_blocks,
             kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, progress=progress, max_num_seqs=max_num_seqs,
@@ -366,8 +321,6 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
             keep_cache_across_steps=keep_cache, offload_gib=offload_gib, session_ids=session_ids,
             trainer=trainer,
         )
-    except SimulationError as err:
-        raise _fail(str(err)) from None
     return result.summary
 
 
@@ -378,9 +331,9 @@ def _policy_options(text: Optional[str]) -> dict:
     try:
         options = json.loads(text)
     except json.JSONDecodeError as err:
-        raise _fail(f"--policy-options is not valid JSON: {err}") from None
+        raise fail(f"--policy-options is not valid JSON: {err}") from None
     if not isinstance(options, dict):
-        raise _fail("--policy-options must be a JSON object")
+        raise fail("--policy-options must be a JSON object")
     return options
 
 
@@ -392,9 +345,9 @@ def _number_list(text: str, kind: type, option: str) -> list:
     try:
         values = [kind(x) for x in (p.strip() for p in text.split(",")) if x]
     except ValueError:
-        raise _fail(f"{option} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+        raise fail(f"{option} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
     if not values:
-        raise _fail(f"{option} is empty")
+        raise fail(f"{option} is empty")
     return values
 
 
@@ -463,11 +416,9 @@ def evaluate_cmd(
     admission: AdmissionOpt = "staleness",
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
-    from training.evaluate import (BACKENDS, DEFAULT_KV_FRACTIONS, EvaluationError, build_cases, evaluate,
+    from training.evaluate import (DEFAULT_KV_FRACTIONS, EvaluationError, build_cases, check_run, evaluate,
                                    resolve_policies, resolve_routers)
 
-    if kv_fractions is not None and kv_total is not None:
-        raise _fail("--kv-fractions and --kv-total are alternatives: give one")
     totals = _number_list(kv_total, float, "--kv-total") if kv_total is not None else None
     kvs: list | None = None if totals is not None else list(DEFAULT_KV_FRACTIONS)
     if kv_fractions is not None:
@@ -476,38 +427,23 @@ def evaluate_cmd(
         if [p for p in parts if p != "gpu"]:
             kvs += _number_list(",".join(p for p in parts if p != "gpu"), float, "--kv-fractions")
         if not kvs:
-            raise _fail("--kv-fractions is empty")
+            raise fail("--kv-fractions is empty")
     reps = _number_list(replicas, int, "--replicas")
     tiers = _number_list(offload_gib, float, "--offload-gib")
-    if any(not (g >= 0 and math.isfinite(g)) for g in tiers):
-        raise _fail(f"--offload-gib: sizes must be numbers of GiB >= 0, got {offload_gib!r}")
-    if jobs < 1:
-        raise _fail(f"--jobs must be >= 1, got {jobs}")
-    if backend not in BACKENDS:
-        raise _fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if address is not None and backend != "ray":
-        raise _fail("--address needs --backend ray")
     if decode_stride is None:
         decode_stride = DEFAULT_DECODE_STRIDE
-    if decode_stride < 1:
-        raise _fail(f"--decode-stride must be >= 1, got {decode_stride}")
-    if not workload.exists():
-        raise _fail(f"no such workload: {workload}")
-    try:
+    with reported(EvaluationError, prefix="--routers: "):
         router_names = resolve_routers(routers)
-    except EvaluationError as err:
-        raise _fail(f"--routers: {err}") from None
-    try:
+    with reported(EvaluationError):  # the library's checks of the grid and the run, before anything runs
         names = resolve_policies(policies)
-        cases = build_cases(names, kvs, reps, router_names, kv_totals=totals)
-    except EvaluationError as err:
-        raise _fail(str(err)) from None
+        cases = build_cases(names, kvs, reps, router_names, kv_totals=totals, tier_gibs=tiers)
+        check_run(jobs, backend, address, decode_stride)
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
     if driver == "async":  # in this process, case after case (each sweep runs sync and every eta x mode)
         if totals is not None:
-            raise _fail("--driver async takes --kv-fractions, not --kv-total")
+            raise fail("--driver async takes --kv-fractions, not --kv-total")
         if len(tiers) > 1:
-            raise _fail("--driver async takes one --offload-gib size")
+            raise fail("--driver async takes one --offload-gib size")
         _async_sweep(workload, out_dir, names, list(dict.fromkeys(kvs)), list(dict.fromkeys(reps)), staleness,
                      weight_sync, admission, trainer_spec, progress, False, router=router_names[0],
                      preset=preset, decode_stride=decode_stride, keep_cache_across_steps=keep_cache,
@@ -521,7 +457,7 @@ def evaluate_cmd(
                   f"count(s)" + (f" x {len(router_names)} routers" if len(router_names) > 1 and max(reps) > 1 else "")
                   + f" = {len(cases)} simulations, {where}, decode stride {decode_stride}", highlight=False)
     t0 = time.perf_counter()
-    try:
+    with reported(EvaluationError):
         result = evaluate(workload, names, out_dir, kv_fractions=kvs, kv_totals=totals, replicas=reps,
                           routers=router_names,
                           preset=preset, jobs=jobs, backend=backend, address=address, progress=progress,
@@ -532,8 +468,6 @@ def evaluate_cmd(
                           offload_gibs=tiers,
                           policy_options={n: {"model": str(model)} for n in names if n == "learned" or n.startswith("learned-")}
                           if model is not None else None)
-    except EvaluationError as err:
-        raise _fail(str(err)) from None
     failed = [r for r in result.rows if r.get("error")]
     for r in result.rows:
         ratio, whole = r.get("makespan_ratio_vs_default"), r.get("simulated_ratio_vs_default")
@@ -554,33 +488,12 @@ def evaluate_cmd(
                   f"summary.md, summary.csv, summary.json and plots in {out_dir}", highlight=False)
 
 
-def _policy_config(options: Optional[str]):
-    """An ``OfflineConfig`` from a JSON object of its fields (None: its defaults)."""
-    from policy.offline import OfflineConfig
-
-    if not options:
-        return OfflineConfig()
-    try:
-        values = json.loads(options)
-    except ValueError as err:
-        raise _fail(f"--policy-config is not valid JSON: {err}") from None
-    if not isinstance(values, dict):
-        raise _fail("--policy-config must be a JSON object")
-    try:
-        return dataclasses.replace(OfflineConfig(), **values)
-    except (ValueError, TypeError) as err:
-        known = ", ".join(f.name for f in dataclasses.fields(OfflineConfig))
-        raise _fail(f"--policy-config: {err} (OfflineConfig fields: {known})") from None
-
-
 def _heldout(workload: Optional[Path], kv_fraction: float, seed: int):
-    from training.train import HeldoutParams
+    """The held-out evaluation's parameters; a missing workload or a bad KV size exits 2."""
+    from training.train import HeldoutParams, TrainError
 
-    if workload is not None and not workload.exists():
-        raise _fail(f"no such workload: {workload}")
-    if not kv_fraction > 0:
-        raise _fail(f"--kv-fraction must be > 0, got {kv_fraction}")
-    return HeldoutParams(workload=workload, kv_fraction=kv_fraction, seed=seed)
+    with reported(TrainError):
+        return HeldoutParams(workload=workload, kv_fraction=kv_fraction, seed=seed)
 
 
 @train_app.callback()
@@ -608,24 +521,23 @@ def train(
     """Fit the predictors and the policy on logs in one MLflow run, evaluate, and register a new `kvpilot` version."""
     if ctx.invoked_subcommand is not None:
         if logs:
-            raise _fail(f"--logs before `{ctx.invoked_subcommand}`: give the subcommand's options after its name")
+            raise fail(f"--logs before `{ctx.invoked_subcommand}`: give the subcommand's options after its name")
         return
     if not logs:
-        raise _fail("kvpilot train needs --logs DIR (repeatable), or a subcommand (see --help)")
-    missing = [str(p) for p in logs if not p.exists()]
-    if missing:
-        raise _fail(f"no such log: {', '.join(missing)}")
+        raise fail("kvpilot train needs --logs DIR (repeatable), or a subcommand (see --help)")
+    from policy.offline import OfflineConfig
+    from predictors.logs import parse_steps
     from training.train import PredictorParams, TrainError, train_and_register
 
-    steps = predictors_cli._steps(test_steps)
+    with reported(ValueError, prefix="--test-steps: "):
+        steps = parse_steps(test_steps)
+    with reported(ValueError, prefix="--policy-config: "):
+        policy_cfg = OfflineConfig.from_json(policy_config)
     params = PredictorParams(test_steps=tuple(steps) if steps else None, num_trees=trees)
-    try:
+    heldout = _heldout(heldout_workload, kv_fraction, heldout_seed)
+    with reported(TrainError, DataValidationError):  # a missing log is a TrainError naming it
         result = train_and_register(logs, out, experiment=experiment, predictor_params=params,
-                                    policy_config=_policy_config(policy_config),
-                                    heldout=_heldout(heldout_workload, kv_fraction, heldout_seed), progress=progress,
-                                    console=console)
-    except (TrainError, DataValidationError) as err:
-        raise _fail(str(err)) from None
+                                    policy_config=policy_cfg, heldout=heldout, progress=progress, console=console)
     from training.promote import render_table
     from training.train import CANDIDATE
 
@@ -650,11 +562,9 @@ def promote_cmd(
     from training.promote import PromotionError, promote, render_comparison
     from serving_hook.model_registry import RegistryError
 
-    try:
-        result = promote(version, force=force, heldout=_heldout(workload, kv_fraction, seed), out_dir=out_dir,
-                         progress=progress)
-    except (PromotionError, RegistryError) as err:
-        raise _fail(str(err)) from None
+    heldout = _heldout(workload, kv_fraction, seed)
+    with reported(PromotionError, RegistryError):
+        result = promote(version, force=force, heldout=heldout, out_dir=out_dir, progress=progress)
     typer.echo(render_comparison(result))
     if result.rows and not result.promoted:
         raise typer.Exit(1)  # refused by the gate
@@ -680,11 +590,9 @@ def replay_cmd(
     from simulator.workload import load_workload
     from training.replay import ReplayConfig, ReplayError, render_replay, replay
 
-    try:
+    with reported(*_INPUT_ERRORS):  # ReplayError is a ValueError
         cfg = ReplayConfig(url, concurrency, time_scale, timeout_s, require_hook, not keep_cache, progress)
         prepared = load_workload(workload)
-    except (DataValidationError, ValueError, OSError) as err:
-        raise _fail(str(err)) from None
     bar = None
     if progress:
         import sys
@@ -693,10 +601,8 @@ def replay_cmd(
 
         def bar(total: int):
             return tqdm(total=total, file=sys.stderr, unit="req", desc="replaying", mininterval=0.5)
-    try:
+    with reported(ReplayError):
         summary = replay(prepared, cfg, bar)
-    except ReplayError as err:
-        raise _fail(str(err)) from None
     typer.echo(json.dumps(summary, indent=2) if as_json else render_replay(summary))
     if summary["failed"]:
         raise typer.Exit(1)
@@ -712,6 +618,11 @@ def demo(
     from training.demo import run_demo
 
     run_demo(out_dir, console=console)
+
+
+train_app.command("predictors")(predictors_cli.train_predictors)
+train_app.command("policy")(policy_cli.train_policy_cmd)
+predictors_app.command("eval")(predictors_cli.eval_predictors)
 
 
 def main() -> None:

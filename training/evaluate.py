@@ -218,14 +218,32 @@ def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None] | 
         if None in given:
             kvs.append(None)
         per_replica = {r: kvs for r in reps}
-    tiers: list[float | None] = [None]
-    if tier_gibs is not None:
-        tiers = sorted({float(g) for g in tier_gibs})
-        if not tiers or any(not (g >= 0 and math.isfinite(g)) for g in tiers):
-            raise EvaluationError(f"CPU tier sizes must be numbers of GiB >= 0, got {sorted(set(tier_gibs))}")
+    tiers: list[float | None] = [None] if tier_gibs is None else list(tier_sizes(tier_gibs))
     users = set(tier_users)
     return [Case(p, k, r, rt, g) for r in reps for k in per_replica[r] for rt in (routers if r > 1 else [None])
             for p in policies for g in (tiers if p in users else [None])]
+
+
+def tier_sizes(tier_gibs: Iterable[float]) -> list[float]:
+    """CPU offload tier sizes (GiB per replica), sorted, each once; none, or one below 0, raises
+    :class:`EvaluationError`."""
+    tiers = sorted({float(g) for g in tier_gibs})
+    if not tiers or any(not (g >= 0 and math.isfinite(g)) for g in tiers):
+        raise EvaluationError(f"CPU tier sizes (offload_gib) must be numbers of GiB >= 0, got "
+                              f"{sorted(set(tier_gibs))}")
+    return tiers
+
+
+def check_run(jobs: int, backend: str, address: str | None, decode_stride: int) -> None:
+    """How an evaluation runs (see :func:`evaluate`); a bad setting raises :class:`EvaluationError`."""
+    if jobs < 1:
+        raise EvaluationError(f"jobs must be >= 1, got {jobs}")
+    if backend not in BACKENDS:
+        raise EvaluationError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+    if address is not None and backend != "ray":
+        raise EvaluationError(f"address {address!r} is for the ray backend, not {backend!r}")
+    if not isinstance(decode_stride, int) or decode_stride < 1:
+        raise EvaluationError(f"decode_stride must be an integer >= 1, got {decode_stride!r}")
 
 
 def tier_users(policies: Sequence[str], workload: Any, policy_options: dict[str, dict[str, Any]] | None) -> list[str]:
@@ -394,20 +412,13 @@ def evaluate(
     the comparison needs only the summaries, which read ``requests`` and ``steps``.
     """
     names = resolve_policies(policies)
-    if offload_gibs is not None and len(set(offload_gibs)) == 1:
+    if offload_gibs is not None and len(tier_sizes(offload_gibs)) == 1:
         sim_options = {**(sim_options or {}), "offload_gib": float(next(iter(offload_gibs)))}
         offload_gibs = None
     cases = build_cases(names, kv_fractions, replicas, resolve_routers(routers), kv_totals=kv_totals,
                         tier_gibs=offload_gibs)
-    if jobs < 1:
-        raise EvaluationError(f"jobs must be >= 1, got {jobs}")
-    if backend not in BACKENDS:
-        raise EvaluationError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
-    if address is not None and backend != "ray":
-        raise EvaluationError(f"address {address!r} is for the ray backend, not {backend!r}")
+    check_run(jobs, backend, address, decode_stride)
     ray = _import_ray() if backend == "ray" else None
-    if not isinstance(decode_stride, int) or decode_stride < 1:
-        raise EvaluationError(f"decode_stride must be an integer >= 1, got {decode_stride!r}")
     sim_options = {"decode_stride": decode_stride, "decision_log": full_telemetry, "kv_event_log": full_telemetry,
                    **(sim_options or {})}
     from simulator.workload import load_workload

@@ -1,7 +1,7 @@
-"""``kvpilot train policy``: fit the learned policy from logged decisions (mounted on the ``train`` sub-app).
+"""``kvpilot train policy``: fit the learned policy from logged decisions (a command function, mounted by
+training/cli.py).
 
-``register(train_app)`` adds the command ``policy`` to the typer app that holds
-``train predictors``. torch, pandas and LightGBM are imported inside the command.
+torch, pandas and LightGBM are imported inside the command.
 """
 
 from __future__ import annotations
@@ -13,12 +13,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from training.cli_errors import reported
+
 console = Console(stderr=True)
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
-    return typer.Exit(code)
 
 
 def train_policy_cmd(
@@ -32,20 +29,12 @@ def train_policy_cmd(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
     """Fit the learned admission / preemption policy (imitation warm start, doubly robust) and write POLICY_DIR."""
-    from policy.learned import PolicyLoadError
     from policy.offline import OfflineConfig, train_policy
 
-    missing = [str(p) for p in logs if not p.exists()]
-    if missing:
-        raise _fail(f"no such log: {', '.join(missing)}")
-    try:
-        cfg = OfflineConfig(**json.loads(config)) if config else OfflineConfig()
-    except (TypeError, ValueError) as err:
-        raise _fail(f"bad --config: {err}") from None
-    try:
+    with reported(ValueError, prefix="--config: "):
+        cfg = OfflineConfig.from_json(config)
+    with reported(ValueError, OSError):  # PolicyLoadError is a ValueError; a missing log or model is an OSError
         metrics = train_policy(logs, predictors, out, cfg, progress=progress)
-    except (PolicyLoadError, FileNotFoundError, ValueError) as err:
-        raise _fail(str(err)) from None
     if as_json:
         typer.echo(json.dumps(metrics, indent=2, default=float))
     else:
@@ -62,7 +51,3 @@ def heldout_note(policy_dir: Path) -> str:
     split = read_manifest(policy_dir).get("trained_on", {}).get("split")
     return SPLITS.get(split, str(split))
 
-
-def register(train_app: typer.Typer) -> None:
-    """Mount ``policy`` on the ``train`` sub-app."""
-    train_app.command("policy")(train_policy_cmd)

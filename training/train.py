@@ -64,6 +64,12 @@ class HeldoutParams:
     #: run_simulation options of its simulations
     sim_options: dict[str, Any] = field(default_factory=lambda: {"decode_stride": HELDOUT_DECODE_STRIDE})
 
+    def __post_init__(self) -> None:
+        if self.workload is not None and not Path(self.workload).exists():
+            raise TrainError(f"no such held-out workload: {self.workload}")
+        if not self.kv_fraction > 0:
+            raise TrainError(f"held-out kv_fraction must be > 0, got {self.kv_fraction}")
+
 
 @dataclass
 class TrainResult:
@@ -80,8 +86,6 @@ class TrainResult:
 def heldout_workload(params: HeldoutParams, out_dir: Path) -> Path:
     """The held-out workload file: ``params.workload``, or a synthetic one generated into ``out_dir``."""
     if params.workload is not None:
-        if not Path(params.workload).exists():
-            raise TrainError(f"no such held-out workload: {params.workload}")
         return Path(params.workload)
     from data.io import write_workload
     from data.synth import SynthConfig, generate
@@ -155,15 +159,15 @@ def train_and_register(
     the defaults."""
     import mlflow
 
-    from predictors.logs import load_logs
+    from predictors.logs import existing_logs, load_logs
     from predictors.pipeline import render_report, train_bundle
     from training import registry
 
     console = console or Console(stderr=True)
-    log_dirs = [Path(p) for p in log_dirs]
-    missing = [str(p) for p in log_dirs if not p.exists()]
-    if missing:
-        raise TrainError(f"no such log: {', '.join(missing)}")
+    try:
+        log_dirs = existing_logs(log_dirs)
+    except FileNotFoundError as err:
+        raise TrainError(str(err)) from None
     if not log_dirs:
         raise TrainError("no logs given (--logs DIR, repeatable)")
     work_dir = Path(work_dir)
