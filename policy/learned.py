@@ -61,8 +61,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from policy.baselines._common import LengthCache, admission_limit, check_positive
-from policy.baselines._eviction import furthest_first
+from policy.common import LengthCache, admission_limit, check_positive, furthest_first
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,

@@ -36,7 +36,7 @@ FEATURES: tuple[str, ...] = (
 
 
 def remaining(p50: np.ndarray, p90: np.ndarray, generated: np.ndarray, max_tokens: np.ndarray) -> np.ndarray:
-    """Predicted output still to come (vectorised :func:`policy.baselines._common.remaining_tokens`)."""
+    """Predicted output still to come (vectorised :func:`policy.common.remaining_tokens`)."""
     r = np.where(generated < p50, p50 - generated, np.where(generated < p90, p90 - generated,
                                                              np.maximum(p90 - p50, 1.0)))
     cap = np.where(max_tokens > 0, np.maximum(max_tokens - generated, 0.0), np.inf)
