@@ -557,7 +557,7 @@ def evaluate_cmd(
 
 def _policy_config(options: Optional[str]):
     """An ``OfflineConfig`` from a JSON object of its fields (None: its defaults)."""
-    from policy.offline import OfflineConfig
+    from policy.offline_config import OfflineConfig
 
     if not options:
         return OfflineConfig()
@@ -596,7 +596,8 @@ def train(
         "--test-steps", help="Predictors' held-out RL steps, e.g. '6-7'; default: the last quarter.")] = None,
     trees: Annotated[int, typer.Option("--trees", help="Boosting rounds per predictor.")] = 100,
     policy_config: Annotated[Optional[str], typer.Option(
-        "--policy-config", help="JSON object of policy.offline.OfflineConfig fields, e.g. '{\"epochs\": 20}'.")] = None,
+        "--policy-config",
+        help="JSON object of policy.offline_config.OfflineConfig fields, e.g. '{\"epochs\": 20}'.")] = None,
     heldout_workload: Annotated[Optional[Path], typer.Option(
         "--heldout-workload", help="Held-out workload for the simulator evaluation; default: a fresh synthetic "
         "one with an unseen seed.")] = None,
