@@ -63,7 +63,7 @@ _CATALOG["lrb-online"] = lazy("policy.baselines.lrb_online:OnlineLrbEvictionPoli
 
 #: The learned policy (``model=POLICY_DIR``) and its exploring behaviour policy.
 _CATALOG["learned"] = lazy("policy.learned:create_learned")
-_CATALOG["logging"] = lazy("policy.learned:LoggingPolicy")
+_CATALOG["logging"] = lazy("policy.exploring:LoggingPolicy")
 #: The learned policy with levers off (policy.learned.ABLATIONS), for ablation rows.
 def _ablation(name: str) -> PolicyFactory:
     """The factory of the ablation ``name`` (policy.learned.create_ablation)."""

@@ -2,7 +2,7 @@
 
 Online (:mod:`policy.learned`) the raw values come from
 :class:`policy.interface.CandidateRequest`, the length predictor and the
-:class:`policy.interface.EngineState`; offline (:mod:`policy.offline`) from a
+:class:`policy.interface.EngineState`; offline (:mod:`policy.offline_data`) from a
 ``decisions`` row's logged :data:`policy.interface.CANDIDATE_FEATURES`, the
 length predictor replayed on the ``requests`` table, and the ``steps`` row of
 the decision's engine step. Both use the same three parts: :func:`row_features`
@@ -33,10 +33,28 @@ FEATURES: tuple[str, ...] = (
     "log_pred_p50", "log_pred_p90", "log_pred_remaining", "log_pred_final_context", "rel_pred_remaining",
     "rank_pred_remaining", "kv_usage", "pinned_frac", "log_num_running", "log_num_waiting", "step_phase",
 )
+#: Each feature's column in the scorer's input.
+X = {name: i for i, name in enumerate(FEATURES)}
+
+
+def columns(*names: str) -> slice:
+    """The scorer input's columns of the features ``names`` as one slice (a view); they must be adjacent, in order."""
+    start = X[names[0]]
+    if [X[k] for k in names] != list(range(start, start + len(names))):
+        raise ValueError(f"features {names} are not adjacent in FEATURES")
+    return slice(start, start + len(names))
+
+
+#: The engine state's raw values (the same for every candidate of a decision), in :func:`step_features`'s order.
+ENGINE_RAW: tuple[str, ...] = ("kv_usage", "pinned_frac", "num_running", "num_waiting")
+#: Their feature columns; the first two (the usage fractions) enter as they are, the counts as ``log1p``.
+ENGINE_X = columns("kv_usage", "pinned_frac", "log_num_running", "log_num_waiting")
+USAGE_X = columns("kv_usage", "pinned_frac")
+WAIT_X = X["log_wait_s"]
 
 
 def remaining(p50: np.ndarray, p90: np.ndarray, generated: np.ndarray, max_tokens: np.ndarray) -> np.ndarray:
-    """Predicted output still to come (vectorised :func:`policy.baselines._common.remaining_tokens`)."""
+    """Predicted output still to come (vectorised :func:`policy.common.remaining_tokens`)."""
     r = np.where(generated < p50, p50 - generated, np.where(generated < p90, p90 - generated,
                                                              np.maximum(p90 - p50, 1.0)))
     cap = np.where(max_tokens > 0, np.maximum(max_tokens - generated, 0.0), np.inf)
@@ -47,15 +65,17 @@ def _log(v: np.ndarray) -> np.ndarray:
     return np.log1p(np.maximum(np.nan_to_num(v, nan=0.0), 0.0))
 
 
-#: Per-request raw columns that enter the scorer as ``log1p(max(nan_to_num(v), 0))``, and their feature columns.
-_LOG_RAW = [R[k] for k in ("prompt_tokens", "output_tokens", "computed_tokens", "max_tokens", "group_size",
-                           "preemptions")]
-_LOG_X = [0, 1, 2, 3, 5, 9]
+#: Per-request raw values that enter the scorer as ``log1p(max(nan_to_num(v), 0))``, each as the feature ``log_<name>``.
+_LOG_NAMES = ("prompt_tokens", "output_tokens", "computed_tokens", "max_tokens", "group_size", "preemptions")
+_LOG_RAW = [R[k] for k in _LOG_NAMES]
+_LOG_X = [X[f"log_{k}"] for k in _LOG_NAMES]
 _GROUP_RAW = [R["group_finished"], R["group_running"]]
+_GROUP_X = [X["group_done_frac"], X["group_running_frac"]]
 #: Feature columns that change in every engine step (wait time, engine state, RL step phase): :func:`step_features`.
-STEP_X = (8, 17, 18, 19, 20, 21)
+STEP_X = tuple(X[k] for k in ("log_wait_s", "kv_usage", "pinned_frac", "log_num_running", "log_num_waiting",
+                              "step_phase"))
 #: Feature columns that depend on the whole decision's candidate set: :func:`set_features`.
-SET_X = (15, 16)
+SET_X = _REL, _RANK = X["rel_pred_remaining"], X["rank_pred_remaining"]
 
 
 def row_features(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -79,14 +99,15 @@ def row_features(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     gs = c("group_size")
     gsz = np.where(np.isfinite(gs) & (gs > 0), gs, np.nan)
     x[:, _LOG_X] = _log(raw[:, _LOG_RAW])
-    x[:, 4] = np.minimum(np.nan_to_num(c("turn"), nan=0.0), 16.0)
-    x[:, 6:8] = np.nan_to_num(raw[:, _GROUP_RAW] / gsz[:, None], nan=0.0)
-    x[:, 10] = np.nan_to_num(c("is_running"), nan=0.0)
-    x[:, 11] = np.log1p(p50)
-    x[:, 12] = np.log1p(p90)
+    x[:, X["turn"]] = np.minimum(np.nan_to_num(c("turn"), nan=0.0), 16.0)
+    x[:, _GROUP_X] = np.nan_to_num(raw[:, _GROUP_RAW] / gsz[:, None], nan=0.0)
+    x[:, X["is_running"]] = np.nan_to_num(c("is_running"), nan=0.0)
+    x[:, X["log_pred_p50"]] = np.log1p(p50)
+    x[:, X["log_pred_p90"]] = np.log1p(p90)
     lr = np.log1p(rem)
-    x[:, 13] = lr
-    x[:, 14] = np.log1p(np.maximum(np.nan_to_num(c("prompt_tokens") + out + rem, nan=0.0), 0.0))
+    x[:, X["log_pred_remaining"]] = lr
+    x[:, X["log_pred_final_context"]] = np.log1p(np.maximum(np.nan_to_num(c("prompt_tokens") + out + rem, nan=0.0),
+                                                            0.0))
     return x, lr
 
 
@@ -100,11 +121,11 @@ def step_features(x: np.ndarray, wait_s: Any, state: Any, step_phase: Any) -> No
     if state is not None:
         s = np.fmax(np.asarray(state, dtype=np.float64), 0.0)
         s[..., 2:] = np.log1p(s[..., 2:])
-        x[:, 17:21] = s
+        x[:, ENGINE_X] = s
     if wait_s is not None:
-        x[:, 8] = np.log1p(np.fmax(wait_s, 0.0))
+        x[:, WAIT_X] = np.log1p(np.fmax(wait_s, 0.0))
     if step_phase is not None:
-        x[:, 21] = np.fmax(step_phase, 0.0)
+        x[:, X["step_phase"]] = np.fmax(step_phase, 0.0)
 
 
 def set_features(x: np.ndarray, lr: np.ndarray, offsets: Optional[np.ndarray] = None) -> None:
@@ -116,18 +137,18 @@ def set_features(x: np.ndarray, lr: np.ndarray, offsets: Optional[np.ndarray] = 
     if not n:
         return
     if offsets is None:
-        x[:, 15] = lr - lr.max()
+        x[:, _REL] = lr - lr.max()
         rank = np.empty(n)
         rank[np.argsort(lr, kind="stable")] = np.arange(n) / max(n - 1, 1)
-        x[:, 16] = rank
+        x[:, _RANK] = rank
         return
     sizes = np.diff(offsets)
     seg = np.repeat(np.arange(len(sizes)), sizes)
-    x[:, 15] = lr - np.maximum.reduceat(lr, offsets[:-1])[seg]
+    x[:, _REL] = lr - np.maximum.reduceat(lr, offsets[:-1])[seg]
     order = np.lexsort((lr, seg))  # by decision, then lr; ties in row order (as a stable argsort)
     rank = np.empty(n)
     rank[order] = (np.arange(n) - offsets[:-1][seg]) / np.maximum(sizes - 1, 1)[seg]
-    x[:, 16] = rank
+    x[:, _RANK] = rank
 
 
 def model_features(raw: np.ndarray, offsets: Optional[np.ndarray] = None) -> np.ndarray:
@@ -136,7 +157,6 @@ def model_features(raw: np.ndarray, offsets: Optional[np.ndarray] = None) -> np.
     raw = np.asarray(raw, dtype=np.float64)
     x, lr = row_features(raw)
     c = lambda k: raw[:, R[k]]  # noqa: E731
-    step_features(x, c("wait_s"), raw[:, [R["kv_usage"], R["pinned_frac"], R["num_running"], R["num_waiting"]]],
-                  c("step_phase"))
+    step_features(x, c("wait_s"), raw[:, [R[k] for k in ENGINE_RAW]], c("step_phase"))
     set_features(x, lr, offsets)
     return x.astype(np.float32)

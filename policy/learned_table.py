@@ -35,12 +35,10 @@ from typing import Optional
 import numpy as np
 
 from policy.interface import CandidateRequest, CandidateView, EngineState, Event, EventKind
-from policy.learned_features import FEATURES, R, row_features, set_features, step_features
+from policy.learned_features import FEATURES, USAGE_X, WAIT_X, R, row_features, set_features, step_features
 
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
 _PREEMPTIONS = R["preemptions"]
-#: The scorer input's wait column, and the first of its engine-state columns (see step_features).
-_X_WAIT, _X_ENG = FEATURES.index("log_wait_s"), FEATURES.index("kv_usage")
 #: Rows beyond which a table that receives no FINISHED events starts afresh.
 MAX_ROWS = 1 << 17
 
@@ -224,12 +222,12 @@ class FeatureTable:
             buf = self._wait
             np.subtract(state.time_s, self._arrival, out=buf)  # -inf (clipped to 0) for running requests
             np.fmax(buf, 0.0, out=buf)
-            np.log1p(buf, out=x[:, _X_WAIT])
+            np.log1p(buf, out=x[:, WAIT_X])
         eng = engine_raw(state)
         last = self._eng
         if eng != last and last is not None and eng[2:] == last[2:]:
             # only the usage fractions changed (the usual step): step_features' fmax(v, 0) on two scalars
-            x[:, _X_ENG:_X_ENG + 2] = tuple(v if v >= 0.0 else 0.0 for v in eng[:2])
+            x[:, USAGE_X] = tuple(v if v >= 0.0 else 0.0 for v in eng[:2])
             last = eng
         phases = [self.phase_of(s) for s in self.steps]
         # the columns of the cached input that did not change since the last call are left as they are

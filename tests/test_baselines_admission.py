@@ -15,7 +15,7 @@ import math
 import pyarrow as pa
 import pytest
 
-from policy.baselines._common import (
+from policy.common import (
     LengthCache,
     remaining_tokens,
     resolve_length_predictor,

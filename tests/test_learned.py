@@ -11,15 +11,10 @@ import numpy as np
 import pytest
 
 from policy.interface import CandidateRequest, EngineState, Event, EventKind, RequestMeta, RequestStatus
-from policy.learned import (
-    ADMIT,
-    PREEMPT,
-    LearnedPolicy,
-    NumpyScorer,
-    PolicyLoadError,
-    build_scorer,
-)
+from policy.learned import LearnedPolicy
+from policy.learned_bundle import PolicyLoadError
 from policy.learned_features import FEATURES
+from policy.learned_scorer import ADMIT, PREEMPT, NumpyScorer, build_scorer
 
 
 def _state(step: int = 1, t: float = 0.0) -> EngineState:

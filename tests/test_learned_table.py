@@ -11,8 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policy.learned import LearnedPolicy, LoggingPolicy, _predict, build_scorer, candidate_raw
+from policy.exploring import LoggingPolicy
+from policy.learned import LearnedPolicy
 from policy.learned_features import model_features
+from policy.learned_sampler import _predict, candidate_raw
+from policy.learned_scorer import build_scorer
 from tests.learned_logs import KV_FRACTION, tiny_workload
 from tests.test_learned import FixedLengths
 

@@ -29,7 +29,8 @@ def make_learned_dir(out: Path, predictors_dir: Path, seed: int) -> Path:
     """A POLICY_DIR written by ``LearnedPolicy.save``: scorer weights from ``seed``, the given predictors."""
     import torch
 
-    from policy.learned import LearnedPolicy, build_scorer
+    from policy.learned import LearnedPolicy
+    from policy.learned_scorer import build_scorer
 
     torch.manual_seed(seed)
     state = build_scorer().state_dict()

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policy.offline import OfflineConfig
+from policy.offline_config import OfflineConfig
 from tests.learned_logs import learned_runs, simulate, tiny_workload  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.vllm

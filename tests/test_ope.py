@@ -48,7 +48,9 @@ def test_dr_estimate_covers_the_simulated_value(learned_runs: dict, tmp_path: Pa
     """Train on two exploring logs; on a held-out workload (another seed), log the learned policy with exploration
     (``mode="log"``), estimate the greedy policy's value there by DR, then simulate the greedy policy on the same
     workload: the value it achieves lies within the DR estimate's 95% CI."""
-    from policy.offline import OfflineConfig, logged_rewards, ope_on_log, train_policy
+    from policy.offline import ope_on_log, train_policy
+    from policy.offline_config import OfflineConfig
+    from policy.offline_data import logged_rewards
 
     cfg = OfflineConfig(epochs=4)
     pol = tmp_path / "policy"

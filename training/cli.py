@@ -508,7 +508,8 @@ def train(
         "--test-steps", help="Predictors' held-out RL steps, e.g. '6-7'; default: the last quarter.")] = None,
     trees: Annotated[int, typer.Option("--trees", help="Boosting rounds per predictor.")] = 100,
     policy_config: Annotated[Optional[str], typer.Option(
-        "--policy-config", help="JSON object of policy.offline.OfflineConfig fields, e.g. '{\"epochs\": 20}'.")] = None,
+        "--policy-config",
+        help="JSON object of policy.offline_config.OfflineConfig fields, e.g. '{\"epochs\": 20}'.")] = None,
     heldout_workload: Annotated[Optional[Path], typer.Option(
         "--heldout-workload", help="Held-out workload for the simulator evaluation; default: a fresh synthetic "
         "one with an unseen seed.")] = None,
@@ -525,7 +526,7 @@ def train(
         return
     if not logs:
         raise fail("kvpilot train needs --logs DIR (repeatable), or a subcommand (see --help)")
-    from policy.offline import OfflineConfig
+    from policy.offline_config import OfflineConfig
     from predictors.logs import parse_steps
     from training.train import PredictorParams, TrainError, train_and_register
 

@@ -45,10 +45,10 @@ __all__ = [
 
 
 def read_manifest(policy_dir: Path) -> dict[str, Any]:
-    """POLICY_DIR's ``policy.json`` (:func:`policy.learned.read_manifest`, its format only: a version written by
+    """POLICY_DIR's ``policy.json`` (:func:`policy.learned_bundle.read_manifest`, its format only: a version written by
     another build can be registered and described); :class:`RegistryError` naming the file otherwise."""
-    from policy.learned import PolicyLoadError
-    from policy.learned import read_manifest as read_policy_manifest
+    from policy.learned_bundle import PolicyLoadError
+    from policy.learned_bundle import read_manifest as read_policy_manifest
 
     try:
         return read_policy_manifest(Path(policy_dir), check_schema=False)

@@ -155,8 +155,8 @@ def train_and_register(
 ) -> TrainResult:
     """Fit, evaluate, log and register (see the module docstring); ``work_dir`` keeps the POLICY_DIR and the evaluation.
 
-    ``policy_config`` is a :class:`policy.offline.OfflineConfig`; None (here and for the other parameter objects):
-    the defaults."""
+    ``policy_config`` is a :class:`policy.offline_config.OfflineConfig`; None (here and for the other parameter
+    objects): the defaults."""
     import mlflow
 
     from predictors.logs import existing_logs, load_logs
@@ -175,8 +175,9 @@ def train_and_register(
     policy_dir = work_dir / "policy"
     if policy_dir.exists():
         shutil.rmtree(policy_dir)  # an earlier training's output in the same work folder
-    from policy.learned import read_manifest
-    from policy.offline import SPLITS, OfflineConfig, train_policy
+    from policy.learned_bundle import read_manifest
+    from policy.offline import SPLITS, train_policy
+    from policy.offline_config import OfflineConfig
 
     policy_config = policy_config or OfflineConfig()
     predictor_params = predictor_params or PredictorParams()

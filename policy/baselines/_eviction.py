@@ -2,9 +2,6 @@
 
 * :func:`resolve_reuse_predictor` turns the ``reuse_predictor`` option (a name
   or an object) into a :class:`policy.predictors.ReusePredictor`.
-* :func:`furthest_first` orders prefixes by predicted next use, the furthest
-  first (never used = ``inf`` first), ties broken by LRU (least recently
-  freed first), then by id, so an order is deterministic.
 * :func:`tail_starts` (from :mod:`data.records`) finds where each candidate's own tail begins (past the
   blocks it shares with other candidates): the part the lever moves.
 * :func:`check_count` / :func:`check_number` validate integer and bounded numeric options.
@@ -16,15 +13,14 @@ Plain Python, no vLLM.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any, Optional
 
 from data.records import tail_starts
-from policy.interface import CachedPrefix, Event
+from policy.interface import Event
 from policy.predictors import REUSE_PREDICTOR, ReusePredictor, resolve_predictor
 
 __all__ = [
-    "resolve_reuse_predictor", "furthest_first", "check_count", "check_number",
+    "resolve_reuse_predictor", "check_count", "check_number",
     "ReuseEventsMixin",
 ]
 
@@ -33,24 +29,6 @@ def resolve_reuse_predictor(spec: Any, workload: Any = None, *, policy: str = "p
     ``"oracle"`` (Belady's next use from ``workload``; hindsight, not deployable), ``"online"`` (the online reuse
     model) or an object with ``next_use_s(prefixes, now_s)`` (the LightGBM reuse model)."""
     return resolve_predictor(REUSE_PREDICTOR, spec, workload, policy=policy)
-
-
-def _as_time(x: Any) -> float:
-    try:
-        f = float(x)
-    except (TypeError, ValueError):
-        return math.inf
-    return math.inf if math.isnan(f) else f
-
-
-def furthest_first(prefixes: Sequence[CachedPrefix], next_uses: Sequence[float]) -> list[str]:
-    """Prefix ids, the furthest predicted next use first; ties: least recently freed first."""
-    if len(next_uses) != len(prefixes):
-        raise ValueError(f"reuse predictor returned {len(next_uses)} values for {len(prefixes)} prefixes")
-    keyed = sorted(
-        ((-_as_time(t), p.last_used_s, p.prefix_id) for p, t in zip(prefixes, next_uses)),
-    )
-    return [pid for _, _, pid in keyed]
 
 
 def check_count(name: str, value: Any, *, allow_none: bool = False) -> Optional[int]:

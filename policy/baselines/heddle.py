@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._common import (
+from policy.common import (
     LengthCache,
     admission_limit,
     check_positive,

@@ -35,7 +35,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._eviction import ReuseEventsMixin, check_count, furthest_first, resolve_reuse_predictor
+from policy.baselines._eviction import ReuseEventsMixin, check_count, resolve_reuse_predictor
+from policy.common import furthest_first
 from policy.interface import CachedPrefix, EngineState, EvictionDecision, Policy
 
 

@@ -60,9 +60,9 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from data.hashing import VLLM_BLOCK_SIZE
-from policy.baselines._common import resolve_length_predictor
 from data.records import tail_starts
-from policy.baselines._eviction import furthest_first, resolve_reuse_predictor
+from policy.baselines._eviction import resolve_reuse_predictor
+from policy.common import furthest_first, resolve_length_predictor
 from policy.predictors import row_key
 from policy.interface import (
     AdmissionDecision,

@@ -9,7 +9,7 @@ with the largest ``(priority, arrival_time)``: the least important, newest one.
 
 * Admission: waiting requests ordered by ``(priority, arrival, request id)``
   (only as many as vLLM can admit this step are listed, see
-  :func:`policy.baselines._common.admission_limit`).
+  :func:`policy.common.admission_limit`).
   Preempted requests are ordered like the others (vLLM's FCFS mode would put
   them in front; its priority mode, like this policy, does not).
 * Preemption: the victim is the candidate with the largest
@@ -43,7 +43,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
-from policy.baselines._common import admission_limit, top_ids
+from policy.common import admission_limit, top_ids
 from policy.interface import (
     AdmissionDecision,
     CandidateRequest,

@@ -22,7 +22,7 @@ rollout-to-train-end time vs slime).
 * Admission: the frontier groups' waiting members first (frontier order; inside
   a group, shortest predicted first), then the other groups in rank order,
   until as many requests are listed as vLLM can admit this step
-  (:func:`policy.baselines._common.admission_limit`).
+  (:func:`policy.common.admission_limit`).
 * Preemption: the victim comes from the group farthest from the frontier (not in
   the frontier, least close to completion); inside it, the request with the
   longest predicted remaining output. Only when every candidate belongs to the
@@ -45,7 +45,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._common import PredictedLengthPolicy, admission_limit, group_key, group_size
+from policy.common import PredictedLengthPolicy, admission_limit, group_key, group_size
 from policy.interface import AdmissionDecision, CandidateRequest, EngineState, Event, EventKind, PreemptionDecision
 
 

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from itertools import islice
 from typing import Any, Optional
 
-from policy.baselines._common import PredictedLengthPolicy, admission_limit, top_ids
+from policy.common import PredictedLengthPolicy, admission_limit, top_ids
 from policy.interface import AdmissionDecision, CandidateRequest, EngineState, PreemptionDecision
 
 GROUP_ESTIMATES: tuple[str, ...] = ("max", "mean")

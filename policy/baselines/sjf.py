@@ -9,7 +9,7 @@ of long requests.
 **Mechanism as implemented.**
 
 * Each request's length is predicted once, on first sight (and again when a
-  sibling finishes, see :class:`policy.baselines._common.LengthCache`), by the
+  sibling finishes, see :class:`policy.common.LengthCache`), by the
   ``length_predictor`` (``"oracle"``, ``"domain-mean"`` or a predictor object).
   The rank key is the predicted *remaining* output, ``p50 - generated``
   (preempted requests already generated some), capped by ``max_tokens``.
@@ -37,7 +37,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._common import PredictedLengthPolicy, admission_limit, check_positive, top_ids
+from policy.common import PredictedLengthPolicy, admission_limit, check_positive, top_ids
 from policy.interface import AdmissionDecision, CandidateRequest, EngineState, PreemptionDecision
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._common import (
+from policy.common import (
     PredictedLengthPolicy,
     admission_limit,
     check_positive,

@@ -1,4 +1,4 @@
-"""Helpers shared by the admission baselines.
+"""Helpers shared by kvpilot's policies (the baselines and the learned policy).
 
 * :func:`resolve_length_predictor` turns the ``length_predictor`` option (a name
   or a predictor object) into a :class:`policy.predictors.LengthPredictor`.
@@ -18,6 +18,10 @@
 * :func:`admission_limit` / :func:`top_ids`: an admission order lists only as
   many requests as vLLM can admit in the step (a partial selection, not a full
   sort of thousands of waiting requests).
+* :func:`furthest_first` orders prefixes by predicted next use, the furthest
+  first (never used = ``inf`` first), ties broken by LRU (least recently
+  freed first), then by id, so an order is deterministic.
+* :func:`check_positive` validates a numeric option.
 
 Everything here is plain Python and cheap: dictionary look-ups per candidate
 and at most one ``predict`` call per engine step, over the requests not seen
@@ -32,7 +36,7 @@ from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any, Optional
 
-from policy.interface import CandidateRequest, EngineState, Event, EventKind, Policy
+from policy.interface import CachedPrefix, CandidateRequest, EngineState, Event, EventKind, Policy
 from policy.predictors import LENGTH_PREDICTOR, UNKNOWN, LengthPredictor, resolve_predictor
 
 __all__ = [
@@ -46,6 +50,7 @@ __all__ = [
     "check_positive",
     "admission_limit",
     "top_ids",
+    "furthest_first",
 ]
 
 def resolve_length_predictor(spec: Any, workload: Any = None, *, policy: str = "policy") -> LengthPredictor:
@@ -85,6 +90,24 @@ def top_ids(keys: list, limit: int) -> list[str]:
     else:
         keys = heapq.nsmallest(limit, keys)
     return [k[-1] for k in keys]
+
+
+def _as_time(x: Any) -> float:
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return math.inf
+    return math.inf if math.isnan(f) else f
+
+
+def furthest_first(prefixes: Sequence[CachedPrefix], next_uses: Sequence[float]) -> list[str]:
+    """Prefix ids, the furthest predicted next use first; ties: least recently freed first."""
+    if len(next_uses) != len(prefixes):
+        raise ValueError(f"reuse predictor returned {len(next_uses)} values for {len(prefixes)} prefixes")
+    keyed = sorted(
+        ((-_as_time(t), p.last_used_s, p.prefix_id) for p, t in zip(prefixes, next_uses)),
+    )
+    return [pid for _, _, pid in keyed]
 
 
 def _as_float(x: Any) -> float:

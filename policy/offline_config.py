@@ -1,0 +1,79 @@
+"""Every hyper-parameter of offline policy learning (:mod:`policy.offline`), as one record."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from policy.learned import RUNTIME_DEFAULTS
+
+__all__ = ["OfflineConfig"]
+
+
+@dataclass
+class OfflineConfig:
+    """Every hyper-parameter of offline policy learning (stored in the POLICY_DIR manifest)."""
+
+    hidden: tuple[int, ...] = (32, 32)
+    epochs: int = 10
+    batch_decisions: int = 256
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    #: the softmax temperature of the policy being optimised (and of log mode)
+    temperature: float = 1.0
+    objective: str = "dr"  # "dr" or "ips"
+    dr_weight: float = 1.0
+    propensity_clip: float = 0.01
+    imitation_weight: float = 1.0
+    imitation_temperature: float = 0.25
+    oracle_rule: str = "lpt"  # "lpt" or "srpt"
+    ridge: float = 1.0
+    reward_window_s: float = 5.0
+    max_decisions: int = 20_000
+    max_candidates: int = 256
+    holdout_fraction: float = 0.25
+    #: a control (tests, promotion gates): rewards permuted across decisions and the hindsight
+    #: labels across candidate rows, so nothing learned comes from outcomes
+    shuffle_rewards: bool = False
+    seed: int = 0
+    #: torch threads while fitting. 1: a batch is ~10k rows x 32 units, where intra-op threads cost more than they
+    #: give (measured on a shared 2-core machine: 4.2 s CPU per epoch with 1 thread, 17.1 s with 2)
+    threads: int = 1
+    #: whether the trained policy chooses preemption victims with its preemption head (``policy.json``'s runtime
+    #: option ``preempt``). None (default): when the logs hold preemption decisions, i.e. every lever found in the
+    #: logs is learned (issue #30); False: vLLM's own victim (the tail of the running list), as issue #7 measured
+    #: the head's victims recomputing about 2x vLLM's. The head is trained either way.
+    preempt: Optional[bool] = None
+    #: whether the trained policy runs over vLLM's CPU offload tier (``policy.json``'s runtime option ``offload``).
+    #: None (default): when the logs were taken over one (their ``steps`` stored blocks to it), so the plain recipe
+    #: (``simulate --policy logging``, whose exploring policy uses the tier, then ``train``) serves over the tier.
+    offload: Optional[bool] = None
+    runtime: dict = field(default_factory=lambda: dict(RUNTIME_DEFAULTS))
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("dr", "ips"):
+            raise ValueError(f"objective must be 'dr' or 'ips', got {self.objective!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+        if self.oracle_rule not in ("lpt", "srpt"):
+            raise ValueError(f"oracle_rule must be 'lpt' or 'srpt', got {self.oracle_rule!r}")
+        self.hidden = tuple(int(h) for h in self.hidden)
+
+    @classmethod
+    def from_json(cls, text: str | None) -> OfflineConfig:
+        """A config from a JSON object of its fields (None or empty: the defaults); a bad one raises
+        :class:`ValueError` naming the fields."""
+        if not text:
+            return cls()
+        try:
+            values = json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"not valid JSON: {err}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"must be a JSON object of OfflineConfig fields, got {type(values).__name__}")
+        try:
+            return cls(**values)
+        except (ValueError, TypeError) as err:
+            known = ", ".join(f.name for f in fields(cls))
+            raise ValueError(f"{err} (OfflineConfig fields: {known})") from None
