@@ -3,20 +3,20 @@
 **The scorer** (:mod:`policy.learned_scorer`) gives each candidate an admission
 and a preemption score from its :data:`policy.learned_features.FEATURES`.
 
-**Acting.** ``mode="serve"``: greedy (admission order by score, the victim with
-the highest preemption score). ``mode="log"``: a Plackett-Luce sample at
-``temperature`` mixed with a uniform draw at rate ``epsilon``; the logged
-``propensity`` is the exact probability of the logged action (the first
-admitted request, or the victim) under that mixture. Retention and eviction
-are left to vLLM (the learned policy does not use those levers), over vLLM's
-CPU offload tier when ``offload`` is set (a runtime option, off by default;
-the exploring policy takes the same option, to log in the same regime): a
-paused session's context that LRU drops from GPU memory comes back over PCIe
-instead of being recomputed. So is
-preemption by default (``preempt=False``, a runtime option in ``policy.json``):
-the learned preemption head chose victims whose recompute cost about twice that
-of vLLM's tail victim, so vLLM's own choice is kept; ``preempt=True`` uses the
-head.
+**Acting.** ``mode="serve"``: admission in the runtime option ``admission``'s order: ``"shortest"``
+(default) ranks by the length model's predicted remaining output, shortest first; ``"scorer"`` by the
+admission score. The victim is the one with the highest preemption score when ``preempt`` is on (``kvpilot
+train`` turns it on when the logs hold preemption decisions), else vLLM's tail victim. ``mode="log"``: a
+Plackett-Luce sample of the scores at ``temperature`` mixed with a uniform draw at rate ``epsilon``; the
+logged ``propensity`` is the exact probability of the logged action (the first admitted request, or the
+victim) under that mixture.
+
+**Memory.** With ``offload`` (vLLM's CPU offload tier; ``kvpilot train`` turns it on when the logs were taken
+over one) a paused session's context that GPU memory drops comes back over PCIe instead of being recomputed,
+and with ``host_eviction`` the tier keeps what the reuse predictor (``reuse_predictor``: the online model by
+default) says returns soonest (:meth:`LearnedPolicy.evict_host`, through :mod:`serving_hook.host_tier`). GPU
+eviction and retention stay vLLM's LRU: with hindsight next uses they won nothing over it where memory binds
+(docs/results/2026-12-04-memory-binds-admission.md).
 
 **Precedence.** A preempted request goes back first, as in vLLM's own queue
 (``resume_preempted``, on by default: ranked by score, a preempted turn of a
@@ -97,10 +97,13 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # "online" ran 0.90x the makespan of "trained"'s (docs/results/2026-12-04-memory-binds-admission.md): the
     # logs' next uses are those of the exploring policy's schedule, not of the policy that serves.
     "reuse_predictor": "online",
-    # The admission order: "scorer" (the learned MLP's admission head) or "shortest" (the length model's predicted
-    # remaining output, shortest first: the exploring policy's "shortest" component, deterministic). Where memory
-    # binds (the case above) shortest-first ran 0.83x the scorer's makespan (same document).
-    "admission": "scorer",
+    # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
+    # exploring policy's "shortest" component, deterministic) or "scorer" (the learned MLP's admission head).
+    # Measured with the same trained policy on held-out agentic steps (same document), shortest-first ran 0.83x
+    # the scorer's makespan at H200-32B (GPU capacity, 64 GiB tier), 0.82x at H200-7B (KV 0.1, 16 GiB) and 1.01x
+    # where the tier holds the working set (H200-7B, KV 0.2, 64 GiB; both within 1.5% of vllm-offload there).
+    # In ``log`` mode the admission order is the scorer's Plackett-Luce sample either way (it explores).
+    "admission": "shortest",
 }
 #: The admission orders of :data:`RUNTIME_DEFAULTS`'s ``admission``.
 ADMISSION_ORDERS = ("scorer", "shortest")
@@ -250,10 +253,10 @@ class LearnedPolicy(Sampler):
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         if not waiting:
             return None
-        if self.admission == "shortest":
+        if self.admission == "shortest" and self.mode == "serve":  # log mode explores around the scorer either way
             rem, idx = self._remaining(waiting, state)
-            order = self._order(self.table.first(idx, state), -rem - np.arange(len(waiting)) * 1e-9, waiting, state)
-            return AdmissionDecision(order=order, predictions=self._logged(waiting, idx))
+            return AdmissionDecision(order=self._order(self.table.first(idx, state),
+                                                       -rem - np.arange(len(waiting)) * 1e-9, waiting, state))
         s, idx = self.scores(waiting, state, ADMIT)
         first = self.table.first(idx, state)
         if self.mode == "serve":

@@ -59,11 +59,14 @@ def wired(base: Path, out: Path, admit: tuple[str, float] | None, preempt: tuple
 
     Each head's first hidden unit carries its standardised feature plus a large offset (so every ReLU passes it)
     and the output layer reads it times ``sign``; ``admit=None`` makes every admission score equal (the
-    waiting queue's own order)."""
+    waiting queue's own order). Its runtime admission order is the scorer's (``admission="scorer"``)."""
     import torch
 
     shutil.copytree(base, out)
-    schema = json.loads((out / "policy.json").read_text())["feature_schema"]
+    manifest = json.loads((out / "policy.json").read_text())
+    manifest["config"].setdefault("runtime", {})["admission"] = "scorer"
+    (out / "policy.json").write_text(json.dumps(manifest, indent=2))
+    schema = manifest["feature_schema"]
     state = torch.load(out / "policy.pt", weights_only=True)
     layers = [k[: -len("weight")] for k, v in state.items() if k.endswith("weight") and v.dim() == 2]
     heads = {schema["heads"].index("admit"): admit, schema["heads"].index("preempt"): preempt}

@@ -146,11 +146,11 @@ def test_admission_scores_are_reused_while_the_step_columns_move_less_than_the_t
 
 def test_serve_mode_ranks_by_score_and_preempts_the_top() -> None:
     lengths = {f"r{i}": 100.0 * (i + 1) for i in range(6)}
-    pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths))
+    pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="scorer")
     waiting = [_cand(i) for i in range(6)]
     dec = pol.admit(waiting, _state())
     assert list(dec.order)[:6] == [f"r{i}" for i in range(5, -1, -1)]  # longest predicted first
-    log = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), mode="log")
+    log = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="scorer", mode="log")
     assert dec.predictions is None  # serving logs no features
     logged = log.admit(waiting, _state())
     assert logged.predictions["r0"] == {"len_p50": 100.0, "len_p90": 150.0}  # logged with the decision
@@ -164,7 +164,7 @@ def test_starvation_bound_in_steps_and_seconds() -> None:
     lengths = {f"r{i}": 100.0 * (i + 1) for i in range(4)}
     for kw, clock in (({"max_wait_steps": 3, "max_wait_s": None}, lambda k: (k, 0.0)),
                       ({"max_wait_steps": None, "max_wait_s": 3.0}, lambda k: (1, float(k)))):
-        pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), **kw)
+        pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="scorer", **kw)
         waiting = [_cand(i) for i in range(4)]
         firsts = []
         for k in range(1, 7):
@@ -188,7 +188,7 @@ def test_a_preempted_request_goes_back_first_then_the_starved() -> None:
         return c
 
     for mode in ("serve", "log"):
-        pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), mode=mode, epsilon=0.0,
+        pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="scorer", mode=mode, epsilon=0.0,
                             max_wait_steps=None, max_wait_s=3.0)
         waiting = [_cand(i) for i in range(4)]
         first = pol.admit(waiting, _state(1, 0.0))
@@ -204,7 +204,7 @@ def test_a_preempted_request_goes_back_first_then_the_starved() -> None:
         assert mode == "serve" or dec.propensity == 1.0  # deterministic, so logged as such
         # r0 starves (3 s since first seen): after the preempted request, before the scored rest
         assert pol.admit(queue, _state(3, 3.5)).order[:3] == ["r1", "r0", "r2"], mode
-    off = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), resume_preempted=False)
+    off = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="scorer", resume_preempted=False)
     waiting = [_cand(i) for i in range(4)]
     off.admit(waiting, _state(1, 0.0))
     off.on_event(Event(EventKind.PREEMPTED, 1.0, "r1", waiting[1].meta))
@@ -212,13 +212,14 @@ def test_a_preempted_request_goes_back_first_then_the_starved() -> None:
 
 
 def test_shortest_admission_orders_by_predicted_remaining_whatever_the_scores() -> None:
-    """``admission="shortest"``: the length model's predicted remaining output, shortest first, after the preempted
+    """``admission="shortest"`` (the default): the length model's predicted remaining output, shortest first, after the preempted
     (the same precedence as the scorer's order); the scorer would have put the longest first."""
     lengths = {f"r{i}": 100.0 * (i + 1) for i in range(5)}
     waiting = [_cand(i) for i in (3, 0, 4, 1, 2)]
-    pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="shortest")
+    pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths))
+    assert pol.admission == "shortest"  # the default
     assert list(pol.admit(waiting, _state()).order) == ["r0", "r1", "r2", "r3", "r4"]
-    assert list(LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths)).admit(
+    assert list(LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="scorer").admit(
         waiting, _state()).order)[0] == "r4"
     waiting[0].status, waiting[0].num_preemptions = RequestStatus.PREEMPTED, 1  # r3, preempted: it goes first
     pol.on_event(Event(EventKind.PREEMPTED, 1.0, "r3", waiting[0].meta))

@@ -86,7 +86,7 @@ def test_plain_recipe_trains_a_policy_over_the_tier(learned_runs: dict, tmp_path
 
 
 def test_informative_logs_beat_shuffled_outcomes(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811
-    """The same logs with outcomes permuted (``shuffle_rewards``) give a policy with a longer makespan.
+    """The same logs with outcomes permuted (``shuffle_rewards``) give a scorer whose order has a longer makespan.
 
     Served with ``resume_preempted`` off: the tiny workload preempts often, and that rule admits every preempted
     request before the scored order, whatever the scorer learned (measured when the rule came in: with it on,
@@ -101,6 +101,7 @@ def test_informative_logs_beat_shuffled_outcomes(learned_runs: dict, tmp_path: P
         # the admission head alone: vLLM's victims (the preemption head's victims are their own test)
         train_policy(logs, learned_runs["predictors"], pol,
                      OfflineConfig(epochs=4, shuffle_rewards=shuffle, preempt=False), progress=False)
-        run = simulate(workload, "learned", tmp_path / f"sim-{name}", model=str(pol), resume_preempted=False)
+        run = simulate(workload, "learned", tmp_path / f"sim-{name}", model=str(pol), resume_preempted=False,
+                       admission="scorer")  # the scorer's order: what the logs taught it
         makespan[name] = json.loads((run / "summary.json").read_text())["simulated_s"]
     assert makespan["informative"] < makespan["shuffled"], makespan
