@@ -16,7 +16,8 @@ timed ones (default 20) before the next one runs:
 * ``stock``:   ``vllm.v1.core.sched.scheduler.Scheduler``;
 * ``default``: ``KVPilotScheduler`` with ``VllmDefaultPolicy`` (zero-cost path);
 * ``full``:    ``VllmDefaultPolicy(explicit=True)`` (every lever consulted);
-* ``learned``: the ``learned`` policy in serving mode (greedy), from a POLICY_DIR, with the hook's
+* ``learned``: the ``learned`` policy in serving mode, its scorer's admission order (``admission="scorer"``;
+  the default order, shortest predicted remaining first, runs no scorer), from a POLICY_DIR, with the hook's
   candidates on demand (``lazy_candidates``: only new or changed requests' candidates are built);
 * ``eager``:   the same policy with ``lazy_candidates`` off (every candidate object refreshed each step);
 * ``exact``:   the same policy with ``rescore_tol`` 0: its scorer computes in every step, where ``learned``
@@ -86,6 +87,9 @@ from benchmarks import bench_hook  # noqa: E402
 from benchmarks.bench_hook import CLOCKS, WAITING, build, p99, sessions_build  # noqa: E402
 
 MS = 1e3
+#: The admission tables time the scorer's order, the costlier one (the default, shortest predicted remaining
+#: first, ranks the same table's column and runs no scorer); the every-lever table runs the defaults.
+SCORER = "scorer"
 #: Issue #7's target: the learned policy's decision time per step over stock ``schedule()``'s.
 TARGET = 0.10
 #: Consecutive timed steps of one scheduler before the next one runs, and its untimed steps before them
@@ -143,18 +147,19 @@ def schedulers(engine, model: Path, running: int) -> dict:
     cfg = HookConfig(decision_budget_s=1.0)  # measure, never fall back
 
     def eager():
-        p = create_policy("learned", model=str(model))
+        p = create_policy("learned", model=str(model), admission=SCORER)
         p.lazy_candidates = False
         return p
 
     def exact():
-        return create_policy("learned", model=str(model), rescore_tol=0.0)
+        return create_policy("learned", model=str(model), admission=SCORER, rescore_tol=0.0)
 
     variants = {
         "stock": Scheduler,
         "default": KVPilotScheduler,
         "full": with_policy(KVPilotScheduler, lambda: VllmDefaultPolicy(explicit=True), cfg),
-        "learned": with_policy(KVPilotScheduler, lambda: create_policy("learned", model=str(model)), cfg),
+        "learned": with_policy(KVPilotScheduler, lambda: create_policy("learned", model=str(model), admission=SCORER),
+                               cfg),
         "eager": with_policy(KVPilotScheduler, eager, cfg),
         "exact": with_policy(KVPilotScheduler, exact, cfg),
     }
@@ -275,7 +280,8 @@ def schedulers_learned(engine, model: Path, running: int):
     from serving_hook import KVPilotScheduler, with_policy
     from serving_hook.config import HookConfig
 
-    cls = with_policy(KVPilotScheduler, lambda: create_policy("learned", model=str(model)), HookConfig(decision_budget_s=1.0))
+    cls = with_policy(KVPilotScheduler, lambda: create_policy("learned", model=str(model), admission=SCORER),
+                      HookConfig(decision_budget_s=1.0))
     return build(engine, cls, running, "kv", meta=synth_meta)
 
 
