@@ -43,7 +43,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from policy.predictors import REUSE_PREDICTOR, resolve_predictor
 from policy.common import check_positive, furthest_first
 from policy.interface import (
     AdmissionDecision,
@@ -58,6 +57,7 @@ from policy.learned_features import ENGINE_X, FEATURES, WAIT_X
 from policy.learned_sampler import Sampler
 from policy.learned_scorer import ADMIT, PREEMPT, NumpyScorer
 from policy.learned_table import engine_raw
+from policy.predictors import OnlineNextUse
 
 __all__ = ["RUNTIME_DEFAULTS", "LearnedPolicy", "create_learned", "create_ablation", "ABLATIONS"]
 
@@ -166,6 +166,8 @@ class LearnedPolicy(Sampler):
                         "reuse_predictor": reuse_predictor}
         if admission not in ADMISSION_ORDERS:
             raise ValueError(f"option admission must be one of {', '.join(ADMISSION_ORDERS)}, got {admission!r}")
+        if reuse_predictor not in ("online", "trained"):
+            raise ValueError(f"option reuse_predictor must be 'online' or 'trained', got {reuse_predictor!r}")
         self.admission = admission
         self.mode = mode
         self.temperature = check_positive("temperature", temperature)
@@ -312,13 +314,9 @@ class LearnedPolicy(Sampler):
 
 
 def _reuse_predictor(name: Any, predictors: Path) -> Any:
-    """The runtime option ``reuse_predictor``'s predictor: "online", or "trained" (POLICY_DIR/predictors/reuse)."""
-    if name == "trained":
-        return read_reuse(predictors)
-    if name == "online":
-        return resolve_predictor(REUSE_PREDICTOR, "online", policy="learned")
-    raise PolicyLoadError(f"{predictors.parent / 'policy.json'}: runtime option reuse_predictor must be 'online' or "
-                          f"'trained', got {name!r}")
+    """The runtime option ``reuse_predictor``'s predictor (checked by the policy): the bundle's trained reuse model
+    (POLICY_DIR/predictors/reuse) for "trained", else the online one."""
+    return read_reuse(predictors) if name == "trained" else OnlineNextUse()
 
 
 def create_learned(model: Optional[str] = None, mode: str = "serve", **options: Any) -> LearnedPolicy:

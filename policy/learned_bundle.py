@@ -14,6 +14,7 @@ import numpy as np
 
 from policy.learned_features import FEATURES, RAW
 from policy.learned_scorer import build_scorer
+from policy.predictors import LENGTH_PREDICTOR, REUSE_PREDICTOR
 
 __all__ = [
     "FORMAT",
@@ -125,25 +126,21 @@ def _hidden_of(state: Mapping[str, Any]) -> list[int]:
 
 def read_predictor(d: Path) -> Any:
     """The length predictor of a ``kvpilot train predictors`` MODEL_DIR (a POLICY_DIR's ``predictors/``)."""
-    from predictors.length import LengthModel
-
-    f = d / "length"
+    f = d / LENGTH_PREDICTOR.model
     if not f.is_dir():
         raise PolicyLoadError(f"{f}: missing (POLICY_DIR/predictors must hold a `kvpilot train predictors` model)")
     try:
-        return LengthModel.load(f)
+        return LENGTH_PREDICTOR.load(f)
     except Exception as e:  # noqa: BLE001 - ModelSchemaError, corrupt model files
         raise PolicyLoadError(f"{f}: cannot load the length predictor: {e}") from e
 
 
 def read_reuse(d: Path) -> Any:
     """The reuse predictor of a POLICY_DIR's predictors (None when it was trained without one)."""
-    from predictors.reuse import ReuseModel
-
-    f = d / "reuse"
+    f = d / REUSE_PREDICTOR.model
     if not f.is_dir():
         return None
     try:
-        return ReuseModel.load(f, num_threads=1)
+        return REUSE_PREDICTOR.load(f)
     except Exception as e:  # noqa: BLE001 - ModelSchemaError, corrupt model files
         raise PolicyLoadError(f"{f}: cannot load the reuse predictor: {e}") from e
