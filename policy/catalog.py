@@ -73,7 +73,7 @@ def _ablation(name: str) -> PolicyFactory:
     return factory
 
 
-for _name in ("learned-admission", "learned-preempt", "learned-tier-lru"):
+for _name in ("learned-admission", "learned-preempt", "learned-gpu-evict", "learned-tier-lru"):
     _CATALOG[_name] = _ablation(_name)
 
 

@@ -15,7 +15,8 @@ victim) under that mixture.
 over one) a paused session's context that GPU memory drops comes back over PCIe instead of being recomputed,
 and with ``host_eviction`` the tier keeps what the reuse predictor (``reuse_predictor``: the online model by
 default) says returns soonest (:meth:`LearnedPolicy.evict_host`, through :mod:`serving_hook.host_tier`). GPU
-eviction and retention stay vLLM's LRU: with hindsight next uses they won nothing over it where memory binds
+eviction stays vLLM's LRU unless ``gpu_eviction`` orders it by the same predictor, and retention stays vLLM's:
+with hindsight next uses they won nothing over LRU where memory binds
 (docs/results/2026-12-04-memory-binds-admission.md).
 
 **Precedence.** A preempted request goes back first, as in vLLM's own queue
@@ -91,6 +92,11 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # predicted next use is furthest leaves first, and a store further off than all the full tier holds is skipped
     # (Belady on predictions). Ignored without the tier.
     "host_eviction": True,
+    # GPU eviction: off, vLLM's LRU frees cached blocks. On, the cached prefix whose predicted next use (the
+    # ``reuse_predictor``) is furthest leaves first. With hindsight next uses this lever won nothing over LRU where
+    # memory binds (SRPT with every cache lever 3,378.7 s, with the host-tier order alone 3,369.8 s,
+    # docs/results/2026-12-04-memory-binds-admission.md); the ``learned-gpu-evict`` ablation row measures it.
+    "gpu_eviction": False,
     # That reuse predictor: "online" (the online LightGBM reuse model, learning from the engine's own events as it
     # serves) or "trained" (the one bundled in predictors/reuse, fitted on the exploring logs). Where memory binds
     # (H200-32B, GPU capacity, 64 GiB tier, held-out agentic step, shortest-first admission) the host-tier order of
@@ -146,6 +152,7 @@ class LearnedPolicy(Sampler):
         preempt: bool = RUNTIME_DEFAULTS["preempt"],
         offload: bool = RUNTIME_DEFAULTS["offload"],
         host_eviction: bool = RUNTIME_DEFAULTS["host_eviction"],
+        gpu_eviction: bool = RUNTIME_DEFAULTS["gpu_eviction"],
         manifest: Optional[dict] = None,
         predictors_dir: Optional[Path] = None,
         reuse: Any = None,
@@ -155,14 +162,17 @@ class LearnedPolicy(Sampler):
         super().__init__(predictor, max_wait_steps, max_wait_s, seed, resume_preempted)
         self.uses_preemption = bool(preempt)  # False: vLLM chooses the victims
         self.uses_offload = bool(offload)
-        #: the reuse predictor (predictors/reuse) that orders the CPU tier's evictions (None: vLLM's LRU there)
-        self.reuse = reuse if offload and host_eviction else None
-        self.uses_host_eviction = self.reuse is not None
+        #: the reuse predictor (predictors/reuse) that orders the CPU tier's evictions and, with ``gpu_eviction``,
+        #: the GPU's (one model, as ``oracle-offload`` has); None: vLLM's LRU in both
+        self.reuse = reuse if (offload and host_eviction) or gpu_eviction else None
+        self.uses_host_eviction = self.reuse is not None and bool(offload and host_eviction)
+        self.uses_eviction = self.reuse is not None and bool(gpu_eviction)
         self._observe_reuse = getattr(self.reuse, "observe", None)
         self.runtime = {"temperature": temperature, "epsilon": epsilon, "max_wait_steps": max_wait_steps,
                         "max_wait_s": max_wait_s, "resume_preempted": bool(resume_preempted),
                         "rescore_tol": rescore_tol, "preempt": bool(preempt), "offload": bool(offload),
-                        "host_eviction": bool(host_eviction), "admission": admission,
+                        "host_eviction": bool(host_eviction), "gpu_eviction": bool(gpu_eviction),
+                        "admission": admission,
                         "reuse_predictor": reuse_predictor}
         if admission not in ADMISSION_ORDERS:
             raise ValueError(f"option admission must be one of {', '.join(ADMISSION_ORDERS)}, got {admission!r}")
@@ -191,7 +201,14 @@ class LearnedPolicy(Sampler):
         if mode == "log":
             self.name = "learned-log"
 
-    # ------------------------------------------------------------------------- host tier
+    # ------------------------------------------------------------------------- eviction
+    def evict(self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int,
+              state: EngineState) -> Optional[EvictionDecision]:
+        """GPU eviction (``gpu_eviction``): the cached prefix with the furthest predicted next use first."""
+        if not prefixes:
+            return None
+        return EvictionDecision(order=furthest_first(prefixes, self.reuse.next_use_s(prefixes, state.time_s)))
+
     def evict_host(self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int,
                    state: EngineState) -> Optional[EvictionDecision]:
         """The CPU tier's owners, furthest predicted next use first (the reuse predictor's Belady; a store whose
@@ -305,7 +322,7 @@ class LearnedPolicy(Sampler):
         runtime = {**RUNTIME_DEFAULTS, **manifest.get("config", {}).get("runtime", {}), **options}
         manifest = {**manifest, "config": {**manifest.get("config", {}), "runtime": runtime}}  # saved as in use
         reuse = (_reuse_predictor(runtime.get("reuse_predictor"), d / "predictors")
-                 if runtime.get("offload") and runtime.get("host_eviction") else None)
+                 if (runtime.get("offload") and runtime.get("host_eviction")) or runtime.get("gpu_eviction") else None)
         try:
             return cls(state, predictor, mode=mode, manifest=manifest, predictors_dir=d / "predictors", reuse=reuse,
                        **runtime)
@@ -327,11 +344,13 @@ def create_learned(model: Optional[str] = None, mode: str = "serve", **options: 
 
 
 #: The learned policy with levers turned off (``kvpilot evaluate``'s ablation rows; each takes ``model`` as
-#: ``learned`` does): admission only (vLLM's victims, no tier); + the preemption head; + the CPU tier with vLLM's
-#: LRU there. ``learned`` itself adds the host-tier eviction order. GPU eviction stays vLLM's LRU in all of them.
+#: ``learned`` does): admission only (vLLM's victims, no tier); + the preemption head; + GPU eviction by predicted
+#: next use (no tier); the CPU tier with vLLM's LRU there (GPU eviction as ``learned``'s). ``learned`` itself adds
+#: the host-tier eviction order.
 ABLATIONS: dict[str, dict[str, bool]] = {
-    "learned-admission": {"preempt": False, "offload": False},
-    "learned-preempt": {"preempt": True, "offload": False},
+    "learned-admission": {"preempt": False, "offload": False, "gpu_eviction": False},
+    "learned-preempt": {"preempt": True, "offload": False, "gpu_eviction": False},
+    "learned-gpu-evict": {"preempt": True, "offload": False, "gpu_eviction": True},
     "learned-tier-lru": {"preempt": True, "offload": True, "host_eviction": False},
 }
 

@@ -83,3 +83,23 @@ def test_console_script_is_installed() -> None:
     res = subprocess.run([str(exe), "workload", "--help"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0
     assert "synth" in res.stdout and "import" in res.stdout and "stats" in res.stdout
+
+
+def test_the_command_line_runs_under_a_fixed_hash_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM iterates sets of request ids, so a simulation repeats only under a fixed string-hash seed: without
+    PYTHONHASHSEED the entry point re-runs the same command line under ``HASH_SEED``; with one, it runs as given."""
+    import os
+    import sys
+
+    import training.cli as cli
+
+    calls: list = []
+    monkeypatch.setattr(cli.os, "execv", lambda exe, argv: calls.append((exe, argv, os.environ["PYTHONHASHSEED"])))
+    monkeypatch.setattr(cli, "app", lambda: calls.append("app"))
+    monkeypatch.setenv("PYTHONHASHSEED", "7")  # so that the teardown restores the caller's environment
+    cli.main()
+    assert calls == ["app"]
+    calls.clear()
+    monkeypatch.delenv("PYTHONHASHSEED")
+    cli.main()  # the real execv does not return; the stub does, and app() follows
+    assert calls == [(sys.executable, [sys.executable, *sys.orig_argv[1:]], cli.HASH_SEED), "app"]

@@ -297,6 +297,23 @@ def test_the_host_tier_reuse_predictor_is_online_by_default_or_the_trained_one(p
         LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="oracle")
 
 
+def test_gpu_eviction_orders_the_gpu_by_the_same_reuse_predictor(policy_dir: Path) -> None:
+    """``gpu_eviction``: the GPU's cached prefixes leave furthest predicted next use first (ties: vLLM's LRU order),
+    with or without the tier, from the one reuse model the tier uses; off by default (vLLM's LRU)."""
+    from policy.predictors import OnlineNextUse
+    from tests.test_baselines_retention import INF, StubReuse, engine_state, prefix
+
+    assert not LearnedPolicy.load(policy_dir, offload=True).uses_eviction
+    gpu = LearnedPolicy.load(policy_dir, gpu_eviction=True)
+    assert gpu.uses_eviction and not gpu.uses_host_eviction and isinstance(gpu.reuse, OnlineNextUse)
+    both = LearnedPolicy.load(policy_dir, gpu_eviction=True, offload=True)
+    assert both.uses_eviction and both.uses_host_eviction
+    gpu.reuse = StubReuse({"a": 1005.0, "b": INF, "c": 1100.0, "d": 1005.0})
+    ps = [prefix("a", last_used=3), prefix("b", last_used=4), prefix("c", last_used=1), prefix("d", last_used=2)]
+    assert list(gpu.evict(ps, 4, engine_state()).order) == ["b", "c", "d", "a"]
+    assert gpu.evict([], 4, engine_state()) is None
+
+
 def test_registry_builds_learned_and_logging(policy_dir: Path) -> None:
     from policy.catalog import create_policy
 

@@ -78,11 +78,14 @@ def test_plain_recipe_trains_a_policy_over_the_tier(learned_runs: dict, tmp_path
     # the ablation rows turn levers off one by one over the same POLICY_DIR
     from policy.catalog import create_policy
 
-    levers = {n: (p.uses_preemption, p.uses_offload, p.uses_host_eviction) for n in
-              ("learned-admission", "learned-preempt", "learned-tier-lru", "learned")
+    levers = {n: (p.uses_preemption, p.uses_eviction, p.uses_offload, p.uses_host_eviction) for n in
+              ("learned-admission", "learned-preempt", "learned-gpu-evict", "learned-tier-lru", "learned")
               for p in [create_policy(n, model=str(out))]}
-    assert levers == {"learned-admission": (False, False, False), "learned-preempt": (True, False, False),
-                      "learned-tier-lru": (True, True, False), "learned": (pol.uses_preemption, True, True)}
+    assert levers == {"learned-admission": (False, False, False, False),
+                      "learned-preempt": (True, False, False, False),
+                      "learned-gpu-evict": (True, True, False, False),
+                      "learned-tier-lru": (True, False, True, False),
+                      "learned": (pol.uses_preemption, False, True, True)}
 
 
 def test_informative_logs_beat_shuffled_outcomes(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811

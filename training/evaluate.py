@@ -86,8 +86,8 @@ DEFAULT_KV_FRACTIONS = (0.1, 0.2, 0.4)
 #: the exploring behaviour policy (``logging``), which is for collecting logs, not for comparison, and
 #: ``lrb-online`` (learned eviction that trains as it runs; still runnable by name).
 #: ``version-aware`` (asynchronous ``keep`` runs only: LRU on synchronous steps) is left out too.
-NOT_IN_ALL = frozenset({"learned", "learned-admission", "learned-preempt", "learned-tier-lru", "registry", "logging",
-                        "lrb-online", "version-aware"})
+NOT_IN_ALL = frozenset({"learned", "learned-admission", "learned-preempt", "learned-gpu-evict", "learned-tier-lru",
+                        "registry", "logging", "lrb-online", "version-aware"})
 RATIOS = {
     "makespan_ratio_vs_default": "makespan_s",
     "recompute_ratio_vs_default": "recomputed_tokens",
