@@ -13,11 +13,11 @@ victim) under that mixture.
 
 **Memory.** With ``offload`` (vLLM's CPU offload tier; ``kvpilot train`` turns it on when the logs were taken
 over one) a paused session's context that GPU memory drops comes back over PCIe instead of being recomputed,
-and with ``host_eviction`` the tier keeps what the reuse predictor (``reuse_predictor``: the online model by
-default) says returns soonest (:meth:`LearnedPolicy.evict_host`, through :mod:`serving_hook.host_tier`). GPU
-eviction stays vLLM's LRU unless ``gpu_eviction`` orders it by the same predictor, and retention stays vLLM's:
-with hindsight next uses they won nothing over LRU where memory binds
-(docs/results/2026-12-04-memory-binds-admission.md).
+and with ``host_eviction`` the tier keeps what the reuse predictor (``reuse_predictor``) says returns soonest
+(:meth:`LearnedPolicy.evict_host`, through :mod:`serving_hook.host_tier`; the default online model has no model
+on the tier, so that is the owners' LRU with the bypass rule). GPU eviction stays vLLM's LRU unless
+``gpu_eviction`` orders it by the same predictor, and retention stays vLLM's: with hindsight next uses they won
+nothing over LRU where memory binds (docs/results/2026-12-04-memory-binds-admission.md).
 
 **Precedence.** A preempted request goes back first, as in vLLM's own queue
 (``resume_preempted``, on by default: ranked by score, a preempted turn of a
@@ -92,17 +92,19 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # predicted next use is furthest leaves first, and a store further off than all the full tier holds is skipped
     # (Belady on predictions). Ignored without the tier.
     "host_eviction": True,
+    # That reuse predictor: "online" (the online LightGBM reuse model, learning from the engine's own events as it
+    # serves) or "trained" (the one bundled in predictors/reuse, fitted on the exploring logs). On the tier the online
+    # model never gets a model: the tier's candidates are sessions with no block hashes, so it takes no samples and
+    # every next use is inf, and the order is the owners' LRU (last store or reuse) with the bypass rule. Where
+    # memory binds (H200-32B, GPU capacity, 64 GiB tier, held-out agentic step, shortest-first admission) that ran
+    # 0.90x the makespan of "trained"'s order and 0.88x vLLM's chunk LRU
+    # (docs/results/2026-12-04-memory-binds-admission.md, docs/results/2026-12-04-memory-binds-levers.md).
+    "reuse_predictor": "online",
     # GPU eviction: off, vLLM's LRU frees cached blocks. On, the cached prefix whose predicted next use (the
     # ``reuse_predictor``) is furthest leaves first. With hindsight next uses this lever won nothing over LRU where
     # memory binds (SRPT with every cache lever 3,378.7 s, with the host-tier order alone 3,369.8 s,
     # docs/results/2026-12-04-memory-binds-admission.md); the ``learned-gpu-evict`` ablation row measures it.
     "gpu_eviction": False,
-    # That reuse predictor: "online" (the online LightGBM reuse model, learning from the engine's own events as it
-    # serves) or "trained" (the one bundled in predictors/reuse, fitted on the exploring logs). Where memory binds
-    # (H200-32B, GPU capacity, 64 GiB tier, held-out agentic step, shortest-first admission) the host-tier order of
-    # "online" ran 0.90x the makespan of "trained"'s (docs/results/2026-12-04-memory-binds-admission.md): the
-    # logs' next uses are those of the exploring policy's schedule, not of the policy that serves.
-    "reuse_predictor": "online",
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
     # exploring policy's "shortest" component, deterministic) or "scorer" (the learned MLP's admission head).
     # Measured with the same trained policy on held-out agentic steps (same document), shortest-first ran 0.83x
