@@ -97,8 +97,9 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # model never gets a model: the tier's candidates are sessions with no block hashes, so it takes no samples and
     # every next use is inf, and the order is the owners' LRU (last store or reuse) with the bypass rule. Where
     # memory binds (H200-32B, GPU capacity, 64 GiB tier, held-out agentic step, shortest-first admission) that ran
-    # 0.90x the makespan of "trained"'s order and 0.88x vLLM's chunk LRU
-    # (docs/results/2026-12-04-memory-binds-admission.md, docs/results/2026-12-04-memory-binds-levers.md).
+    # 0.99x the makespan of vLLM's chunk LRU there (`learned` against `learned-tier-lru`,
+    # docs/results/2026-12-04-memory-binds-levers.md) and 0.90x that of "trained"'s order (before the hash seed
+    # was fixed, docs/results/2026-12-04-memory-binds-admission.md).
     "reuse_predictor": "online",
     # GPU eviction: off, vLLM's LRU frees cached blocks. On, the cached prefix whose predicted next use (the
     # ``reuse_predictor``) is furthest leaves first. With hindsight next uses this lever won nothing over LRU where
@@ -166,9 +167,10 @@ class LearnedPolicy(Sampler):
         self.uses_offload = bool(offload)
         #: the reuse predictor (predictors/reuse) that orders the CPU tier's evictions and, with ``gpu_eviction``,
         #: the GPU's (one model, as ``oracle-offload`` has); None: vLLM's LRU in both
-        self.reuse = reuse if (offload and host_eviction) or gpu_eviction else None
-        self.uses_host_eviction = self.reuse is not None and bool(offload and host_eviction)
-        self.uses_eviction = self.reuse is not None and bool(gpu_eviction)
+        host, gpu = _reuse_levers(offload, host_eviction, gpu_eviction)
+        self.reuse = reuse if host or gpu else None
+        self.uses_host_eviction = self.reuse is not None and host
+        self.uses_eviction = self.reuse is not None and gpu
         self._observe_reuse = getattr(self.reuse, "observe", None)
         self.runtime = {"temperature": temperature, "epsilon": epsilon, "max_wait_steps": max_wait_steps,
                         "max_wait_s": max_wait_s, "resume_preempted": bool(resume_preempted),
@@ -213,11 +215,9 @@ class LearnedPolicy(Sampler):
 
     def evict_host(self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int,
                    state: EngineState) -> Optional[EvictionDecision]:
-        """The CPU tier's owners, furthest predicted next use first (the reuse predictor's Belady; a store whose
-        owner comes first is skipped)."""
-        if not prefixes:
-            return None
-        return EvictionDecision(order=furthest_first(prefixes, self.reuse.next_use_s(prefixes, state.time_s)))
+        """The CPU tier's owners in the same order (the reuse predictor's Belady; a store whose owner comes first is
+        skipped)."""
+        return self.evict(prefixes, num_blocks_needed, state)
 
     # --------------------------------------------------------------------------- scoring
     def scores(self, cands: Sequence[CandidateRequest], state: EngineState, head: int,
@@ -323,13 +323,18 @@ class LearnedPolicy(Sampler):
         predictor = read_predictor(d / "predictors")
         runtime = {**RUNTIME_DEFAULTS, **manifest.get("config", {}).get("runtime", {}), **options}
         manifest = {**manifest, "config": {**manifest.get("config", {}), "runtime": runtime}}  # saved as in use
-        reuse = (_reuse_predictor(runtime.get("reuse_predictor"), d / "predictors")
-                 if (runtime.get("offload") and runtime.get("host_eviction")) or runtime.get("gpu_eviction") else None)
+        levers = _reuse_levers(runtime.get("offload"), runtime.get("host_eviction"), runtime.get("gpu_eviction"))
+        reuse = _reuse_predictor(runtime.get("reuse_predictor"), d / "predictors") if any(levers) else None
         try:
             return cls(state, predictor, mode=mode, manifest=manifest, predictors_dir=d / "predictors", reuse=reuse,
                        **runtime)
         except (KeyError, ValueError) as e:
             raise PolicyLoadError(f"{d / 'policy.pt'}: {e}") from e
+
+
+def _reuse_levers(offload: Any, host_eviction: Any, gpu_eviction: Any) -> tuple[bool, bool]:
+    """Whether the reuse predictor orders the CPU tier (``host_eviction`` over the tier) and the GPU's evictions."""
+    return bool(offload and host_eviction), bool(gpu_eviction)
 
 
 def _reuse_predictor(name: Any, predictors: Path) -> Any:
