@@ -45,6 +45,7 @@ class OwnerState(str, enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     PAUSED_TOOL = "paused_tool"  # the turn ended in a tool call; the next turn will come back
+    WAITING = "waiting"  # the owner's session has a request in the waiting queue (CPU-tier owners only)
 
 
 class EventKind(str, enum.Enum):
@@ -196,6 +197,8 @@ class CachedPrefix:
     protected_until_s: Optional[float] = None  # set while the hook pins the blocks
     group_pending: int = 0  # siblings of the owner not finished yet
     tier_blocks: int = 0  # blocks held in the CPU offload tier (host-tier eviction candidates only)
+    #: WAITING owners: their request's place in the waiting queue as the policy ordered it (0: admitted next)
+    queue_position: Optional[int] = None
 
     @property
     def num_blocks(self) -> int:

@@ -14,10 +14,10 @@ victim) under that mixture.
 **Memory.** With ``offload`` (vLLM's CPU offload tier; ``kvpilot train`` turns it on when the logs were taken
 over one) a paused session's context that GPU memory drops comes back over PCIe instead of being recomputed,
 and with ``host_eviction`` the tier keeps what the reuse predictor (``reuse_predictor``) says returns soonest
-(:meth:`LearnedPolicy.evict_host`, through :mod:`serving_hook.host_tier`; the default online model has no model
-on the tier, so that is the owners' LRU with the bypass rule). GPU eviction stays vLLM's LRU unless
-``gpu_eviction`` orders it by the same predictor, and retention stays vLLM's: with hindsight next uses they won
-nothing over LRU where memory binds (docs/results/2026-12-04-memory-binds-admission.md).
+(:meth:`LearnedPolicy.evict_host`, through :mod:`serving_hook.host_tier`; by default each session's state:
+its place in the admission order, its tool's pause, :mod:`policy.session_reuse`). GPU eviction stays vLLM's
+LRU unless ``gpu_eviction`` orders it by the same predictor, and retention stays vLLM's: with hindsight next
+uses they won nothing over LRU where memory binds (docs/results/2026-12-04-memory-binds-admission.md).
 
 **Precedence.** A preempted request goes back first, as in vLLM's own queue
 (``resume_preempted``, on by default: ranked by score, a preempted turn of a
@@ -59,6 +59,7 @@ from policy.learned_sampler import Sampler
 from policy.learned_scorer import ADMIT, PREEMPT, NumpyScorer
 from policy.learned_table import engine_raw
 from policy.predictors import OnlineNextUse
+from policy.session_reuse import SessionStateNextUse
 
 __all__ = ["RUNTIME_DEFAULTS", "LearnedPolicy", "create_learned", "create_ablation", "ABLATIONS"]
 
@@ -92,15 +93,15 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # predicted next use is furthest leaves first, and a store further off than all the full tier holds is skipped
     # (Belady on predictions). Ignored without the tier.
     "host_eviction": True,
-    # That reuse predictor: "online" (the online LightGBM reuse model, learning from the engine's own events as it
-    # serves) or "trained" (the one bundled in predictors/reuse, fitted on the exploring logs). On the tier the online
-    # model never gets a model: the tier's candidates are sessions with no block hashes, so it takes no samples and
-    # every next use is inf, and the order is the owners' LRU (last store or reuse) with the bypass rule. Where
-    # memory binds (H200-32B, GPU capacity, 64 GiB tier, held-out agentic step, shortest-first admission) that ran
-    # 0.99x the makespan of vLLM's chunk LRU there (`learned` against `learned-tier-lru`,
-    # docs/results/2026-12-04-memory-binds-levers.md) and 0.90x that of "trained"'s order (before the hash seed
-    # was fixed, docs/results/2026-12-04-memory-binds-admission.md).
-    "reuse_predictor": "online",
+    # That reuse predictor: "session-state" (policy.session_reuse: each owner's next use from its session's state,
+    # a queued turn's place in the admission order over the admission rate, a paused tool's expected return, learned
+    # from the engine's own events), "online" (the online LightGBM reuse model) or "trained" (the one bundled in
+    # predictors/reuse, fitted on the exploring logs). Where memory binds (H200-32B, GPU capacity, 64 GiB tier,
+    # held-out agentic step) "session-state" ran 3,452.8 s against "online"'s 3,726.5 s with the same policy
+    # (docs/results/2026-12-04-tier-by-session-state.md). On the tier the online model never gets a model: the
+    # tier's candidates are sessions with no block hashes, so it takes no samples, every next use is inf, and its
+    # order is the owners' LRU (last store or reuse) with the bypass rule.
+    "reuse_predictor": "session-state",
     # GPU eviction: off, vLLM's LRU frees cached blocks. On, the cached prefix whose predicted next use (the
     # ``reuse_predictor``) is furthest leaves first. With hindsight next uses this lever won nothing over LRU where
     # memory binds (SRPT with every cache lever 3,378.7 s, with the host-tier order alone 3,369.8 s,
@@ -116,6 +117,8 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
 }
 #: The admission orders of :data:`RUNTIME_DEFAULTS`'s ``admission``.
 ADMISSION_ORDERS = ("scorer", "shortest")
+#: The reuse predictors of :data:`RUNTIME_DEFAULTS`'s ``reuse_predictor``.
+REUSE_PREDICTORS = ("session-state", "online", "trained")
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -180,8 +183,9 @@ class LearnedPolicy(Sampler):
                         "reuse_predictor": reuse_predictor}
         if admission not in ADMISSION_ORDERS:
             raise ValueError(f"option admission must be one of {', '.join(ADMISSION_ORDERS)}, got {admission!r}")
-        if reuse_predictor not in ("online", "trained"):
-            raise ValueError(f"option reuse_predictor must be 'online' or 'trained', got {reuse_predictor!r}")
+        if reuse_predictor not in REUSE_PREDICTORS:
+            raise ValueError(f"option reuse_predictor must be one of {', '.join(REUSE_PREDICTORS)}, "
+                             f"got {reuse_predictor!r}")
         self.admission = admission
         self.mode = mode
         self.temperature = check_positive("temperature", temperature)
@@ -339,8 +343,10 @@ def _reuse_levers(offload: Any, host_eviction: Any, gpu_eviction: Any) -> tuple[
 
 def _reuse_predictor(name: Any, predictors: Path) -> Any:
     """The runtime option ``reuse_predictor``'s predictor (checked by the policy): the bundle's trained reuse model
-    (POLICY_DIR/predictors/reuse) for "trained", else the online one."""
-    return read_reuse(predictors) if name == "trained" else OnlineNextUse()
+    (POLICY_DIR/predictors/reuse) for "trained", the online reuse model for "online", else the sessions' state."""
+    if name == "trained":
+        return read_reuse(predictors)
+    return OnlineNextUse() if name == "online" else SessionStateNextUse()
 
 
 def create_learned(model: Optional[str] = None, mode: str = "serve", **options: Any) -> LearnedPolicy:

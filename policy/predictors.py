@@ -21,6 +21,7 @@ from typing import Any, Optional, Protocol
 import pyarrow as pa
 
 from policy.interface import CachedPrefix, CandidateRequest, Event, EventKind, RequestMeta
+from policy.session_reuse import SessionStateNextUse
 
 #: Returned when nothing is known; sorts last for shortest-first policies.
 UNKNOWN = math.inf
@@ -383,7 +384,8 @@ REUSE_PREDICTOR = PredictorOption(
     option="reuse_predictor",
     method="next_use_s",
     signature="next_use_s(prefixes, now_s)",
-    builders={"auto": _auto_reuse, "oracle": OracleReusePredictor.from_workload, "online": lambda _: OnlineNextUse()},
+    builders={"auto": _auto_reuse, "oracle": OracleReusePredictor.from_workload, "online": lambda _: OnlineNextUse(),
+              "session-state": lambda _: SessionStateNextUse()},
     hindsight={"oracle": "future requests; needs columns session_id, turn, block_hashes"},
     production="reuse_predictor='online' (the default without a workload) or a trained reuse model's directory",
     model="reuse",

@@ -269,16 +269,26 @@ class HostTierLever(Lever):
             if info is not None:
                 m = info.meta
                 running[m.session_id if m.session_id is not None else r.request_id] = m
+        waiting: dict[str, tuple[RequestMeta, int]] = {}  # owner -> (its waiting request's meta, queue position)
+        for pos, r in enumerate(sched.waiting):
+            info = self.tr.infos.get(r.request_id)
+            if info is not None:
+                m = info.meta
+                waiting.setdefault(m.session_id if m.session_id is not None else r.request_id, (m, pos))
         paused = self.tr.sessions
         metas, last = self.metas, self.last_used
         out = []
         for owner, keys in cp.owned.items():
-            meta = running.get(owner) or metas.get(owner)
+            w = None if owner in running else waiting.get(owner)
+            # the meta of the owner's last request that used the tier (a waiting owner's too: its next use is
+            # the queued request's, which a hindsight look-up by request must not skip as the owner's own)
+            meta = running.get(owner) or metas.get(owner) or (w[0] if w is not None else None)
             if meta is None:
                 continue
-            state = (OwnerState.RUNNING if owner in running
+            state = (OwnerState.RUNNING if owner in running else OwnerState.WAITING if w is not None
                      else OwnerState.PAUSED_TOOL if owner in paused else OwnerState.FINISHED)
-            out.append(CachedPrefix(owner, owner, state, meta, (), (), last.get(owner, 0.0), tier_blocks=len(keys)))
+            out.append(CachedPrefix(owner, owner, state, meta, (), (), last.get(owner, 0.0), tier_blocks=len(keys),
+                                    queue_position=w[1] if w is not None else None))
         for owner, meta in running.items():
             if owner not in cp.owned:
                 out.append(CachedPrefix(owner, owner, OwnerState.RUNNING, meta, (), (), last.get(owner, 0.0)))

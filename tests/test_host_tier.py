@@ -187,3 +187,26 @@ def test_oracle_offload_runs_both_tiers_in_a_simulation(vllm_engine):
     assert orc.offload.offload_loaded_blocks / orc.offload.offload_stored_blocks > \
         lru.offload.offload_loaded_blocks / lru.offload.offload_stored_blocks
     assert orc.bound.makespan_over_bound >= 1.0
+
+
+def test_a_session_whose_next_turn_is_queued_is_a_waiting_owner_at_its_queue_position():
+    """The tier's candidates say where each owner's session is: running, queued (and where in the queue the
+    policy put it), paused on a tool, or done; a queued owner keeps its last tier user's meta."""
+    from policy.interface import RequestMeta
+    from serving_hook.host_tier import HostTierLever, KVPilotCachePolicy
+
+    metas = {f"{s}-t{t}": RequestMeta(session_id=s, turn=t, tool="bash") for s in "abcd" for t in (0, 1)}
+    req = {rid: SimpleNamespace(request_id=rid) for rid in metas}
+    sched = SimpleNamespace(running=[req["a-t1"]], waiting=[req["d-t0"], req["b-t1"]], kvpilot_clock=lambda: 5.0)
+    tr = SimpleNamespace(infos={rid: SimpleNamespace(meta=m) for rid, m in metas.items()}, sessions={"c": 0})
+    guard = SimpleNamespace(stats=None)
+    lever = HostTierLever(sched, None, guard, tr, None)
+    cp = KVPilotCachePolicy(16)
+    cp.kvpilot_lever = lever
+    _fill(cp, [("a-t0", _keys("a", 2)), ("b-t0", _keys("b", 3)), ("c-t0", _keys("c", 2))])
+    got = {p.prefix_id: p for p in lever._prefixes(cp, None)}
+    assert got["a"].owner_state is OwnerState.RUNNING and got["a"].meta.turn == 1
+    assert got["b"].owner_state is OwnerState.WAITING and got["b"].queue_position == 1
+    assert got["b"].meta.turn == 0 and got["b"].tier_blocks == 3  # the meta of b's turn that stored
+    assert got["c"].owner_state is OwnerState.PAUSED_TOOL and got["c"].queue_position is None
+    assert "d" not in got  # nothing of d in the tier, and it does not run

@@ -278,34 +278,36 @@ def test_save_load_round_trip(policy_dir: Path) -> None:
     assert LearnedPolicy.load(again).admit(waiting, _state()).order == a.admit(waiting, _state()).order
 
 
-def test_the_host_tier_reuse_predictor_is_online_by_default_or_the_trained_one(policy_dir: Path, tmp_path: Path,
-                                                                               predictors_dir: Path) -> None:
+def test_the_host_tier_reuse_predictor_is_the_session_state_by_default_or_online_or_trained(
+        policy_dir: Path, tmp_path: Path, predictors_dir: Path) -> None:
     from policy.predictors import OnlineNextUse
+    from policy.session_reuse import SessionStateNextUse
     from predictors.reuse import ReuseModel
     from tests.test_predictors_features import fake_telemetry, small_workload
     from predictors.features import prepare_requests
 
     tier = LearnedPolicy.load(policy_dir, offload=True)
-    assert tier.uses_host_eviction and isinstance(tier.reuse, OnlineNextUse)
+    assert tier.uses_host_eviction and isinstance(tier.reuse, SessionStateNextUse)
+    assert isinstance(LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="online").reuse, OnlineNextUse)
     # "trained" with no reuse model in the bundle: vLLM's LRU in the tier
     assert not LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="trained").uses_host_eviction
     w = small_workload(steps=2, prompts=4)
     ReuseModel.fit(prepare_requests(fake_telemetry(w), w), num_trees=5).save(policy_dir / "predictors" / "reuse")
     trained = LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="trained")
     assert isinstance(trained.reuse, ReuseModel)
-    with pytest.raises(PolicyLoadError, match="reuse_predictor must be 'online' or 'trained'"):
+    with pytest.raises(PolicyLoadError, match="reuse_predictor must be one of session-state, online, trained"):
         LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="oracle")
 
 
 def test_gpu_eviction_orders_the_gpu_by_the_same_reuse_predictor(policy_dir: Path) -> None:
     """``gpu_eviction``: the GPU's cached prefixes leave furthest predicted next use first (ties: vLLM's LRU order),
     with or without the tier, from the one reuse model the tier uses; off by default (vLLM's LRU)."""
-    from policy.predictors import OnlineNextUse
+    from policy.session_reuse import SessionStateNextUse
     from tests.test_baselines_retention import INF, StubReuse, engine_state, prefix
 
     assert not LearnedPolicy.load(policy_dir, offload=True).uses_eviction
     gpu = LearnedPolicy.load(policy_dir, gpu_eviction=True)
-    assert gpu.uses_eviction and not gpu.uses_host_eviction and isinstance(gpu.reuse, OnlineNextUse)
+    assert gpu.uses_eviction and not gpu.uses_host_eviction and isinstance(gpu.reuse, SessionStateNextUse)
     both = LearnedPolicy.load(policy_dir, gpu_eviction=True, offload=True)
     assert both.uses_eviction and both.uses_host_eviction
     gpu.reuse = StubReuse({"a": 1005.0, "b": INF, "c": 1100.0, "d": 1005.0})

@@ -1,0 +1,102 @@
+"""When a CPU-tier owner's blocks are next needed, from where its session is: the learned policy's tier order.
+
+A tier owner is a session (or a request without one). Its next use follows from the session's state, as the
+hindsight oracle (:class:`policy.predictors.OracleReusePredictor`) reads it from the workload, with what the
+engine can know instead of hindsight:
+
+* ``WAITING`` (its next request is queued at ``queue_position``): when admission reaches it, estimated as that
+  position over the engine's admission rate (requests scheduled per second over the last
+  :data:`RATE_WINDOW` admissions);
+* ``PAUSED_TOOL``: when its tool returns: the pause's start plus the tool's expected latency, not before now;
+* ``RUNNING``: now plus the expected latency of the tool its turn will call (the generation left is not
+  counted, as the oracle does not count it); a turn that calls no tool ends its session: never;
+* ``FINISHED``: never (``inf``).
+
+The tool's expected latency is the request's ``expected_pause_s`` hint when the framework sends one, else the
+mean of that tool's pauses seen so far (``TOOL_CALL_STARTED`` to ``TOOL_CALL_ENDED``; over the last
+:data:`LATENCY_WINDOW` once that many are seen), else ``default_latency_s``. No model and no training: it
+learns from the engine's own events as it serves. Measured where memory binds in
+docs/results/2026-12-04-tier-by-session-state.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Optional
+
+from policy.interface import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
+
+#: Admissions over which the admission rate is measured.
+RATE_WINDOW = 256
+#: Pauses of a tool after which its mean latency moves as an exponential average over about this many.
+LATENCY_WINDOW = 100
+#: Sessions whose pause start is remembered at most (a session that never returns is forgotten first).
+MAX_PAUSED = 100_000
+
+
+class SessionStateNextUse:
+    """A reuse predictor (``next_use_s`` / ``observe``) for the CPU tier's owners; see the module docstring."""
+
+    def __init__(self, default_latency_s: float = 1.0) -> None:
+        if not default_latency_s >= 0.0:
+            raise ValueError(f"default_latency_s must be >= 0, got {default_latency_s!r}")
+        self.default_latency_s = float(default_latency_s)
+        self._admitted: deque[float] = deque(maxlen=RATE_WINDOW)  # times of the last admissions
+        self._paused: dict[str, tuple[float, str]] = {}  # session -> (pause start, tool)
+        self._latency: dict[str, tuple[float, int]] = {}  # tool -> (mean latency, pauses seen)
+
+    def observe(self, event: Event) -> None:
+        kind = event.kind
+        if kind is EventKind.SCHEDULED:
+            self._admitted.append(event.time_s)
+            return
+        sid = event.meta.session_id
+        if sid is None:
+            return
+        if kind is EventKind.TOOL_CALL_STARTED:
+            paused = self._paused
+            paused[sid] = (event.time_s, event.meta.tool or "")
+            if len(paused) > MAX_PAUSED:
+                del paused[next(iter(paused))]
+        elif kind is EventKind.TOOL_CALL_ENDED:
+            start = self._paused.pop(sid, None)
+            if start is not None:
+                t0, tool = start
+                mean, n = self._latency.get(tool, (0.0, 0))
+                n += 1
+                self._latency[tool] = (mean + (event.time_s - t0 - mean) / min(n, LATENCY_WINDOW), n)
+
+    def latency_s(self, meta: RequestMeta) -> float:
+        """The expected latency of the tool a turn with ``meta`` calls."""
+        if meta.expected_pause_s is not None:
+            return float(meta.expected_pause_s)
+        seen = self._latency.get(meta.tool or "")
+        return seen[0] if seen is not None else self.default_latency_s
+
+    def admission_rate(self, now_s: float) -> Optional[float]:
+        """Requests admitted per second over the last :data:`RATE_WINDOW` admissions (None before two)."""
+        a = self._admitted
+        if len(a) < 2:
+            return None
+        return (len(a) - 1) / max(now_s - a[0], a[-1] - a[0], 1e-9)
+
+    def next_use_s(self, prefixes: Sequence[CachedPrefix], now_s: float) -> list[float]:
+        rate = self.admission_rate(now_s)
+        paused = self._paused
+        out = []
+        for p in prefixes:
+            state, meta = p.owner_state, p.meta
+            if state is OwnerState.WAITING:
+                pos = p.queue_position or 0
+                out.append(now_s + (pos / rate if rate else 0.0))
+            elif state is OwnerState.PAUSED_TOOL:
+                start = paused.get(meta.session_id) if meta.session_id is not None else None
+                t0 = start[0] if start is not None else p.last_used_s
+                out.append(max(now_s, t0 + self.latency_s(meta)))
+            elif state is OwnerState.RUNNING and meta.tool is not None:
+                out.append(now_s + self.latency_s(meta))
+            else:
+                out.append(math.inf)
+        return out
