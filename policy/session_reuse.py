@@ -13,8 +13,8 @@ engine can know instead of hindsight:
 * ``FINISHED``: never (``inf``).
 
 The tool's expected latency is the request's ``expected_pause_s`` hint when the framework sends one, else the
-mean of that tool's pauses seen so far (``TOOL_CALL_STARTED`` to ``TOOL_CALL_ENDED``; over the last
-:data:`LATENCY_WINDOW` once that many are seen), else ``default_latency_s``. No model and no training: it
+mean of all that tool's pauses seen so far (``TOOL_CALL_STARTED`` to ``TOOL_CALL_ENDED``; measured, an
+exponential average over the last 100 instead ran 3% slower where memory binds), else ``default_latency_s``. No model and no training: it
 learns from the engine's own events as it serves. Measured where memory binds in
 docs/results/2026-12-04-tier-by-session-state.md.
 """
@@ -30,8 +30,6 @@ from policy.interface import CachedPrefix, Event, EventKind, OwnerState, Request
 
 #: Admissions over which the admission rate is measured.
 RATE_WINDOW = 256
-#: Pauses of a tool after which its mean latency moves as an exponential average over about this many.
-LATENCY_WINDOW = 100
 #: Sessions whose pause start is remembered at most (a session that never returns is forgotten first).
 MAX_PAUSED = 100_000
 
@@ -45,7 +43,7 @@ class SessionStateNextUse:
         self.default_latency_s = float(default_latency_s)
         self._admitted: deque[float] = deque(maxlen=RATE_WINDOW)  # times of the last admissions
         self._paused: dict[str, tuple[float, str]] = {}  # session -> (pause start, tool)
-        self._latency: dict[str, tuple[float, int]] = {}  # tool -> (mean latency, pauses seen)
+        self._latency: dict[str, tuple[float, int]] = {}  # tool -> (mean latency of its pauses, pauses seen)
 
     def observe(self, event: Event) -> None:
         kind = event.kind
@@ -66,7 +64,7 @@ class SessionStateNextUse:
                 t0, tool = start
                 mean, n = self._latency.get(tool, (0.0, 0))
                 n += 1
-                self._latency[tool] = (mean + (event.time_s - t0 - mean) / min(n, LATENCY_WINDOW), n)
+                self._latency[tool] = (mean + (event.time_s - t0 - mean) / n, n)
 
     def latency_s(self, meta: RequestMeta) -> float:
         """The expected latency of the tool a turn with ``meta`` calls."""

@@ -8,7 +8,7 @@ import pytest
 
 from policy.common import furthest_first
 from policy.interface import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
-from policy.session_reuse import LATENCY_WINDOW, SessionStateNextUse
+from policy.session_reuse import RATE_WINDOW, SessionStateNextUse
 
 
 def _ev(kind: EventKind, t: float, sid: str | None = None, tool: str | None = None) -> Event:
@@ -57,14 +57,19 @@ def test_next_use_follows_each_sessions_state() -> None:
     assert order.index("s-hinted") < order.index("s-waiting-5th") < order.index("s-running") < order.index("s-paused")
 
 
-def test_before_any_admission_a_queued_turn_is_needed_now_and_latency_tracks_recent_pauses() -> None:
+def test_before_any_admission_a_queued_turn_is_needed_now_and_the_rate_is_the_recent_one() -> None:
     p = SessionStateNextUse()
     assert p.admission_rate(5.0) is None
     assert p.next_use_s([_owner("w", OwnerState.WAITING, pos=7)], 5.0) == [5.0]
-    for i in range(LATENCY_WINDOW + 300):  # long pauses first, then a tool that got fast: the mean follows
-        lat = 10.0 if i < LATENCY_WINDOW else 1.0
-        p.observe(_ev(EventKind.TOOL_CALL_STARTED, 100.0 * i, "s", "bash"))
-        p.observe(_ev(EventKind.TOOL_CALL_ENDED, 100.0 * i + lat, "s"))
-    assert p.latency_s(RequestMeta(tool="bash")) < 2.0
+    for i in range(RATE_WINDOW):  # a burst: 10 admissions a second
+        p.observe(_ev(EventKind.SCHEDULED, 0.1 * i))
+    for i in range(RATE_WINDOW):  # then one a second: the rate follows the last RATE_WINDOW admissions
+        p.observe(_ev(EventKind.SCHEDULED, 1000.0 + i))
+    assert p.admission_rate(1000.0 + RATE_WINDOW - 1) == pytest.approx(1.0)
+    # a tool's latency is the mean of its pauses
+    for i, lat in enumerate((1.0, 2.0, 6.0)):
+        p.observe(_ev(EventKind.TOOL_CALL_STARTED, 10.0 * i, "s", "bash"))
+        p.observe(_ev(EventKind.TOOL_CALL_ENDED, 10.0 * i + lat, "s"))
+    assert p.latency_s(RequestMeta(tool="bash")) == pytest.approx(3.0)
     with pytest.raises(ValueError, match="default_latency_s"):
         SessionStateNextUse(default_latency_s=-1.0)
