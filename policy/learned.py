@@ -97,7 +97,7 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # a queued turn's place in the admission order over the admission rate, a paused tool's expected return, learned
     # from the engine's own events), "online" (the online LightGBM reuse model) or "trained" (the one bundled in
     # predictors/reuse, fitted on the exploring logs). Where memory binds (H200-32B, GPU capacity, 64 GiB tier,
-    # held-out agentic step) "session-state" ran 3,452.8 s against "online"'s 3,726.5 s with the same policy
+    # held-out agentic step) "session-state" ran 3,507.5 s against "online"'s 3,726.5 s with the same policy
     # (docs/results/2026-12-04-tier-by-session-state.md). On the tier the online model never gets a model: the
     # tier's candidates are sessions with no block hashes, so it takes no samples, every next use is inf, and its
     # order is the owners' LRU (last store or reuse) with the bypass rule.
