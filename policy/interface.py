@@ -348,9 +348,10 @@ class Policy:
         host blocks (a session, or a request without one: the last request that stored or reused them) and
         per running request's session, with ``tier_blocks`` its blocks in the tier, ``block_ids`` empty,
         ``owner_state`` RUNNING / WAITING (its session's next request is queued, at ``queue_position``) /
-        PAUSED_TOOL / FINISHED and ``last_used_s`` the last time one of its requests used the tier. The listed owners' blocks go first (deepest block first), the rest in vLLM's LRU
-        order; a store whose own owner is listed before enough room is found is skipped (Belady's bypass:
-        the tier keeps what it holds). ``None``: vLLM's LRU.
+        PAUSED_TOOL / FINISHED and ``last_used_s`` the last time one of its requests used the tier. The listed
+        owners' blocks go first (deepest block first), the rest in vLLM's LRU order; a store whose own owner is
+        listed before enough room is found is skipped (Belady's bypass: the tier keeps what it holds). ``None``:
+        vLLM's LRU.
         """
         return None
 

@@ -14,9 +14,9 @@ engine can know instead of hindsight:
 
 The tool's expected latency is the request's ``expected_pause_s`` hint when the framework sends one, else the
 mean of all that tool's pauses seen so far (``TOOL_CALL_STARTED`` to ``TOOL_CALL_ENDED``; measured, an
-exponential average over the last 100 instead ran 3% slower where memory binds), else ``default_latency_s``. No model and no training: it
-learns from the engine's own events as it serves. Measured where memory binds in
-docs/results/2026-12-04-tier-by-session-state.md.
+exponential average over the last 100 instead ran 3% slower where memory binds), else ``default_latency_s``.
+No model and no training: it learns from the engine's own events as it serves. Measured where memory binds
+in docs/results/2026-12-04-tier-by-session-state.md.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class SessionStateNextUse:
                 pos = p.queue_position or 0
                 out.append(now_s + (pos / rate if rate else 0.0))
             elif state is OwnerState.PAUSED_TOOL:
-                start = paused.get(meta.session_id) if meta.session_id is not None else None
+                start = paused.get(meta.session_id)
                 t0 = start[0] if start is not None else p.last_used_s
                 out.append(max(now_s, t0 + self.latency_s(meta)))
             elif state is OwnerState.RUNNING and meta.tool is not None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
@@ -263,18 +263,10 @@ class HostTierLever(Lever):
 
     def _prefixes(self, cp: KVPilotCachePolicy, storer: Optional[str]) -> list[CachedPrefix]:
         sched = self.sched
-        running = {}
-        for r in sched.running:
-            info = self.tr.infos.get(r.request_id)
-            if info is not None:
-                m = info.meta
-                running[m.session_id if m.session_id is not None else r.request_id] = m
+        running = {owner: m for _, owner, m in self._owners(sched.running)}
         waiting: dict[str, tuple[RequestMeta, int]] = {}  # owner -> (its waiting request's meta, queue position)
-        for pos, r in enumerate(sched.waiting):
-            info = self.tr.infos.get(r.request_id)
-            if info is not None:
-                m = info.meta
-                waiting.setdefault(m.session_id if m.session_id is not None else r.request_id, (m, pos))
+        for pos, owner, m in self._owners(sched.waiting):
+            waiting.setdefault(owner, (m, pos))
         paused = self.tr.sessions
         metas, last = self.metas, self.last_used
         out = []
@@ -297,6 +289,15 @@ class HostTierLever(Lever):
             state = OwnerState.PAUSED_TOOL if storer in paused else OwnerState.FINISHED
             out.append(CachedPrefix(storer, storer, state, metas[storer], (), (), last.get(storer, 0.0)))
         return out
+
+    def _owners(self, reqs: Iterable[Any]) -> Iterator[tuple[int, str, RequestMeta]]:
+        """``(position, owner, meta)`` of each of ``reqs`` the hook knows (owner: its session, else itself)."""
+        infos = self.tr.infos
+        for pos, r in enumerate(reqs):
+            info = infos.get(r.request_id)
+            if info is not None:
+                m = info.meta
+                yield pos, (m.session_id if m.session_id is not None else r.request_id), m
 
     def forget_step(self) -> None:
         """A prefix-cache reset cleared the tier: the step's order is stale."""
