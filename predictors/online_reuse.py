@@ -33,6 +33,10 @@ learned from what the eviction lever and the events show, with no training data:
   one class, or any training error, is counted in ``train_failures`` and
   leaves the current model (none before the first success: the policy keeps
   LRU).
+* **Memory.** A server runs for days: what the learner keeps per request (its first scheduling, its finish,
+  whether its chain is known) and per recorded node (its uses) is bounded by ``max_requests`` and
+  ``max_nodes``. Past a bound the older half goes: the requests seen first, the nodes used least recently
+  (a node used again later starts afresh).
 
 Features (:data:`ONLINE_REUSE_FEATURES`), all from the known past: the tail
 node's uses so far (``hits``), time since its last use or since the prefix was
@@ -139,19 +143,22 @@ class OnlineReuseLearner:
 
     def __init__(self, horizon_s: float = 30.0, window: int = 4096, retrain_every: int = 512,
                  min_labels: int = 256, samples_per_call: int = 8, num_trees: int = 32, num_threads: int = 1,
-                 chain_stride: int = 8, background: bool = False, seed: int = 0) -> None:
+                 chain_stride: int = 8, background: bool = False, seed: int = 0, max_requests: int = 200_000,
+                 max_nodes: int = 200_000) -> None:
         for name, v in (("horizon_s", horizon_s),):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"option {name} must be a finite number > 0, got {v!r}")
         for name, v in (("window", window), ("retrain_every", retrain_every), ("min_labels", min_labels),
                         ("samples_per_call", samples_per_call), ("num_trees", num_trees),
-                        ("num_threads", num_threads), ("chain_stride", chain_stride)):
+                        ("num_threads", num_threads), ("chain_stride", chain_stride), ("max_requests", max_requests),
+                        ("max_nodes", max_nodes)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"option {name} must be a positive integer, got {v!r}")
         self.horizon_s = float(horizon_s)
         self.retrain_every, self.min_labels = retrain_every, min_labels
         self.samples_per_call, self.num_trees = samples_per_call, num_trees
         self.num_threads, self.chain_stride = num_threads, chain_stride
+        self.max_requests, self.max_nodes = max_requests, max_nodes
         self.rng = random.Random(seed)
         self.model: Optional[lgb.Booster] = None
         self.stats = OnlineReuseStats()
@@ -160,7 +167,7 @@ class OnlineReuseLearner:
         self.labelled: deque[tuple[float, float, float, float]] = deque(maxlen=100_000)
         self.last_error: Optional[str] = None  # why the last retraining failed
         self._keys: dict[int, _Key] = {}  # recorded node (block hash) -> its uses
-        self._known: set[str] = set()  # requests whose chain was learned
+        self._known: dict[str, None] = {}  # requests whose chain was learned (an ordered set: oldest first)
         self._sched: dict[str, float] = {}  # request -> first scheduled time
         self._done: dict[str, tuple[float, int, int]] = {}  # request -> (finish, prompt, output tokens)
         self._unresolved: dict[str, float] = {}  # scheduled, chain not learned yet -> scheduled time
@@ -211,12 +218,25 @@ class OnlineReuseLearner:
             self._pending_by_key.setdefault(smp.key, []).append(smp)
             self.stats.samples += 1
         self._last_call_s = now_s
+        self._bound()
         self.stats.observe_s += time.perf_counter() - t0
         self._maybe_retrain()
 
+    def _bound(self) -> None:
+        """Keep the per-request and per-node records within ``max_requests`` and ``max_nodes`` (module doc)."""
+        for d in (self._sched, self._done, self._known, self._unresolved):
+            if len(d) > self.max_requests:
+                for rid in list(d)[: len(d) // 2]:  # dicts keep insertion order: the oldest first
+                    del d[rid]
+        keys = self._keys
+        if len(keys) > self.max_nodes:
+            lasts = np.fromiter((k.last for k in keys.values()), float, len(keys))
+            cut = np.partition(lasts, len(lasts) // 2)[len(lasts) // 2]
+            self._keys = {h: k for h, k in keys.items() if k.last >= cut}
+
     def _learn_chain(self, p: CachedPrefix, now_s: float) -> None:
         rid = p.owner_request_id
-        self._known.add(rid)
+        self._known[rid] = None
         self._unresolved.pop(rid, None)
         hashes = p.block_hashes
         use = self._sched.get(rid, p.last_used_s)

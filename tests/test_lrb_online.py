@@ -191,9 +191,34 @@ def test_retraining_follows_the_cadence():
     assert p_hot > 0.5 > p_cold
 
 
+def test_records_stay_within_their_bounds_and_the_hot_key_is_kept():
+    """A long run keeps at most max_requests per-request records and max_nodes nodes; the hot node (used in every
+    call) survives every pruning, so the model still tells it from the cold ones."""
+    lr = OnlineReuseLearner(horizon_s=2.0, samples_per_call=4, min_labels=16, retrain_every=16, seed=1,
+                            max_requests=64, max_nodes=48)
+    sizes = []
+    for i in range(300):
+        t = float(i)
+        _use(lr, f"h{i}", t)
+        _use(lr, f"c{i}", t)
+        lr.observe_candidates([_prefix(f"h{i}", 1, 4, t + 0.5), _prefix(f"c{i}", 100 + i, 4, t + 0.5)], [0, 0], t + 0.6)
+        sizes.append((len(lr._sched), len(lr._done), len(lr._known), len(lr._keys)))
+    assert max(s[0] for s in sizes) <= 64 and max(s[1] for s in sizes) <= 64 and max(s[2] for s in sizes) <= 64
+    assert max(s[3] for s in sizes) <= 48
+    assert min(s[3] for s in sizes[100:]) < max(s[3] for s in sizes[100:])  # it was pruned, more than once
+    hot = lr._keys.get(1000)  # the hot chains' leading block (_prefix: lead * 1000)
+    assert hot is not None and hot.hits > 100
+    p_hot, p_cold = lr.model.predict([lr.features(_prefix("q", 1, 4, 300.0), 0, 301.0),
+                                      lr.features(_prefix("q2", 9999, 4, 300.0), 0, 301.0)])
+    assert p_hot > 0.5 > p_cold
+    with pytest.raises(ValueError, match="max_nodes"):
+        OnlineReuseLearner(max_nodes=0)
+
+
 def test_registered_with_options():
-    p = create_policy("lrb-online", horizon_s=5.0, window=100)
+    p = create_policy("lrb-online", horizon_s=5.0, window=100, max_nodes=1000)
     assert isinstance(p, OnlineLrbEvictionPolicy) and p.learner.horizon_s == 5.0 and p.learner.window.maxlen == 100
+    assert p.learner.max_nodes == 1000 and p.learner.max_requests == 200_000
     with pytest.raises(ValueError, match="retrain_every"):
         create_policy("lrb-online", retrain_every=0)
 

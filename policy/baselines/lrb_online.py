@@ -64,13 +64,16 @@ class OnlineLrbEvictionPolicy(SampledNextUseEvictionPolicy):
         num_threads: int = 1,
         chain_stride: int = 8,
         background: bool = False,
+        max_requests: int = 200_000,
+        max_nodes: int = 200_000,
         cover_blocks: Optional[int] = None,
         max_candidates: Optional[int] = None,
     ) -> None:
         learner = OnlineReuseLearner(
             horizon_s=horizon_s, window=window, retrain_every=retrain_every, min_labels=min_labels,
             samples_per_call=samples_per_call, num_trees=num_trees, num_threads=num_threads,
-            chain_stride=chain_stride, background=background, seed=seed,
+            chain_stride=chain_stride, background=background, seed=seed, max_requests=max_requests,
+            max_nodes=max_nodes,
         )
         super().__init__(sample_size=sample_size, seed=seed, reuse_predictor=learner, max_candidates=max_candidates)
         self.learner = learner
