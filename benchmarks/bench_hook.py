@@ -206,13 +206,17 @@ def table(engine, mode, what, steps, sizes):
 
 SESSION_PAUSE_STEPS = 10
 SESSION_TURNS = 5
+#: A turn's output tokens, from MIN to MAX (a hash of its id): short turns, so that about 4 of 128 running
+#: sessions finish a turn in every step (the levers' worst case: decisions in every step).
+TURN_TOKENS = (16, 48)
 
 
-def sessions_build(engine, cls, running, tier_share=4.0, host_policy=False):
+def sessions_build(engine, cls, running, tier_share=4.0, host_policy=False, turn_tokens=TURN_TOKENS):
     """A scheduler with the CPU tier and ``running`` + WAITING agent sessions, and its turn driver.
 
     ``tier_share``: the tier's blocks over the GPU's (which hold every session); ``host_policy``: kvpilot's
-    ``CachePolicy`` in the tier (:mod:`serving_hook.host_tier`), else vLLM's LRU.
+    ``CachePolicy`` in the tier (:mod:`serving_hook.host_tier`), else vLLM's LRU; ``turn_tokens``: (min, max)
+    output tokens of a turn.
     """
     from simulator.cost_model import CostModel
     from simulator.offload import OffloadWorker
@@ -236,7 +240,7 @@ def sessions_build(engine, cls, running, tier_share=4.0, host_policy=False):
     def add(sid, turn):
         rid = f"{sid}-t{turn}"
         p = prompts[sid]
-        out = lengths[rid] = 16 + zlib.crc32(rid.encode()) % 33
+        out = lengths[rid] = turn_tokens[0] + zlib.crc32(rid.encode()) % (turn_tokens[1] - turn_tokens[0] + 1)
         meta = {"kvpilot_session_id": sid, "kvpilot_turn": turn, "kvpilot_tool": "bash", "kvpilot_domain": "swe",
                 "kvpilot_group_id": f"g{int(sid[1:].rstrip('n')) // 8}", "kvpilot_group_size": 8}
         s.add_request(engine.make_request(rid, p, out, arrival_time=now[0], extra_args=meta))
