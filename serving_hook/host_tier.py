@@ -211,6 +211,7 @@ class HostTierLever(Lever):
         self._step = -1
         self._order: Optional[list] = None
         self._ranked: set = set()  # the owners the step's order ranked
+        self._running_prefixes: dict[str, CachedPrefix] = {}  # see _prefixes
 
     def owner_of(self, req_id: str) -> str:
         """The owner of what ``req_id`` stores or reuses: its session, else itself (meta noted for later)."""
@@ -262,15 +263,26 @@ class HostTierLever(Lever):
         return self._order
 
     def _prefixes(self, cp: KVPilotCachePolicy, storer: Optional[str]) -> list[CachedPrefix]:
-        sched = self.sched
-        running = {owner: m for _, owner, m in self._owners(sched.running)}
-        waiting: dict[str, tuple[RequestMeta, int]] = {}  # owner -> (its waiting request's meta, queue position)
-        for pos, owner, m in self._owners(sched.waiting):
-            waiting.setdefault(owner, (m, pos))
+        infos = self.tr.infos
+        owned = cp.owned
+        running: dict[str, RequestMeta] = {}  # owner -> its running request's meta
+        for r in self.sched.running:
+            info = infos.get(r.request_id)
+            if info is not None:
+                m = info.meta
+                running[m.session_id if m.session_id is not None else r.request_id] = m
+        waiting: dict[str, tuple[RequestMeta, int]] = {}  # tier owner -> (its waiting request's meta, queue position)
+        for pos, r in enumerate(self.sched.waiting):
+            info = infos.get(r.request_id)
+            if info is not None:
+                m = info.meta
+                owner = m.session_id if m.session_id is not None else r.request_id
+                if owner in owned and owner not in waiting:
+                    waiting[owner] = (m, pos)
         paused = self.tr.sessions
         metas, last = self.metas, self.last_used
         out = []
-        for owner, keys in cp.owned.items():
+        for owner, keys in owned.items():
             w = None if owner in running else waiting.get(owner)
             # the meta of the owner's last request that used the tier (a waiting owner's too: its next use is
             # the queued request's, which a hindsight look-up by request must not skip as the owner's own)
@@ -281,23 +293,23 @@ class HostTierLever(Lever):
                      else OwnerState.PAUSED_TOOL if owner in paused else OwnerState.FINISHED)
             out.append(CachedPrefix(owner, owner, state, meta, (), (), last.get(owner, 0.0), tier_blocks=len(keys),
                                     queue_position=w[1] if w is not None else None))
+        # the running owners with nothing in the tier (each a possible storer): their candidates are kept from step
+        # to step while their request and last use are the same (most of them: few turns end in a step)
+        made, kept = self._running_prefixes, {}
         for owner, meta in running.items():
-            if owner not in cp.owned:
-                out.append(CachedPrefix(owner, owner, OwnerState.RUNNING, meta, (), (), last.get(owner, 0.0)))
-        if storer is not None and storer not in running and storer not in cp.owned and storer in metas:
+            if owner not in owned:
+                t = last.get(owner, 0.0)
+                p = made.get(owner)
+                if p is None or p.meta is not meta or p.last_used_s != t:
+                    p = CachedPrefix(owner, owner, OwnerState.RUNNING, meta, (), (), t)
+                kept[owner] = p
+                out.append(p)
+        self._running_prefixes = kept
+        if storer is not None and storer not in running and storer not in owned and storer in metas:
             # a finished request storing its last blocks, nothing of it in the tier yet
             state = OwnerState.PAUSED_TOOL if storer in paused else OwnerState.FINISHED
             out.append(CachedPrefix(storer, storer, state, metas[storer], (), (), last.get(storer, 0.0)))
         return out
-
-    def _owners(self, reqs: Iterable[Any]) -> Iterator[tuple[int, str, RequestMeta]]:
-        """``(position, owner, meta)`` of each of ``reqs`` the hook knows (owner: its session, else itself)."""
-        infos = self.tr.infos
-        for pos, r in enumerate(reqs):
-            info = infos.get(r.request_id)
-            if info is not None:
-                m = info.meta
-                yield pos, (m.session_id if m.session_id is not None else r.request_id), m
 
     def forget_step(self) -> None:
         """A prefix-cache reset cleared the tier: the step's order is stale."""
