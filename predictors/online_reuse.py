@@ -35,7 +35,7 @@ learned from what the eviction lever and the events show, with no training data:
   LRU).
 * **Memory.** A server runs for days: what the learner keeps per request (its first scheduling, its finish,
   whether its chain is known) and per recorded node (its uses) is bounded by ``max_requests`` and
-  ``max_nodes``. Past a bound the older half goes: the requests seen first, the nodes used least recently
+  ``max_nodes``. Past a bound, half the bound is kept: the requests seen last, the nodes used most recently
   (a node used again later starts afresh).
 
 Features (:data:`ONLINE_REUSE_FEATURES`), all from the known past: the tail
@@ -226,13 +226,13 @@ class OnlineReuseLearner:
         """Keep the per-request and per-node records within ``max_requests`` and ``max_nodes`` (module doc)."""
         for d in (self._sched, self._done, self._known, self._unresolved):
             if len(d) > self.max_requests:
-                for rid in list(d)[: len(d) // 2]:  # dicts keep insertion order: the oldest first
+                for rid in list(d)[: len(d) - self.max_requests // 2]:  # dicts keep insertion order: oldest first
                     del d[rid]
-        keys = self._keys
-        if len(keys) > self.max_nodes:
-            lasts = np.fromiter((k.last for k in keys.values()), float, len(keys))
-            cut = np.partition(lasts, len(lasts) // 2)[len(lasts) // 2]
-            self._keys = {h: k for h, k in keys.items() if k.last >= cut}
+        if len(self._keys) > self.max_nodes:  # the nodes used most recently stay, ties or not
+            items = list(self._keys.items())
+            lasts = np.fromiter((k.last for _, k in items), float, len(items))
+            newer = np.argpartition(lasts, len(items) - self.max_nodes // 2)[len(items) - self.max_nodes // 2:]
+            self._keys = dict(items[i] for i in np.sort(newer).tolist())
 
     def _learn_chain(self, p: CachedPrefix, now_s: float) -> None:
         rid = p.owner_request_id

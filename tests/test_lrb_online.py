@@ -213,6 +213,12 @@ def test_records_stay_within_their_bounds_and_the_hot_key_is_kept():
     assert p_hot > 0.5 > p_cold
     with pytest.raises(ValueError, match="max_nodes"):
         OnlineReuseLearner(max_nodes=0)
+    burst = OnlineReuseLearner(max_requests=8, max_nodes=4)  # one call over the bounds, every use at one time
+    for i in range(10):
+        _use(burst, f"b{i}", 0.0)
+    burst.observe_candidates([_prefix(f"b{i}", 10 + i, 1, 0.5) for i in range(10)], [0] * 10, 1.0)
+    assert len(burst._keys) == 2 and len(burst._sched) == len(burst._done) == len(burst._known) == 4
+    assert list(burst._sched) == ["b6", "b7", "b8", "b9"]  # the requests seen last
 
 
 def test_registered_with_options():
