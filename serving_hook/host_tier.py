@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
