@@ -21,7 +21,6 @@ from typing import Any, Optional, Protocol
 import pyarrow as pa
 
 from policy.interface import CachedPrefix, CandidateRequest, Event, EventKind, RequestMeta
-from policy.session_reuse import SessionStateNextUse
 
 #: Returned when nothing is known; sorts last for shortest-first policies.
 UNKNOWN = math.inf
@@ -375,6 +374,14 @@ class OnlineNextUse:
         return self.learner.next_use_s(prefixes, now_s)
 
 
+def _session_state(_: Any) -> Any:
+    """``"session-state"``: :class:`policy.session_reuse.SessionStateNextUse` (imported here: it reads the tool
+    latencies of :mod:`policy.baselines._tool_pauses`, which imports this module)."""
+    from policy.session_reuse import SessionStateNextUse
+
+    return SessionStateNextUse()
+
+
 def _auto_reuse(workload: Any) -> Any:
     """``"auto"``: the hindsight oracle where a simulated workload is given, else the online reuse model."""
     return OracleReusePredictor.from_workload(workload) if workload is not None else OnlineNextUse()
@@ -385,7 +392,7 @@ REUSE_PREDICTOR = PredictorOption(
     method="next_use_s",
     signature="next_use_s(prefixes, now_s)",
     builders={"auto": _auto_reuse, "oracle": OracleReusePredictor.from_workload, "online": lambda _: OnlineNextUse(),
-              "session-state": lambda _: SessionStateNextUse()},
+              "session-state": _session_state},
     hindsight={"oracle": "future requests; needs columns session_id, turn, block_hashes"},
     production="reuse_predictor='online' (the default without a workload) or a trained reuse model's directory",
     model="reuse",

@@ -26,12 +26,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Optional
 
+from policy.baselines._tool_pauses import ToolLatencies
 from policy.interface import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
 
 #: Admissions over which the admission rate is measured.
 RATE_WINDOW = 256
-#: Sessions whose pause start is remembered at most (a session that never returns is forgotten first).
-MAX_PAUSED = 100_000
 
 
 class SessionStateNextUse:
@@ -42,36 +41,20 @@ class SessionStateNextUse:
             raise ValueError(f"default_latency_s must be >= 0, got {default_latency_s!r}")
         self.default_latency_s = float(default_latency_s)
         self._admitted: deque[float] = deque(maxlen=RATE_WINDOW)  # times of the last admissions
-        self._paused: dict[str, tuple[float, str]] = {}  # session -> (pause start, tool)
-        self._latency: dict[str, tuple[float, int]] = {}  # tool -> (mean latency of its pauses, pauses seen)
+        self.tools = ToolLatencies()  # the sessions' pause clocks and each tool's latencies
 
     def observe(self, event: Event) -> None:
-        kind = event.kind
-        if kind is EventKind.SCHEDULED:
+        if event.kind is EventKind.SCHEDULED:
             self._admitted.append(event.time_s)
-            return
-        sid = event.meta.session_id
-        if sid is None:
-            return
-        if kind is EventKind.TOOL_CALL_STARTED:
-            paused = self._paused
-            paused[sid] = (event.time_s, event.meta.tool or "")
-            if len(paused) > MAX_PAUSED:
-                del paused[next(iter(paused))]
-        elif kind is EventKind.TOOL_CALL_ENDED:
-            start = self._paused.pop(sid, None)
-            if start is not None:
-                t0, tool = start
-                mean, n = self._latency.get(tool, (0.0, 0))
-                n += 1
-                self._latency[tool] = (mean + (event.time_s - t0 - mean) / n, n)
+        else:
+            self.tools.on_event(event)
 
     def latency_s(self, meta: RequestMeta) -> float:
         """The expected latency of the tool a turn with ``meta`` calls."""
         if meta.expected_pause_s is not None:
             return float(meta.expected_pause_s)
-        seen = self._latency.get(meta.tool or "")
-        return seen[0] if seen is not None else self.default_latency_s
+        seen = self.tools.mean_s(meta.tool)
+        return seen if seen is not None else self.default_latency_s
 
     def admission_rate(self, now_s: float) -> Optional[float]:
         """Requests admitted per second over the last :data:`RATE_WINDOW` admissions (None before two)."""
@@ -82,7 +65,7 @@ class SessionStateNextUse:
 
     def next_use_s(self, prefixes: Sequence[CachedPrefix], now_s: float) -> list[float]:
         rate = self.admission_rate(now_s)
-        paused = self._paused
+        paused_since = self.tools.paused_since_s
         out = []
         for p in prefixes:
             state, meta = p.owner_state, p.meta
@@ -90,9 +73,8 @@ class SessionStateNextUse:
                 pos = p.queue_position or 0
                 out.append(now_s + (pos / rate if rate else 0.0))
             elif state is OwnerState.PAUSED_TOOL:
-                start = paused.get(meta.session_id)
-                t0 = start[0] if start is not None else p.last_used_s
-                out.append(max(now_s, t0 + self.latency_s(meta)))
+                t0 = paused_since(meta.session_id)
+                out.append(max(now_s, (t0 if t0 is not None else p.last_used_s) + self.latency_s(meta)))
             elif state is OwnerState.RUNNING and meta.tool is not None:
                 out.append(now_s + self.latency_s(meta))
             else:

@@ -1,4 +1,5 @@
-"""Helpers shared by the baselines that act on tool pauses (Continuum, InferCept, working set).
+"""Helpers shared by the policies that act on tool pauses (Continuum, InferCept, working set; the learned policy's
+CPU-tier order, :mod:`policy.session_reuse`).
 
 * :class:`ToolLatencies` learns tool latencies online: ``TOOL_CALL_STARTED`` (a turn with tool metadata
   finished) starts a clock for its session, ``TOOL_CALL_ENDED`` (the session's next turn arrived) stops
@@ -6,7 +7,7 @@
   ``min_observations`` for a tool the pooled ones stand in, and with fewer than that too, the prior
   ``prior_ttl_s``. From them it gives a pin's TTL (the ``ttl_quantile``, clamped to
   ``[min_ttl_s, max_ttl_s]``), the chance the tool returns within it, the expected hold, and the
-  expected (remaining) pause.
+  expected (remaining) pause; and each tool's mean over every latency seen (:meth:`ToolLatencies.mean_s`).
 * :class:`SessionPins` remembers the prefixes a policy pinned for paused sessions and releases them once
   the session's next turn is scheduled (it has then taken its own references to the blocks it hit).
 * :class:`PauseEventsMixin` feeds a policy's ``latencies`` and ``pins`` their events, and hands them (with the
@@ -78,6 +79,7 @@ class ToolLatencies:
         self._lat: dict[Optional[str], deque] = {}
         self._all: deque = deque(maxlen=self.window)
         self._stats: dict[Optional[str], ToolStats] = {}
+        self._mean: dict[Optional[str], tuple[float, int]] = {}  # tool -> (mean of every latency, latencies seen)
         self._paused: dict[str, tuple[Optional[str], float]] = {}  # session -> (tool, started at)
 
     def on_event(self, event: Event) -> None:
@@ -104,6 +106,14 @@ class ToolLatencies:
         d.append(latency_s)
         self._all.append(latency_s)
         self._stats.clear()
+        mean, n = self._mean.get(tool, (0.0, 0))
+        n += 1
+        self._mean[tool] = (mean + (latency_s - mean) / n, n)
+
+    def mean_s(self, tool: Optional[str]) -> Optional[float]:
+        """The mean of every latency of ``tool`` seen so far (not only the window's); ``None`` before one."""
+        m = self._mean.get(tool)
+        return m[0] if m is not None else None
 
     def paused_since_s(self, session_id: Optional[str]) -> Optional[float]:
         """When the session's current tool call started; ``None`` when it is not paused (as far as we saw)."""
