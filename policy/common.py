@@ -104,8 +104,9 @@ def furthest_first(prefixes: Sequence[CachedPrefix], next_uses: Sequence[float])
     """Prefix ids, the furthest predicted next use first; ties: least recently freed first."""
     if len(next_uses) != len(prefixes):
         raise ValueError(f"reuse predictor returned {len(next_uses)} values for {len(prefixes)} prefixes")
-    keyed = sorted(
-        ((-_as_time(t), p.last_used_s, p.prefix_id) for p, t in zip(prefixes, next_uses)),
+    keyed = sorted(  # (a float that is not NaN is its own time: no conversion, the common case)
+        ((-(t if type(t) is float and t == t else _as_time(t)), p.last_used_s, p.prefix_id)
+         for p, t in zip(prefixes, next_uses)),
     )
     return [pid for _, _, pid in keyed]
 

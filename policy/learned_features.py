@@ -78,6 +78,24 @@ STEP_X = tuple(X[k] for k in ("log_wait_s", "kv_usage", "pinned_frac", "log_num_
 SET_X = _REL, _RANK = X["rel_pred_remaining"], X["rank_pred_remaining"]
 
 
+def _predicted(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(p50, p90, output so far, predicted remaining output) of each raw row, unknown predictions filled in."""
+    out = raw[:, R["output_tokens"]]
+    mx = np.nan_to_num(raw[:, R["max_tokens"]], nan=0.0)
+    p50 = raw[:, R["pred_p50"]]
+    p90 = raw[:, R["pred_p90"]]
+    # an unknown prediction: the request's remaining budget (as the baselines do)
+    p50 = np.where(np.isfinite(p50), p50, np.where(mx > 0, mx, 1024.0))
+    p90 = np.maximum(np.where(np.isfinite(p90), p90, p50), p50)
+    rem = remaining(p50, p90, out, mx)
+    return p50, p90, out, np.where(np.isfinite(rem), rem, p90)
+
+
+def log_remaining(raw: np.ndarray) -> np.ndarray:
+    """``log1p(predicted remaining output)`` of each raw row: :func:`row_features`' ``log_pred_remaining`` alone."""
+    return np.log1p(_predicted(np.asarray(raw, dtype=np.float64))[3])
+
+
 def row_features(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The per-request feature columns (float64; :data:`STEP_X` and :data:`SET_X` left 0), and ``log1p(remaining)``.
 
@@ -87,15 +105,7 @@ def row_features(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = raw.shape[0]
     x = np.zeros((n, len(FEATURES)), dtype=np.float64)
     c = lambda k: raw[:, R[k]]  # noqa: E731
-    out = c("output_tokens")
-    mx = np.nan_to_num(c("max_tokens"), nan=0.0)
-    p50 = c("pred_p50")
-    p90 = c("pred_p90")
-    # an unknown prediction: the request's remaining budget (as the baselines do)
-    p50 = np.where(np.isfinite(p50), p50, np.where(mx > 0, mx, 1024.0))
-    p90 = np.maximum(np.where(np.isfinite(p90), p90, p50), p50)
-    rem = remaining(p50, p90, out, mx)
-    rem = np.where(np.isfinite(rem), rem, p90)
+    p50, p90, out, rem = _predicted(raw)
     gs = c("group_size")
     gsz = np.where(np.isfinite(gs) & (gs > 0), gs, np.nan)
     x[:, _LOG_X] = _log(raw[:, _LOG_RAW])

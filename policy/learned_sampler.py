@@ -19,7 +19,7 @@ import numpy as np
 
 from policy.common import LengthCache, admission_limit, check_positive
 from policy.interface import CandidateRequest, EngineState, Event, EventKind, Policy, PolicyState, StateMismatch
-from policy.learned_features import ENGINE_RAW, RAW, R, X
+from policy.learned_features import ENGINE_RAW, RAW, R
 from policy.learned_table import FeatureTable
 
 __all__ = ["StepPhase", "candidate_raw", "Sampler", "STATE_KIND", "STATE_VERSION"]
@@ -119,8 +119,7 @@ class Sampler(Policy):
     def _remaining(self, cands: Sequence[CandidateRequest], state: EngineState,
                    refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Predicted remaining output of each candidate, and their table rows."""
-        x, idx = self.table.features(cands, state, refresh)
-        return np.expm1(x[:, X["log_pred_remaining"]].astype(np.float64)), idx
+        return self.table.remaining(cands, state, refresh)
 
     def _predicted(self, cands: Sequence[CandidateRequest], idx: np.ndarray) -> Optional[dict[str, dict]]:
         """The candidates' length predictions (table rows ``idx``), for the decision to return and the hook to log."""

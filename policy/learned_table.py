@@ -35,7 +35,16 @@ from typing import Optional
 import numpy as np
 
 from policy.interface import CandidateRequest, CandidateView, EngineState, Event, EventKind
-from policy.learned_features import FEATURES, USAGE_X, WAIT_X, R, row_features, set_features, step_features
+from policy.learned_features import (
+    FEATURES,
+    USAGE_X,
+    WAIT_X,
+    R,
+    log_remaining,
+    row_features,
+    set_features,
+    step_features,
+)
 
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
 _PREEMPTIONS = R["preemptions"]
@@ -101,6 +110,8 @@ class FeatureTable:
         self.step = np.zeros(cap, dtype=np.int64)  # index into self.steps
         self.since = np.full((cap, 2), math.nan)  # (engine step, time) it (re-)entered the queue
         self.dirty = np.zeros(cap, dtype=bool)
+        self.light = np.zeros(cap, dtype=bool)  # filled by :meth:`remaining`: ``x`` not computed
+        self._light = False  # a row may be light since :meth:`features` last looked
         self.steps: dict[Optional[int], int] = {}  # RL step -> index
         self._ids: Optional[tuple] = None  # the last call's candidates' ids, and their rows
         self._idx = np.empty(0, dtype=np.int64)
@@ -108,11 +119,12 @@ class FeatureTable:
         self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
         self._clock_idx: Optional[np.ndarray] = None  # the rows whose oldest queue entry is cached
         self._none = self._preempted = np.empty(0, dtype=np.int64)  # positions of the last input's preempted rows
+        self._rem: Optional[tuple[np.ndarray, np.ndarray]] = None  # :meth:`remaining`'s last rows and answer
         self.youngest = -math.inf
 
     def _grow(self) -> None:
         cap = len(self.x)
-        for name in ("x", "lr", "arrival", "running", "preempted", "preds", "step", "since", "dirty"):
+        for name in ("x", "lr", "arrival", "running", "preempted", "preds", "step", "since", "dirty", "light"):
             a = getattr(self, name)
             b = np.full((2 * cap,) + a.shape[1:], math.nan) if name in ("preds", "since") else \
                 np.zeros((2 * cap,) + a.shape[1:], dtype=a.dtype)
@@ -173,16 +185,24 @@ class FeatureTable:
                 if gid is not None:
                     self.members.setdefault(gid, set()).add(c.request_id)
                 self.dirty[r] = True
+                self.light[r] = False
                 self.since[r] = math.nan
         self._ids = ids
         self._idx = np.asarray(idx, dtype=np.int64)
         self.request_ids = np.array(ids, dtype=object)
         return self._idx
 
-    def _fill(self, cands: Sequence[CandidateRequest], rows: np.ndarray, state: EngineState) -> np.ndarray:
+    def _fill(self, cands: Sequence[CandidateRequest], rows: np.ndarray, state: EngineState,
+              light: bool = False) -> np.ndarray:
+        """Recompute ``rows`` from ``cands``; ``light``: all but their feature columns (:meth:`remaining`)."""
         raw = self.raw_of(cands, state)
-        x, lr = row_features(raw)
-        self.x[rows] = x
+        if light:
+            lr = log_remaining(raw)
+            self._light = True
+        else:
+            x, lr = row_features(raw)
+            self.x[rows] = x
+        self.light[rows] = light
         self.lr[rows] = lr
         self.running[rows] = raw[:, _RUNNING] > 0
         # a waiting request with a preemption was preempted in this turn (only a preemption sends one back)
@@ -192,7 +212,7 @@ class FeatureTable:
         steps = self.steps
         self.step[rows] = [steps.setdefault(c.meta.step, len(steps)) for c in cands]
         self.dirty[rows] = False
-        self._x_idx = self._clock_idx = None
+        self._x_idx = self._clock_idx = self._rem = None
         return raw
 
     def features(self, cands: Sequence[CandidateRequest], state: EngineState,
@@ -209,8 +229,9 @@ class FeatureTable:
             raw = self._fill(cands, idx, state)
             wait = raw[:, _WAIT]
         else:
-            if not cached:  # (no event since the last call: its rows are clean)
-                need = np.flatnonzero(self.dirty[idx])
+            if not cached or self._light:  # (no event since the last call: its rows are clean, unless light)
+                need = np.flatnonzero(self.dirty[idx] | self.light[idx])
+                self._light = False
                 if need.size:
                     self._fill([cands[i] for i in need.tolist()], idx[need], state)
             wait = None
@@ -236,6 +257,31 @@ class FeatureTable:
         self._eng, self._phases = eng, phases
         return x, idx
 
+    def remaining(self, cands: Sequence[CandidateRequest], state: EngineState,
+                  refresh: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Each candidate's predicted remaining output (valid until the next call), and the rows.
+
+        The value :meth:`features`' ``log_pred_remaining`` column gives (float32, as the scorer reads it), with no
+        other column computed: an order by predicted remaining needs no scorer input (rows refreshed here are
+        marked light, and :meth:`features` recomputes them when it needs them). ``refresh`` as for :meth:`features`.
+        """
+        ids = _ids_of(cands)
+        prev = self._ids
+        cached = prev is not None and (prev is ids or prev == ids)
+        idx = self._idx if cached else self._rows(cands, ids)
+        if refresh or not self.tracking:
+            self._fill(cands, idx, state, light=True)
+        elif not cached:
+            need = np.flatnonzero(self.dirty[idx])
+            if need.size:
+                self._fill([cands[i] for i in need.tolist()], idx[need], state, light=True)
+        last = self._rem
+        if last is None or last[0] is not idx:
+            last = self._rem = (idx, np.expm1(self.lr[idx].astype(np.float32).astype(np.float64)))
+            self._preempted = np.flatnonzero(self.preempted[idx]) if self.resume_preempted else self._none
+            self._x_idx = None  # (features' cached input assumes its own rows' preempted positions)
+        return last[1], idx
+
     def unchanged(self, cands: Sequence[CandidateRequest]) -> bool:
         """True when the last :meth:`features` call's rows stand for ``cands``: the same requests, no event since,
         rows tracked by events; then only its step columns (wait times, engine state) would change."""
@@ -258,6 +304,7 @@ class FeatureTable:
         self._preempted = np.flatnonzero(self.preempted[idx]) if self.resume_preempted else self._none
         self._wait = np.empty(len(idx))  # features' buffer for the wait times
         self._eng = self._phases = None  # step columns not filled yet
+        self._rem = None  # (remaining's preempted positions are no longer set)
 
     def predictions(self, idx: np.ndarray) -> list[tuple[float, float]]:
         """(p50, p90) of each row."""

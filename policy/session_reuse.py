@@ -66,17 +66,27 @@ class SessionStateNextUse:
     def next_use_s(self, prefixes: Sequence[CachedPrefix], now_s: float) -> list[float]:
         rate = self.admission_rate(now_s)
         paused_since = self.tools.paused_since_s
+        latency = self.latency_s
+        by_tool: dict = {}  # tool -> its expected latency (no hint): read once per call
         out = []
         for p in prefixes:
             state, meta = p.owner_state, p.meta
             if state is OwnerState.WAITING:
                 pos = p.queue_position or 0
                 out.append(now_s + (pos / rate if rate else 0.0))
-            elif state is OwnerState.PAUSED_TOOL:
-                t0 = paused_since(meta.session_id)
-                out.append(max(now_s, (t0 if t0 is not None else p.last_used_s) + self.latency_s(meta)))
-            elif state is OwnerState.RUNNING and meta.tool is not None:
-                out.append(now_s + self.latency_s(meta))
+                continue
+            if state is OwnerState.PAUSED_TOOL or (state is OwnerState.RUNNING and meta.tool is not None):
+                if meta.expected_pause_s is not None:
+                    lat = float(meta.expected_pause_s)
+                else:
+                    lat = by_tool.get(meta.tool)
+                    if lat is None:
+                        lat = by_tool[meta.tool] = latency(meta)
+                if state is OwnerState.RUNNING:
+                    out.append(now_s + lat)
+                else:
+                    t0 = paused_since(meta.session_id)
+                    out.append(max(now_s, (t0 if t0 is not None else p.last_used_s) + lat))
             else:
                 out.append(math.inf)
         return out

@@ -212,6 +212,7 @@ class HostTierLever(Lever):
         self._order: Optional[list] = None
         self._ranked: set = set()  # the owners the step's order ranked
         self._running_prefixes: dict[str, CachedPrefix] = {}  # see _prefixes
+        self._owned_prefixes: dict[str, CachedPrefix] = {}  # see _prefixes
 
     def owner_of(self, req_id: str) -> str:
         """The owner of what ``req_id`` stores or reuses: its session, else itself (meta noted for later)."""
@@ -271,28 +272,40 @@ class HostTierLever(Lever):
             if info is not None:
                 m = info.meta
                 running[m.session_id if m.session_id is not None else r.request_id] = m
-        waiting: dict[str, tuple[RequestMeta, int]] = {}  # tier owner -> (its waiting request's meta, queue position)
-        for pos, r in enumerate(self.sched.waiting):
-            info = infos.get(r.request_id)
-            if info is not None:
-                m = info.meta
-                owner = m.session_id if m.session_id is not None else r.request_id
-                if owner in owned and owner not in waiting:
-                    waiting[owner] = (m, pos)
         paused = self.tr.sessions
+        live = self.tr.session_request
         metas, last = self.metas, self.last_used
+        pos_of: Optional[dict[str, int]] = None  # request id -> place in the waiting queue (read when first needed)
+        made, kept = self._owned_prefixes, {}
         out = []
         for owner, keys in owned.items():
-            w = None if owner in running else waiting.get(owner)
-            # the meta of the owner's last request that used the tier (a waiting owner's too: its next use is
-            # the queued request's, which a hindsight look-up by request must not skip as the owner's own)
-            meta = running.get(owner) or metas.get(owner) or (w[0] if w is not None else None)
-            if meta is None:
-                continue
-            state = (OwnerState.RUNNING if owner in running else OwnerState.WAITING if w is not None
-                     else OwnerState.PAUSED_TOOL if owner in paused else OwnerState.FINISHED)
-            out.append(CachedPrefix(owner, owner, state, meta, (), (), last.get(owner, 0.0), tier_blocks=len(keys),
-                                    queue_position=w[1] if w is not None else None))
+            meta = running.get(owner)
+            pos = None
+            if meta is not None:
+                state = OwnerState.RUNNING
+            else:  # waiting (its session's live request is queued), paused on a tool, or finished
+                rid = live.get(owner, owner)
+                info = infos.get(rid)
+                if info is not None and not info.running:
+                    if pos_of is None:
+                        pos_of = {r.request_id: i for i, r in enumerate(self.sched.waiting)}
+                    pos = pos_of.get(rid)
+                # the meta of the owner's last request that used the tier (a waiting owner's too: its next use is
+                # the queued request's, which a hindsight look-up by request must not skip as the owner's own)
+                meta = metas.get(owner) or (info.meta if pos is not None else None)
+                if meta is None:
+                    continue
+                state = (OwnerState.WAITING if pos is not None else OwnerState.PAUSED_TOOL if owner in paused
+                         else OwnerState.FINISHED)
+            # kept from step to step while the same (most owners: few change in a step)
+            t, n = last.get(owner, 0.0), len(keys)
+            p = made.get(owner)
+            if (p is None or p.owner_state is not state or p.meta is not meta or p.last_used_s != t
+                    or p.tier_blocks != n or p.queue_position != pos):
+                p = CachedPrefix(owner, owner, state, meta, (), (), t, tier_blocks=n, queue_position=pos)
+            kept[owner] = p
+            out.append(p)
+        self._owned_prefixes = kept
         # the running owners with nothing in the tier (each a possible storer): their candidates are kept from step
         # to step while their request and last use are the same (most of them: few turns end in a step)
         made, kept = self._running_prefixes, {}

@@ -163,6 +163,7 @@ class Translator:
         self.infos: dict[str, ReqInfo] = {}
         self.groups: dict[str, list] = {}  # group_id -> [finished, running, (output lens,)]
         self.sessions: dict[str, int] = {}  # session_id -> last turn seen finishing with a tool
+        self.session_request: dict[str, str] = {}  # session_id -> the id of its live request (its latest)
         #: each request's session identity, from the sources frameworks send or the block-hash chain
         self.identity = SessionIdentity(sched.hash_block_size, guard.stats.session_sources)
         self.prefilling: set[str] = set()  # scheduled, first token not seen yet
@@ -325,6 +326,8 @@ class Translator:
         meta = self.identity.meta(request)
         self.infos[rid] = ReqInfo(meta, request.arrival_time)
         sid = meta.session_id
+        if sid is not None:
+            self.session_request[sid] = rid
         # The next turn of a session whose last turn ended in a tool call: the tool returned.
         resumed = sid is not None and self.sessions.pop(sid, None) is not None
         if self.events:
@@ -422,6 +425,8 @@ class Translator:
         if info is None:
             return None
         meta = info.meta
+        if meta.session_id is not None and self.session_request.get(meta.session_id) == rid:
+            del self.session_request[meta.session_id]
         reason = request.get_finished_reason()
         rs = str(reason) if reason is not None else "abort"
         if rs not in ("stop", "length", "abort"):

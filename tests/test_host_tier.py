@@ -198,7 +198,8 @@ def test_a_session_whose_next_turn_is_queued_is_a_waiting_owner_at_its_queue_pos
     metas = {f"{s}-t{t}": RequestMeta(session_id=s, turn=t, tool="bash") for s in "abcd" for t in (0, 1)}
     req = {rid: SimpleNamespace(request_id=rid) for rid in metas}
     sched = SimpleNamespace(running=[req["a-t1"]], waiting=[req["d-t0"], req["b-t1"]], kvpilot_clock=lambda: 5.0)
-    tr = SimpleNamespace(infos={rid: SimpleNamespace(meta=m) for rid, m in metas.items()}, sessions={"c": 0})
+    tr = SimpleNamespace(infos={rid: SimpleNamespace(meta=m, running=rid == "a-t1") for rid, m in metas.items()},
+                         sessions={"c": 0}, session_request={"a": "a-t1", "b": "b-t1", "d": "d-t0"})
     guard = SimpleNamespace(stats=None)
     lever = HostTierLever(sched, None, guard, tr, None)
     cp = KVPilotCachePolicy(16)
@@ -210,3 +211,14 @@ def test_a_session_whose_next_turn_is_queued_is_a_waiting_owner_at_its_queue_pos
     assert got["b"].meta.turn == 0 and got["b"].tier_blocks == 3  # the meta of b's turn that stored
     assert got["c"].owner_state is OwnerState.PAUSED_TOOL and got["c"].queue_position is None
     assert "d" not in got  # nothing of d in the tier, and it does not run
+    # unchanged owners keep their candidate objects from call to call; a changed one gets a new, right one
+    again = {p.prefix_id: p for p in lever._prefixes(cp, None)}
+    assert all(again[k] is got[k] for k in "abc")
+    sched.waiting[:] = [req["b-t1"], req["d-t0"], req["c-t1"]]  # b moves to the head; c's tool returned
+    tr.sessions.clear()
+    tr.session_request["c"] = "c-t1"
+    moved = {p.prefix_id: p for p in lever._prefixes(cp, None)}
+    assert moved["a"] is got["a"]
+    assert moved["b"].owner_state is OwnerState.WAITING and moved["b"].queue_position == 0
+    assert moved["c"].owner_state is OwnerState.WAITING and moved["c"].queue_position == 2
+    assert moved["c"].meta.turn == 0  # still the meta of the turn that stored

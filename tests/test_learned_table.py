@@ -13,7 +13,7 @@ import pytest
 
 from policy.exploring import LoggingPolicy
 from policy.learned import LearnedPolicy
-from policy.learned_features import model_features
+from policy.learned_features import FEATURES, model_features
 from policy.learned_sampler import _predict, candidate_raw
 from policy.learned_scorer import build_scorer
 from tests.learned_logs import KV_FRACTION, tiny_workload
@@ -31,41 +31,67 @@ class Lengths(FixedLengths):
                 for c in cands]
 
 
-def _checked(policy):
-    """Wrap ``policy.table.features`` to compare each decision's input with the full, from-scratch build."""
+def _checked(policy, both: bool = False):
+    """Wrap ``policy.table.features`` and ``policy.table.remaining`` to compare each decision's input (or
+    predicted remaining output) with the full, from-scratch build; ``both``: each remaining call is followed by a
+    features call on the same candidates (rows it refreshed without their features are read)."""
     table = policy.table
-    features = table.features
-    seen = {"calls": 0, "rows": 0, "incremental": 0}
+    features, remaining = table.features, table.remaining
+    seen = {"calls": 0, "rows": 0, "incremental": 0, "remaining": 0}
+    col = FEATURES.index("log_pred_remaining")
+
+    def fresh(cands, state):
+        return model_features(candidate_raw(cands, _predict(policy.lengths, cands), state, policy.phase))
 
     def check(cands, state, refresh=False):
         tracking = table.tracking
         x, idx = features(cands, state, refresh)
-        want = model_features(candidate_raw(cands, _predict(policy.lengths, cands), state, policy.phase))
-        np.testing.assert_array_equal(x, want)
+        np.testing.assert_array_equal(x, fresh(cands, state))
         seen["calls"] += 1
         seen["rows"] += len(cands)
         seen["incremental"] += tracking and not refresh
         return x, idx
 
+    def check_remaining(cands, state, refresh=False):
+        tracking = table.tracking
+        rem, idx = remaining(cands, state, refresh)
+        np.testing.assert_array_equal(rem, np.expm1(fresh(cands, state)[:, col].astype(np.float64)))
+        seen["remaining"] += tracking and not refresh
+        seen["rows"] += len(cands)
+        if both:
+            check(cands, state, refresh)
+            rem, idx = remaining(cands, state, refresh)
+        return rem, idx
+
     table.features = check
+    table.remaining = check_remaining
     return seen
 
 
-@pytest.mark.parametrize("kind", ["learned", "logging"])
+@pytest.mark.parametrize("kind", ["learned", "learned-scorer", "logging", "both"])
 def test_table_features_equal_a_fresh_build(vllm_engine, tmp_path: Path, kind: str) -> None:
+    """Every decision's input equals a fresh build: the scorer's order (features), the default order by
+    predicted remaining output with the preemption head's features in between (remaining rows, then features of
+    running ones), the behaviour policy's (remaining), and both read in turn from the same rows."""
     import torch
 
     from simulator.simulation import run_simulation
 
-    if kind == "learned":
+    if kind == "logging":
+        policy = LoggingPolicy(Lengths())
+    else:
         torch.manual_seed(0)
         state = {k: v.detach().numpy() for k, v in build_scorer().state_dict().items()}
-        policy = LearnedPolicy(state, Lengths())
-    else:
-        policy = LoggingPolicy(Lengths())
-    seen = _checked(policy)
+        policy = LearnedPolicy(state, Lengths(), preempt=True,
+                               admission="scorer" if kind == "learned-scorer" else "shortest")
+    seen = _checked(policy, both=kind == "both")
     res = run_simulation(tiny_workload(5), policy, kv_fraction=KV_FRACTION, out_dir=tmp_path, progress=False)
-    assert seen["incremental"] > 20 and seen["rows"] > 200, seen
+    assert seen["rows"] > 200, seen
+    assert seen["incremental" if kind == "learned-scorer" else "remaining"] > 20, seen
+    if kind == "both":
+        assert seen["incremental"] > 20, seen
+    if kind != "logging":
+        assert seen["calls"] > 5, seen  # the preemption head read the running rows' features
     assert res.summary.metrics.preemptions > 0  # running rows were preempted back into the queue
 
 
