@@ -61,8 +61,14 @@ def remaining(p50: np.ndarray, p90: np.ndarray, generated: np.ndarray, max_token
     return np.minimum(r, cap)
 
 
+def _nan0(v: np.ndarray) -> np.ndarray:
+    """``np.nan_to_num(v, nan=0.0)`` (not a copy when every value is finite: numpy's own call costs more than
+    the check, and this runs per decision)."""
+    return v if np.isfinite(v).all() else np.nan_to_num(v, nan=0.0)
+
+
 def _log(v: np.ndarray) -> np.ndarray:
-    return np.log1p(np.maximum(np.nan_to_num(v, nan=0.0), 0.0))
+    return np.log1p(np.maximum(_nan0(v), 0.0))
 
 
 #: Per-request raw values that enter the scorer as ``log1p(max(nan_to_num(v), 0))``, each as the feature ``log_<name>``.
@@ -81,7 +87,7 @@ SET_X = _REL, _RANK = X["rel_pred_remaining"], X["rank_pred_remaining"]
 def _predicted(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(p50, p90, output so far, predicted remaining output) of each raw row, unknown predictions filled in."""
     out = raw[:, R["output_tokens"]]
-    mx = np.nan_to_num(raw[:, R["max_tokens"]], nan=0.0)
+    mx = _nan0(raw[:, R["max_tokens"]])
     p50 = raw[:, R["pred_p50"]]
     p90 = raw[:, R["pred_p90"]]
     # an unknown prediction: the request's remaining budget (as the baselines do)
@@ -109,14 +115,14 @@ def row_features(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     gs = c("group_size")
     gsz = np.where(np.isfinite(gs) & (gs > 0), gs, np.nan)
     x[:, _LOG_X] = _log(raw[:, _LOG_RAW])
-    x[:, X["turn"]] = np.minimum(np.nan_to_num(c("turn"), nan=0.0), 16.0)
-    x[:, _GROUP_X] = np.nan_to_num(raw[:, _GROUP_RAW] / gsz[:, None], nan=0.0)
-    x[:, X["is_running"]] = np.nan_to_num(c("is_running"), nan=0.0)
+    x[:, X["turn"]] = np.minimum(_nan0(c("turn")), 16.0)
+    x[:, _GROUP_X] = _nan0(raw[:, _GROUP_RAW] / gsz[:, None])
+    x[:, X["is_running"]] = _nan0(c("is_running"))
     x[:, X["log_pred_p50"]] = np.log1p(p50)
     x[:, X["log_pred_p90"]] = np.log1p(p90)
     lr = np.log1p(rem)
     x[:, X["log_pred_remaining"]] = lr
-    x[:, X["log_pred_final_context"]] = np.log1p(np.maximum(np.nan_to_num(c("prompt_tokens") + out + rem, nan=0.0),
+    x[:, X["log_pred_final_context"]] = np.log1p(np.maximum(_nan0(c("prompt_tokens") + out + rem),
                                                             0.0))
     return x, lr
 
