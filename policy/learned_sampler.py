@@ -169,7 +169,7 @@ class Sampler(Policy):
         limit.
 
         ``waiting`` must be the candidates of the table's last :meth:`FeatureTable.features` call (their ids are
-        kept there as an array). The same ``keys`` array as the last call's (scores the scorer reused), with no
+        kept there as a tuple). The same ``keys`` array as the last call's (scores the scorer reused), with no
         ``first`` and the same limit, gives the last call's order again (a copy)."""
         k = admission_limit(state, len(waiting))
         last = self._last_order
@@ -187,8 +187,8 @@ class Sampler(Policy):
         top = top[:take]
         ids = self.table.request_ids
         if not first:
-            order = ids[top].tolist()
+            order = [ids[i] for i in top.tolist()]
             self._last_order = (keys, k, order)
             return list(order)
-        return ids[first].tolist() + ids[top[~np.isin(top, first)]].tolist()
+        return [ids[i] for i in first] + [ids[i] for i in top[~np.isin(top, first)].tolist()]
 

@@ -115,7 +115,7 @@ class FeatureTable:
         self.steps: dict[Optional[int], int] = {}  # RL step -> index
         self._ids: Optional[tuple] = None  # the last call's candidates' ids, and their rows
         self._idx = np.empty(0, dtype=np.int64)
-        self.request_ids = np.empty(0, dtype=object)  # the last call's candidates' ids
+        self.request_ids: tuple = ()  # the last call's candidates' ids
         self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
         self._clock_idx: Optional[np.ndarray] = None  # the rows whose oldest queue entry is cached
         self._none = self._preempted = np.empty(0, dtype=np.int64)  # positions of the last input's preempted rows
@@ -189,7 +189,7 @@ class FeatureTable:
                 self.since[r] = math.nan
         self._ids = ids
         self._idx = np.asarray(idx, dtype=np.int64)
-        self.request_ids = np.array(ids, dtype=object)
+        self.request_ids = ids
         return self._idx
 
     def _fill(self, cands: Sequence[CandidateRequest], rows: np.ndarray, state: EngineState,

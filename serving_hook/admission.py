@@ -46,6 +46,26 @@ def _keeps_order(order: Any, reqs: list, ids: Optional[tuple] = None) -> bool:
     return all(rid == r.request_id for rid, r in zip(order, reqs))
 
 
+def _reordered(order: Any, reqs: list, ids: Optional[tuple]) -> list:
+    """``reqs`` in ``order`` (request ids; unknown and repeated ones skipped), then the rest in their own order.
+
+    ``ids``: the requests' ids as a tuple, when known (then no request is read: positions only)."""
+    if ids is None:
+        ids = tuple([r.request_id for r in reqs])
+    pos = {rid: i for i, rid in enumerate(ids)}
+    picked: list[int] = []
+    seen: set = set()
+    for rid in order:
+        i = pos.get(rid)
+        if i is not None and i not in seen:
+            seen.add(i)
+            picked.append(i)
+    ordered = [reqs[i] for i in picked]
+    if len(ordered) < len(reqs):
+        ordered.extend([r for i, r in enumerate(reqs) if i not in seen])
+    return ordered
+
+
 class AdmissionLever(Lever):
     """Re-orders vLLM's FCFS waiting queue to the policy's order before each step, holding some back."""
 
@@ -75,19 +95,11 @@ class AdmissionLever(Lever):
             return [], None
         order = dec.order
         ids = getattr(cands, "request_ids", None)
-        if order is None or _keeps_order(order, reqs, ids if isinstance(ids, tuple) else None):
+        ids = ids if isinstance(ids, tuple) else None
+        if order is None or _keeps_order(order, reqs, ids):
             ordered = reqs
         else:
-            by_id = {r.request_id: r for r in reqs}
-            ordered = []
-            seen: set = set()
-            for rid in order:
-                r = by_id.get(rid)
-                if r is not None and rid not in seen:
-                    seen.add(rid)
-                    ordered.append(r)
-            if len(ordered) < len(reqs):
-                ordered.extend(r for r in reqs if r.request_id not in seen)
+            ordered = _reordered(order, reqs, ids)
         hold = dec.hold
         held = [r for r in ordered if r.request_id in hold] if hold else []
         if held:

@@ -72,6 +72,21 @@ def test_admission_order_changes_who_runs_first(vllm_engine):
     assert s.kvpilot_policy.seen[0] == ["r0", "r1", "r2"]
 
 
+def test_reorder_puts_the_order_first_and_keeps_every_request_once():
+    """The policy's order (unknown and repeated ids skipped), then the others in queue order; read by position
+    when the ids are known, by request otherwise."""
+    from types import SimpleNamespace
+
+    from serving_hook.admission import _reordered
+
+    reqs = [SimpleNamespace(request_id=f"r{i}") for i in range(6)]
+    ids = tuple(r.request_id for r in reqs)
+    for known in (ids, None):
+        got = _reordered(["r4", "gone", "r1", "r4"], reqs, known)
+        assert [r.request_id for r in got] == ["r4", "r1", "r0", "r2", "r3", "r5"]
+        assert all(a is b for a, b in zip(got, [reqs[4], reqs[1], reqs[0]]))
+
+
 def test_held_request_waits_and_comes_back(vllm_engine):
     engine = vllm_engine
     policy = ReversePolicy(hold={"r1"})
