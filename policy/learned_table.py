@@ -10,7 +10,9 @@ and the length prediction change then). Per step it fills, vectorised, only the
 columns that change in every step (wait time, engine state, RL step phase) and
 the candidate-set columns, so the scorer's input equals
 ``model_features(candidate_raw(...))`` (a test checks it through the real
-scheduler).
+scheduler). An order by predicted remaining output alone (the learned policy's default admission, the
+exploring policy's) reads that one column through :meth:`FeatureTable.remaining`, which refreshes changed rows
+without their other features (they are recomputed when :meth:`FeatureTable.features` next needs them).
 
 Until the table has received an event (a policy used outside the hook), and for
 running candidates (their tokens change in every step), every row is refreshed
