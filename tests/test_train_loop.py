@@ -52,11 +52,13 @@ def test_train_logs_one_run_and_registers_a_version(run_dir: Path, tmp_path: Pat
     from mlflow.tracking import MlflowClient
 
     heldout = tiny_workload(tmp_path / "heldout.parquet", seed=77)
+    # no --kv-fraction or --preset: the held-out evaluation runs on the logs' engine (KV, H200-7B, no tier)
     res = CliRunner().invoke(app, ["train", "--logs", str(run_dir), "--experiment", "train-test", "-o",
-                                   str(tmp_path / "work"), "--heldout-workload", str(heldout), "--kv-fraction",
-                                   str(KV), "--trees", "20", "--no-progress"])
+                                   str(tmp_path / "work"), "--heldout-workload", str(heldout), "--trees", "20",
+                                   "--no-progress"])
     assert res.exit_code == 0, res.output
     assert "kvpilot v1" in res.output and "vllm-default" in res.output  # the held-out table
+    assert f"held-out evaluation on H200-7B, KV {KV:g} (preset, kv_fraction as the logs')" in res.output, res.output
     client = MlflowClient()
     runs = client.search_runs([client.get_experiment_by_name("train-test").experiment_id])
     assert len(runs) == 1
@@ -73,6 +75,10 @@ def test_train_logs_one_run_and_registers_a_version(run_dir: Path, tmp_path: Pat
     assert {"heldout/summary.md", "heldout/makespan.png"} <= artifacts
     version = client.get_model_version("kvpilot", "1")
     assert version.run_id == run.info.run_id
+    from training.promote import trained_engine
+
+    assert trained_engine("1") == {"preset": "H200-7B", "kv_fraction": KV, "offload_share": None,
+                                   "offload_gib": None}  # the gate's
 
 
 @pytest.mark.vllm

@@ -24,7 +24,7 @@ from simulator.summary import RunSummary, render_summary
 from training import policy_cli, predictors_cli
 from training.cli_errors import fail, reported
 from training.evaluate import DEFAULT_DECODE_STRIDE
-from training.train import HELDOUT_KV_FRACTION, HELDOUT_SEED
+from training.train import HELDOUT_KV_FRACTION, HELDOUT_PRESET, HELDOUT_SEED
 
 #: Every command group is made here; a command is mounted on its group with ``group.command(name)``: as a
 #: decorator for the commands of this module, on the command functions of the sub-CLI modules at the end.
@@ -491,12 +491,41 @@ def evaluate_cmd(
                   f"summary.md, summary.csv, summary.json and plots in {out_dir}", highlight=False)
 
 
-def _heldout(workload: Optional[Path], kv_fraction: float, seed: int):
-    """The held-out evaluation's parameters; a missing workload or a bad KV size exits 2."""
-    from training.train import HeldoutParams, TrainError
+#: The held-out evaluation's engine options of ``train`` and ``promote``; unset, each follows where the policy
+#: was trained (``train``: the logs; ``promote``: the version's training), else the defaults.
+HeldoutKv = Annotated[Optional[str], typer.Option(
+    "--kv-fraction", help=f"KV of the held-out evaluation: a fraction of its largest step's need, or 'gpu' (the "
+    f"GPU's own capacity); default: the training's share of its need, else {HELDOUT_KV_FRACTION:g}.")]
+HeldoutPreset = Annotated[Optional[str], typer.Option(
+    "--preset", help=f"Cost-model preset of the held-out evaluation; default: where the policy was trained, else "
+    f"{HELDOUT_PRESET}.")]
+HeldoutTier = Annotated[Optional[float], typer.Option(
+    "--offload-gib", help="CPU tier (GiB per replica) of the held-out evaluation, for the policies that use it; "
+    "default: the training's tier as a share of the workload's need, else simulate's.")]
 
+
+def _heldout(workload: Optional[Path], seed: int, kv_fraction: Optional[str], preset: Optional[str],
+             offload_gib: Optional[float]):
+    """The held-out evaluation's parameters and the engine settings not given (to follow the training's); a
+    missing workload or a bad KV size, preset or tier exits 2."""
+    from training.train import ENGINE_FIELDS, HeldoutParams, TrainError
+
+    given: dict = {}
+    if kv_fraction is not None:
+        if kv_fraction.strip().lower() == "gpu":
+            given["kv_fraction"] = None
+        else:
+            try:
+                given["kv_fraction"] = float(kv_fraction)
+            except ValueError:
+                raise fail(f"--kv-fraction: expected a number or 'gpu', got {kv_fraction!r}") from None
+    if preset is not None:
+        given["preset"] = preset
+    if offload_gib is not None:  # a size in GiB, not the training's share
+        given.update(offload_gib=offload_gib, offload_share=None)
     with reported(TrainError):
-        return HeldoutParams(workload=workload, kv_fraction=kv_fraction, seed=seed)
+        return (HeldoutParams(workload=workload, seed=seed, **given),
+                tuple(k for k in ENGINE_FIELDS if k not in given))
 
 
 @train_app.callback()
@@ -518,8 +547,9 @@ def train(
         "one with an unseen seed.")] = None,
     heldout_seed: Annotated[int, typer.Option("--heldout-seed", help="Seed of the default held-out workload.")]
     = HELDOUT_SEED,
-    kv_fraction: Annotated[float, typer.Option("--kv-fraction", help="KV size of the held-out evaluation.")]
-    = HELDOUT_KV_FRACTION,
+    kv_fraction: HeldoutKv = None,
+    preset: HeldoutPreset = None,
+    offload_gib: HeldoutTier = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bars on stderr.")] = True,
 ) -> None:
     """Fit the predictors and the policy on logs in one MLflow run, evaluate, and register a new `kvpilot` version."""
@@ -538,10 +568,11 @@ def train(
     with reported(ValueError, prefix="--policy-config: "):
         policy_cfg = OfflineConfig.from_json(policy_config)
     params = PredictorParams(test_steps=tuple(steps) if steps else None, num_trees=trees)
-    heldout = _heldout(heldout_workload, kv_fraction, heldout_seed)
+    heldout, follow = _heldout(heldout_workload, heldout_seed, kv_fraction, preset, offload_gib)
     with reported(TrainError, DataValidationError):  # a missing log is a TrainError naming it
         result = train_and_register(logs, out, experiment=experiment, predictor_params=params,
-                                    policy_config=policy_cfg, heldout=heldout, progress=progress, console=console)
+                                    policy_config=policy_cfg, heldout=heldout, follow_logs=follow,
+                                    progress=progress, console=console)
     from training.promote import render_table
     from training.train import CANDIDATE
 
@@ -557,8 +588,9 @@ def promote_cmd(
     workload: Annotated[Optional[Path], typer.Option(
         "--workload", "-w", help="Held-out workload; default: a fresh synthetic one with an unseen seed.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the default held-out workload.")] = HELDOUT_SEED,
-    kv_fraction: Annotated[float, typer.Option("--kv-fraction", help="KV size where vLLM default preempts.")]
-    = HELDOUT_KV_FRACTION,
+    kv_fraction: HeldoutKv = None,
+    preset: HeldoutPreset = None,
+    offload_gib: HeldoutTier = None,
     out_dir: Annotated[Optional[Path], typer.Option("-o", "--out-dir", help="Keep the evaluation here.")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
@@ -566,9 +598,10 @@ def promote_cmd(
     from training.promote import PromotionError, promote, render_comparison
     from serving_hook.model_registry import RegistryError
 
-    heldout = _heldout(workload, kv_fraction, seed)
+    heldout, follow = _heldout(workload, seed, kv_fraction, preset, offload_gib)
     with reported(PromotionError, RegistryError):
-        result = promote(version, force=force, heldout=heldout, out_dir=out_dir, progress=progress)
+        result = promote(version, force=force, heldout=heldout, follow_training=follow, out_dir=out_dir,
+                         progress=progress)
     typer.echo(render_comparison(result))
     if result.rows and not result.promoted:
         raise typer.Exit(1)  # refused by the gate

@@ -134,8 +134,10 @@ def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | No
                   f"simulated in {summary.wall_s:.0f} s; telemetry in {log_dir}", highlight=False)
 
     stage(3, "kvpilot train: predictors and policy in one MLflow run")
+    # the engine of every evaluation here (follow_logs=(): the baselines of stage 5 run on the same one)
     heldout = HeldoutParams(workload=heldout_wl, kv_fraction=cfg.kv_fraction, sim_options=dict(cfg.sim_options))
     trained = train_and_register([log_dir], out_dir / "train", experiment=cfg.experiment, heldout=heldout,
+                                 follow_logs=(),
                                  policy_config=dataclasses.replace(OfflineConfig(), **cfg.policy_options),
                                  console=console)
 

@@ -2,21 +2,24 @@
 
 :func:`promote` simulates the candidate version and the current champion (both
 loaded from the registry as learned policies, serving) beside vLLM default on
-one held-out workload with :func:`training.evaluate.evaluate`, and moves the
-alias only if the candidate is no worse on both the mean RL-step makespan and
-the recomputed tokens, within :data:`MAKESPAN_TOLERANCE` and
+one held-out workload with :func:`training.evaluate.evaluate`, on the engine the
+candidate's training evaluated it on unless given (:func:`trained_engine`), and
+moves the alias only if the candidate is no worse on both the mean RL-step
+makespan and the recomputed tokens, within :data:`MAKESPAN_TOLERANCE` and
 :data:`RECOMPUTE_TOLERANCE` of the champion. The first version (no champion
 yet) becomes champion directly; ``force`` skips the gate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.train import HeldoutParams, heldout_workload, register_policy_dir
+from training.train import ENGINE_FIELDS, HeldoutParams, heldout_workload, register_policy_dir
 
 #: The candidate may be at most this much slower than the champion (relative mean RL-step makespan).
 MAKESPAN_TOLERANCE = 0.01
@@ -39,6 +42,7 @@ class GateResult:
     promoted: bool
     reason: str
     rows: list[dict[str, Any]] = field(default_factory=list)  # the evaluation's rows (empty when not evaluated)
+    engine: str = ""  # the evaluation's engine in words (HeldoutParams.engine), when evaluated
 
 
 def passes_gate(candidate: dict[str, Any], champion: dict[str, Any]) -> tuple[bool, str]:
@@ -61,13 +65,15 @@ def promote(
     *,
     force: bool = False,
     heldout: HeldoutParams | None = None,
+    follow_training: Collection[str] = ENGINE_FIELDS,
     out_dir: Path | None = None,
     progress: bool = True,
 ) -> GateResult:
     """Run the gate for ``version`` of ``kvpilot`` and move ``champion`` when it passes (see the module docstring).
 
-    ``heldout``: the gate's workload and KV size (None: the defaults); ``out_dir`` keeps the evaluation (a
-    temporary folder by default)."""
+    ``heldout``: the gate's workload and engine (None: the defaults); ``follow_training``: its engine settings
+    taken from the held-out evaluation that trained ``version`` (:func:`trained_engine`), in place of
+    ``heldout``'s; ``out_dir`` keeps the evaluation (a temporary folder by default)."""
     from training import registry
 
     heldout = heldout or HeldoutParams()
@@ -78,6 +84,9 @@ def promote(
     except Exception as e:  # noqa: BLE001 - MLflow raises its own exception types for a missing version
         raise PromotionError(f"no version {version} of the registered model {registry.MODEL_NAME!r} in "
                              f"{registry.tracking_uri()}: {e}") from None
+    if follow_training:
+        taken = {k: v for k, v in trained_engine(version).items() if k in follow_training}
+        heldout = dataclasses.replace(heldout, **taken)
     champion = registry.get_champion()
     before = str(champion.version) if champion is not None else None
     if before is None:
@@ -93,7 +102,26 @@ def promote(
     ok, reason = passes_gate(cand, champ)
     result = _move(version, before, reason) if ok else GateResult(version, before, False, reason)
     result.rows = rows
+    result.engine = heldout.engine()
     return result
+
+
+def trained_engine(version: str) -> dict[str, Any]:
+    """The held-out engine settings (:data:`training.train.ENGINE_FIELDS`) that ``kvpilot train`` evaluated
+    ``version`` on (its MLflow run's ``heldout.*`` params); empty for a version registered some other way."""
+    from training import registry
+
+    client = registry.client()
+    try:
+        params = client.get_run(client.get_model_version(registry.MODEL_NAME, version).run_id).data.params
+    except Exception:  # noqa: BLE001 - no run (registered by hand): nothing to follow
+        return {}
+    out: dict[str, Any] = {}
+    for k in ENGINE_FIELDS:
+        v = params.get(f"heldout.{k}")
+        if v is not None:  # (MLflow keeps params as text)
+            out[k] = v if k == "preset" else None if v == "None" else float(v)
+    return out
 
 
 def _move(version: str, before: str | None, reason: str) -> GateResult:
@@ -117,7 +145,6 @@ def compare(candidate: str, champion: str, heldout: HeldoutParams, out: Path, *,
             progress: bool = True) -> list[dict[str, Any]]:
     """Simulate both versions (downloaded from the registry into ``out``) and vLLM default on the held-out workload."""
     from training import registry
-    from training.evaluate import evaluate
 
     out.mkdir(parents=True, exist_ok=True)
     names = []
@@ -126,8 +153,7 @@ def compare(candidate: str, champion: str, heldout: HeldoutParams, out: Path, *,
         register_policy_dir(policy_name(version), policy_dir)
         names.append(policy_name(version))
     workload = heldout_workload(heldout, out)
-    result = evaluate(workload, names, out / "evaluation", kv_fractions=[heldout.kv_fraction], jobs=1,
-                      progress=progress, sim_options=heldout.sim_options or None)
+    result = heldout.run(workload, names, out / "evaluation", progress)
     failed = [r for r in result.rows if r.get("error")]
     if failed:
         raise PromotionError("gate simulation failed: " + "; ".join(f"{r['policy']}: {r['error']}" for r in failed))
@@ -153,7 +179,7 @@ def render_comparison(result: GateResult) -> str:
         labels = {policy_name(result.version): f"candidate v{result.version}"}
         if result.champion_before is not None:
             labels[policy_name(result.champion_before)] = f"champion v{result.champion_before}"
-        lines += [render_table(result.rows, labels), ""]
+        lines += [f"held-out evaluation on {result.engine}", render_table(result.rows, labels), ""]
     verdict = "promoted" if result.promoted else "not promoted"
     lines.append(f"version {result.version}: {verdict} ({result.reason}); champion is now version "
                  f"{result.version if result.promoted else result.champion_before}")

@@ -5,7 +5,8 @@ length and reuse predictors (:func:`predictors.pipeline.train_bundle`, whole RL
 steps held out, or whole GRPO groups when the logs hold a single RL step; printed,
 and the report's ``split``), fits the learned policy on them (:func:`policy.offline.train_policy`,
 which writes a POLICY_DIR carrying those predictors), simulates the trained
-policy against vLLM default on a held-out workload (:func:`training.evaluate.evaluate`),
+policy against vLLM default on a held-out workload (:func:`training.evaluate.evaluate`; on the logs' engine:
+preset, KV size and CPU tier, where they agree and the caller sets none),
 and logs all of it to one MLflow run: every hyper-parameter and the data's
 time range and row counts as params; predictor quality, OPE estimates with
 their CIs and the simulator's ratios as metrics; the evaluation table, plots
@@ -21,7 +22,7 @@ import json
 import math
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,11 @@ from rich.console import Console
 HELDOUT_SEED = 90_001
 #: The default held-out evaluation's KV size: small enough that vLLM default preempts.
 HELDOUT_KV_FRACTION = 0.3
+#: The default held-out evaluation's cost-model preset.
+HELDOUT_PRESET = "H200-7B"
+#: The engine settings of a held-out evaluation that follow where the policy was trained unless given
+#: (:func:`logs_engine`; ``promote``: the version's training run).
+ENGINE_FIELDS = ("preset", "kv_fraction", "offload_share", "offload_gib")
 #: The decode stride of the held-out evaluations (``train``'s, the promotion gate's, the demo's). Finer than
 #: ``evaluate``'s 32: held-out workloads are small (a step of 32 iterations is a larger share of a run), and on
 #: tests/test_promote.py's tiny one stride 32 reverses the makespan order of its two learned policies.
@@ -60,15 +66,83 @@ class HeldoutParams:
     seed: int = HELDOUT_SEED
     steps: int = 1
     prompts_per_step: int = 16
-    kv_fraction: float = HELDOUT_KV_FRACTION
+    kv_fraction: float | None = HELDOUT_KV_FRACTION  # None: the GPU's own KV capacity (the preset's)
+    preset: str = HELDOUT_PRESET
+    #: the CPU tier of the policies that use it: a share of the workload's KV need (the logs' memory pressure,
+    #: whatever the workload's size), else GiB per replica; neither: simulate's default
+    offload_share: float | None = None
+    offload_gib: float | None = None
     #: run_simulation options of its simulations
     sim_options: dict[str, Any] = field(default_factory=lambda: {"decode_stride": HELDOUT_DECODE_STRIDE})
 
     def __post_init__(self) -> None:
+        from simulator.cost_model import PRESETS
+
         if self.workload is not None and not Path(self.workload).exists():
             raise TrainError(f"no such held-out workload: {self.workload}")
-        if not self.kv_fraction > 0:
-            raise TrainError(f"held-out kv_fraction must be > 0, got {self.kv_fraction}")
+        if self.kv_fraction is not None and not self.kv_fraction > 0:
+            raise TrainError(f"held-out kv_fraction must be > 0 (or the GPU's capacity), got {self.kv_fraction}")
+        if self.preset not in PRESETS:
+            raise TrainError(f"unknown held-out preset {self.preset!r}; known presets: {', '.join(PRESETS)}")
+        for k in ("offload_share", "offload_gib"):
+            v = getattr(self, k)
+            if v is not None and not v >= 0:
+                raise TrainError(f"held-out {k} must be >= 0, got {v}")
+
+    def engine(self) -> str:
+        """Its engine in words, e.g. ``H200-32B, KV 0.47, tier 0.49 of the need``."""
+        kv = "gpu" if self.kv_fraction is None else f"{self.kv_fraction:g}"
+        tier = (f", tier {self.offload_share:g} of the need" if self.offload_share is not None
+                else f", tier {self.offload_gib:g} GiB" if self.offload_gib is not None else "")
+        return f"{self.preset}, KV {kv}{tier}"
+
+    def run(self, workload: Path, policies: list[str], out_dir: Path, progress: bool):
+        """Evaluate ``policies`` on ``workload`` in this engine (:func:`training.evaluate.evaluate`)."""
+        from training.evaluate import evaluate
+
+        opts = dict(self.sim_options)
+        if self.offload_share is not None:
+            from simulator.cost_model import CostModel
+            from simulator.tokens import VLLM_BLOCK_SIZE
+            from simulator.workload import load_workload
+
+            block = CostModel.preset(self.preset).kv_block_bytes(VLLM_BLOCK_SIZE)
+            opts["offload_gib"] = self.offload_share * load_workload(workload).kv_need * block / 2**30
+        elif self.offload_gib is not None:
+            opts["offload_gib"] = self.offload_gib
+        return evaluate(workload, policies, out_dir, kv_fractions=[self.kv_fraction], preset=self.preset, jobs=1,
+                        progress=progress, sim_options=opts or None)
+
+
+def logs_engine(log_dirs: Sequence[Path]) -> tuple[dict[str, Any], list[str]]:
+    """The engine the logs were taken on, where every log's ``summary.json`` agrees: its preset, and its KV and CPU
+    tier as shares of the logged workload's need (``kv_fraction``, ``offload_share``: the same memory pressure on a
+    held-out workload of another size); a note for each setting they do not give."""
+    from simulator.cost_model import PRESETS
+
+    seen: dict[str, set] = {k: set() for k in ("preset", "kv_fraction", "offload_share")}
+    notes: list[str] = []
+    for log in log_dirs:
+        path = Path(log) / "summary.json"
+        try:
+            s = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}, [f"{path}: no readable summary, so the logs' engine is unknown"]
+        preset = s.get("preset")
+        seen["preset"].add(preset if preset in PRESETS else None)
+        kv = s.get("kv_fraction") or s.get("kv_share_of_need")  # (a fraction given is exact; blocks are rounded)
+        seen["kv_fraction"].add(float(f"{kv:.4g}") if kv else None)
+        tier = s.get("offload_share_of_need") if s.get("offload_blocks") else 0.0
+        seen["offload_share"].add(float(f"{tier:.4g}") if tier is not None else None)
+    out: dict[str, Any] = {}
+    for k, values in seen.items():
+        if len(values) != 1:
+            notes.append(f"the logs differ in {k} ({', '.join(sorted(map(str, values)))})")
+        elif (v := next(iter(values))) is None:
+            notes.append(f"the logs do not say their {k}")
+        elif k != "offload_share" or v > 0:  # (no tier in the logs: the held-out's tier is left as it is)
+            out[k] = v
+    return out, notes
 
 
 @dataclass
@@ -150,13 +224,15 @@ def train_and_register(
     predictor_params: PredictorParams | None = None,
     policy_config: Any = None,
     heldout: HeldoutParams | None = None,
+    follow_logs: Collection[str] = ENGINE_FIELDS,
     progress: bool = True,
     console: Console | None = None,
 ) -> TrainResult:
     """Fit, evaluate, log and register (see the module docstring); ``work_dir`` keeps the POLICY_DIR and the evaluation.
 
     ``policy_config`` is a :class:`policy.offline_config.OfflineConfig`; None (here and for the other parameter
-    objects): the defaults."""
+    objects): the defaults. ``follow_logs``: the held-out engine settings (:data:`ENGINE_FIELDS`) taken from the
+    logs where they all agree (:func:`logs_engine`), in place of ``heldout``'s."""
     import mlflow
 
     from predictors.logs import existing_logs, load_logs
@@ -182,8 +258,14 @@ def train_and_register(
     policy_config = policy_config or OfflineConfig()
     predictor_params = predictor_params or PredictorParams()
     heldout = heldout or HeldoutParams()
+    engine, notes = logs_engine(log_dirs) if follow_logs else ({}, [])
+    taken = {k: v for k, v in engine.items() if k in follow_logs}
+    heldout = dataclasses.replace(heldout, **taken)
 
     _stage(console, f"1/4 data: {len(log_dirs)} log folder(s)")
+    console.print(f"held-out evaluation on {heldout.engine()}"
+                  + (f" ({', '.join(taken)} as the logs')" if taken else "")
+                  + "".join(f"; {n}" for n in notes), highlight=False, soft_wrap=True)
     data = data_summary(log_dirs)
     if not data["data.decisions_rows"]:
         raise TrainError(f"no decisions telemetry in {', '.join(map(str, log_dirs))}: simulate or serve with an "
@@ -256,13 +338,10 @@ def register_policy_dir(name: str, policy_dir: Path) -> None:
 def evaluate_policy_dir(policy_dir: Path, heldout: HeldoutParams, out_dir: Path, *,
                         progress: bool = True) -> list[dict[str, Any]]:
     """Simulate the POLICY_DIR and vLLM default on the held-out workload; the evaluation's rows."""
-    from training.evaluate import evaluate
-
     out_dir.mkdir(parents=True, exist_ok=True)
     workload = heldout_workload(heldout, out_dir)
     register_policy_dir(CANDIDATE, policy_dir)
-    result = evaluate(workload, [CANDIDATE], out_dir / "evaluation", kv_fractions=[heldout.kv_fraction],
-                      jobs=1, progress=progress, sim_options=heldout.sim_options or None)
+    result = heldout.run(workload, [CANDIDATE], out_dir / "evaluation", progress)
     failed = [r for r in result.rows if r.get("error")]
     if failed:
         raise TrainError("held-out simulation failed: " + "; ".join(f"{r['policy']}: {r['error']}" for r in failed))
