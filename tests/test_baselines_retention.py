@@ -305,6 +305,22 @@ def test_continuum_returning_turn_keeps_program_arrival_order():
     assert list(c.admit(later, engine_state()).order) == ["A1", "C0", "X"]
 
 
+def test_oracle_chain_admission_serves_the_longest_remaining_session_first():
+    """``chain``: this turn's remaining output plus the session's later turns (critical path first), where
+    ``lpt`` sees only this turn."""
+    wl = workload([
+        {"session_id": "a", "turn": 0, "lead": 1, "output_tokens": 50},
+        {"session_id": "b", "turn": 0, "lead": 2, "tool_latency_s": 1.0, "output_tokens": 10},
+        {"session_id": "b", "turn": 1, "lead": 2, "output_tokens": 200},
+    ])
+    w = [cand("a0", "a", 0, arrival=0.0), cand("b0", "b", 0, arrival=1.0), cand("x", None, 0, arrival=2.0)]
+    assert list(HindsightOraclePolicy(admission="lpt", workload=wl).admit(w, engine_state()).order)[:2] == ["a0", "b0"]
+    assert list(HindsightOraclePolicy(admission="chain", workload=wl).admit(w, engine_state()).order) == \
+        ["b0", "a0", "x"]  # (a request the workload does not know goes last, as with lpt)
+    with pytest.raises(ValueError, match="admission='chain' needs the simulated workload"):
+        HindsightOraclePolicy(admission="chain", length_predictor=None)
+
+
 def test_oracle_admission_retention_and_belady():
     wl = workload(
         [

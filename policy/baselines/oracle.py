@@ -17,7 +17,10 @@ registry passes it; without one the factory fails):
   by true remaining output (``output_tokens - generated``, from
   :class:`policy.predictors.OracleLengthPredictor`), shortest first, ties by
   arrival; ``"lpt"`` longest first (the classic makespan heuristic for a
-  synchronous RL step); ``"fcfs"`` keeps vLLM's order (isolates the cache
+  synchronous RL step); ``"chain"`` the longest remaining session first: this
+  turn's remaining output plus every later turn's of its session (critical path
+  first, the makespan heuristic for chains of turns; a request without a session
+  is its own chain); ``"fcfs"`` keeps vLLM's order (isolates the cache
   levers). SRPT is the default because it is the hindsight rule the field
   compares against; which rule gives the best makespan on a given workload is
   an empirical question for the simulator runs: compare ``srpt`` and ``lpt``
@@ -79,8 +82,24 @@ from policy.interface import (
     RetentionDecision,
 )
 
-ADMISSION_RULES = ("srpt", "lpt", "fcfs")
+ADMISSION_RULES = ("srpt", "lpt", "chain", "fcfs")
 EVICTION_MODES = ("prefix", "block")
+
+
+def later_output(workload: Any) -> dict[tuple[str, int], int]:
+    """``(session, turn)`` -> the output tokens of that session's later turns, from the simulated workload."""
+    cols = workload.select(["session_id", "turn", "output_tokens"]).to_pydict()
+    turns: dict[str, list[tuple[int, int]]] = {}
+    for s, t, o in zip(cols["session_id"], cols["turn"], cols["output_tokens"]):
+        if s is not None:
+            turns.setdefault(s, []).append((t or 0, o))
+    out: dict[tuple[str, int], int] = {}
+    for s, rows in turns.items():
+        after = 0
+        for t, o in sorted(rows, reverse=True):
+            out[(s, t)] = after
+            after += o
+    return out
 
 
 class BlockNextUse:
@@ -185,6 +204,8 @@ class HindsightOraclePolicy(Policy):
             raise ValueError(f"option eviction must be one of {', '.join(EVICTION_MODES)}, got {eviction!r}")
         if eviction == "block" and workload is None:
             raise ValueError("eviction='block' needs the simulated workload (its hash chains)")
+        if admission == "chain" and workload is None:
+            raise ValueError("admission='chain' needs the simulated workload (its sessions' later turns)")
         if admission not in ADMISSION_RULES:
             raise ValueError(f"option admission must be one of {', '.join(ADMISSION_RULES)}, got {admission!r}")
         for name, v in (("max_ttl_s", max_ttl_s), ("ttl_margin_s", ttl_margin_s)):
@@ -199,6 +220,7 @@ class HindsightOraclePolicy(Policy):
         self.reuse = resolve_reuse_predictor(reuse_predictor, workload, policy=type(self).__name__)
         self.eviction = eviction
         self.blocks = BlockNextUse(workload) if eviction == "block" else None
+        self.later = later_output(workload) if admission == "chain" else {}
 
     # ------------------------------------------------------------ admission
     def remaining(self, waiting: Sequence[CandidateRequest]) -> list[float]:
@@ -210,7 +232,10 @@ class HindsightOraclePolicy(Policy):
         if self.admission == "fcfs" or not waiting:
             return None
         rem = self.remaining(waiting)
-        if self.admission == "lpt":
+        if self.admission == "chain":  # the session's remaining output, this turn and every later one: longest first
+            later = self.later
+            rem = [r + later.get(row_key(c.meta), 0) for c, r in zip(waiting, rem)]
+        if self.admission in ("lpt", "chain"):
             # longest first; unknown lengths (inf) go last, in arrival order
             keys = [(0 if math.isfinite(r) else 1, -r if math.isfinite(r) else 0.0, c.arrival_s, i)
                     for i, (c, r) in enumerate(zip(waiting, rem))]
