@@ -67,7 +67,7 @@ class SessionStateNextUse:
         rate = self.admission_rate(now_s)
         paused_since = self.tools.paused_since_s
         latency = self.latency_s
-        by_tool: dict = {}  # tool -> its expected latency (no hint): read once per call
+        by_tool: dict = {}  # tool -> its expected latency when a request sends no hint: read once per call
         out = []
         for p in prefixes:
             state, meta = p.owner_state, p.meta
@@ -76,12 +76,12 @@ class SessionStateNextUse:
                 out.append(now_s + (pos / rate if rate else 0.0))
                 continue
             if state is OwnerState.PAUSED_TOOL or (state is OwnerState.RUNNING and meta.tool is not None):
-                if meta.expected_pause_s is not None:
-                    lat = float(meta.expected_pause_s)
-                else:
+                if meta.expected_pause_s is None:
                     lat = by_tool.get(meta.tool)
                     if lat is None:
                         lat = by_tool[meta.tool] = latency(meta)
+                else:
+                    lat = latency(meta)  # (the request's own hint)
                 if state is OwnerState.RUNNING:
                     out.append(now_s + lat)
                 else:
