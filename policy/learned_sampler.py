@@ -107,7 +107,8 @@ class Sampler(Policy):
         self.table = FeatureTable(self._raw, self.phase.phase,
                                   check_positive("max_wait_steps", max_wait_steps, allow_none=True),
                                   check_positive("max_wait_s", max_wait_s, allow_none=True),
-                                  resume_preempted=bool(resume_preempted))
+                                  resume_preempted=bool(resume_preempted),
+                                  preds_of=lambda cands: _predict(self.lengths, cands))
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
         self._observe = getattr(predictor, "observe", None)

@@ -42,6 +42,7 @@ from policy.learned_features import (
     USAGE_X,
     WAIT_X,
     R,
+    light_values,
     log_remaining,
     row_features,
     set_features,
@@ -88,9 +89,13 @@ class FeatureTable:
 
     def __init__(self, raw_of: Callable[[Sequence[CandidateRequest], EngineState], np.ndarray],
                  phase_of: Callable[[Optional[int]], float], max_wait_steps: Optional[float],
-                 max_wait_s: Optional[float], resume_preempted: bool = True, capacity: int = 256) -> None:
+                 max_wait_s: Optional[float], resume_preempted: bool = True, capacity: int = 256,
+                 preds_of: Optional[Callable[[Sequence[CandidateRequest]], list]] = None) -> None:
         #: (candidates, state) -> their raw matrix (length predictions included)
         self.raw_of = raw_of
+        #: candidates -> their (p50, p90) length predictions, as ``raw_of`` puts them in; with it, :meth:`remaining`
+        #: refreshes rows without the raw matrix (:func:`policy.learned_features.light_values`)
+        self.preds_of = preds_of
         self.phase_of = phase_of
         self.max_wait_steps = math.inf if max_wait_steps is None else float(max_wait_steps)
         self.max_wait_s = math.inf if max_wait_s is None else float(max_wait_s)
@@ -195,21 +200,30 @@ class FeatureTable:
         return self._idx
 
     def _fill(self, cands: Sequence[CandidateRequest], rows: np.ndarray, state: EngineState,
-              light: bool = False) -> np.ndarray:
-        """Recompute ``rows`` from ``cands``; ``light``: all but their feature columns (:meth:`remaining`)."""
-        raw = self.raw_of(cands, state)
-        if light:
-            lr = log_remaining(raw)
-            self._light = True
+              light: bool = False) -> Optional[np.ndarray]:
+        """Recompute ``rows`` from ``cands``; ``light``: all but their feature columns (:meth:`remaining`). Their raw
+        matrix, None when a light refill read the candidates directly."""
+        raw = None
+        if light and self.preds_of is not None:
+            preds = self.preds_of(cands)
+            lr, running, preempted = light_values(cands, preds)
+            self.running[rows] = running
+            self.preempted[rows] = preempted
+            self.preds[rows] = preds
         else:
-            x, lr = row_features(raw)
-            self.x[rows] = x
+            raw = self.raw_of(cands, state)
+            if light:
+                lr = log_remaining(raw)
+            else:
+                x, lr = row_features(raw)
+                self.x[rows] = x
+            self.running[rows] = raw[:, _RUNNING] > 0
+            # a waiting request with a preemption was preempted in this turn (only a preemption sends one back)
+            self.preempted[rows] = (raw[:, _PREEMPTIONS] > 0) & ~self.running[rows]
+            self.preds[rows] = raw[:, [_P50, _P90]]
+        self._light |= light
         self.light[rows] = light
         self.lr[rows] = lr
-        self.running[rows] = raw[:, _RUNNING] > 0
-        # a waiting request with a preemption was preempted in this turn (only a preemption sends one back)
-        self.preempted[rows] = (raw[:, _PREEMPTIONS] > 0) & ~self.running[rows]
-        self.preds[rows] = raw[:, [_P50, _P90]]
         self.arrival[rows] = [c.arrival_s for c in cands]
         steps = self.steps
         self.step[rows] = [steps.setdefault(c.meta.step, len(steps)) for c in cands]

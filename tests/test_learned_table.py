@@ -137,3 +137,34 @@ def test_lazy_candidates_decide_the_same(vllm_engine, tmp_path: Path) -> None:
     assert lazy_log == full_log
     lazy_m, full_m = lazy_sum.metrics, full_sum.metrics
     assert lazy_m.makespan_s == full_m.makespan_s and lazy_m.preemptions == full_m.preemptions
+
+
+def test_light_values_equal_the_raw_matrix_path() -> None:
+    """The light refill's values (remaining output, running, preempted) are those of the raw matrix, at every edge:
+    unknown and infinite predictions, p90 below p50, output past p50 / p90 / max_tokens, no max_tokens."""
+    from policy.interface import CandidateRequest, EngineState, RequestMeta, RequestStatus
+    from policy.learned_features import R, light_values, log_remaining
+    from policy.learned_sampler import StepPhase
+
+    nan, inf = float("nan"), float("inf")
+    cases = [  # (p50, p90, output so far, max_tokens, status, preemptions)
+        (100.0, 300.0, 0, 1000, RequestStatus.WAITING, 0), (100.0, 300.0, 150, 1000, RequestStatus.RUNNING, 0),
+        (100.0, 300.0, 400, 1000, RequestStatus.RUNNING, 1), (100.0, 300.0, 990, 1000, RequestStatus.PREEMPTED, 2),
+        (nan, nan, 0, 512, RequestStatus.WAITING, 0), (inf, inf, 7, 0, RequestStatus.WAITING, 0),
+        (nan, 50.0, 3, None, RequestStatus.PREEMPTED, 1), (300.0, 100.0, 120, 2000, RequestStatus.WAITING, 0),
+        (80.0, inf, 90, 85, RequestStatus.RUNNING, 0), (1.0, 1.0, 5, 4, RequestStatus.WAITING, 0),
+    ]
+    cands = [CandidateRequest(request_id=f"r{i}", meta=RequestMeta(), status=st, prompt_token_ids=(),
+                              num_prompt_tokens=10, num_cached_tokens=-1, num_computed_tokens=0, num_output_tokens=o,
+                              max_tokens=mx, arrival_s=0.0, wait_s=0.0, num_preemptions=pre)
+             for i, (_, _, o, mx, st, pre) in enumerate(cases)]
+    preds = [(a, b) for a, b, *_ in cases]
+    state = EngineState(time_s=1.0, engine_step=1, num_running=1, num_waiting=1, num_free_blocks=1,
+                        num_total_blocks=10, num_pinned_blocks=0, kv_usage=0.5, block_size=16, max_num_running=8,
+                        max_num_batched_tokens=64)
+    raw = candidate_raw(cands, preds, state, StepPhase())
+    lr, running, preempted = light_values(cands, preds)
+    np.testing.assert_array_equal(lr, log_remaining(raw))
+    assert running == (raw[:, R["is_running"]] > 0).tolist()
+    assert preempted == ((raw[:, R["preemptions"]] > 0) & (raw[:, R["is_running"]] == 0)).tolist()
+    assert preempted == [False, False, False, True, False, False, True, False, False, False]
