@@ -344,9 +344,10 @@ class Policy:
         """Order the CPU offload tier's contents for eviction (only called when :attr:`uses_host_eviction` is set).
 
         Called when a store needs ``num_blocks_needed`` blocks more than the full tier has free, at most once
-        per engine step (later stores of the step reuse the order). ``prefixes`` has one entry per owner of
-        host blocks (a session, or a request without one: the last request that stored or reused them) and
-        per running request's session, with ``tier_blocks`` its blocks in the tier, ``block_ids`` empty,
+        per engine step and storing owner (later stores of the step reuse the order when it ranks their owner).
+        ``prefixes`` has one entry per owner of host blocks (a session, or a request without one: the last
+        request that stored or reused them) and one for the storing owner when it has none there yet, with
+        ``tier_blocks`` its blocks in the tier, ``block_ids`` empty,
         ``owner_state`` RUNNING / WAITING (its session's next request is queued, at ``queue_position``) /
         PAUSED_TOOL / FINISHED and ``last_used_s`` the last time one of its requests used the tier. The listed
         owners' blocks go first (deepest block first), the rest in vLLM's LRU order; a store whose own owner is

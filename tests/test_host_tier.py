@@ -200,7 +200,7 @@ def test_a_session_whose_next_turn_is_queued_is_a_waiting_owner_at_its_queue_pos
     sched = SimpleNamespace(running=[req["a-t1"]], waiting=[req["d-t0"], req["b-t1"]], kvpilot_clock=lambda: 5.0)
     tr = SimpleNamespace(infos={rid: SimpleNamespace(meta=m, running=rid == "a-t1") for rid, m in metas.items()},
                          sessions={"c": 0}, session_request={"a": "a-t1", "b": "b-t1", "d": "d-t0"})
-    guard = SimpleNamespace(stats=None)
+    guard = SimpleNamespace(stats=None, step_no=0)
     lever = HostTierLever(sched, None, guard, tr, None)
     cp = KVPilotCachePolicy(16)
     cp.kvpilot_lever = lever
@@ -222,3 +222,66 @@ def test_a_session_whose_next_turn_is_queued_is_a_waiting_owner_at_its_queue_pos
     assert moved["b"].owner_state is OwnerState.WAITING and moved["b"].queue_position == 0
     assert moved["c"].owner_state is OwnerState.WAITING and moved["c"].queue_position == 2
     assert moved["c"].meta.turn == 0  # still the meta of the turn that stored
+
+
+class ByKey(Policy):
+    """Orders owners by a key of each alone (a sort, as the learned policy's and the oracle's orders are); records
+    each call's candidates."""
+
+    name = "test-by-key"
+    uses_host_eviction = True
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def evict_host(self, prefixes, n, state):
+        self.calls.append({p.prefix_id: p for p in prefixes})
+        return EvictionDecision(order=[p.prefix_id for p in sorted(prefixes, key=lambda p: (p.last_used_s,
+                                                                                          p.prefix_id))])
+
+
+def test_the_steps_order_ranks_a_later_running_storer_as_it_stood_at_the_steps_first_eviction():
+    """One order per step over the tier's owners and the storer; a later running storer it did not rank is ranked
+    with its last use as the step's order saw it (the same order as one over every running session at the first
+    eviction); a finished storer gets a fresh order; the next step starts afresh."""
+    from policy.interface import RequestMeta
+    from serving_hook.host_tier import HostTierLever, KVPilotCachePolicy
+
+    metas = {f"{s}-t0": RequestMeta(session_id=s, turn=0, tool="bash") for s in "abcdf"}
+    req = {rid: SimpleNamespace(request_id=rid) for rid in metas}
+    now = [1.0]
+    sched = SimpleNamespace(running=[req["a-t0"], req["c-t0"], req["d-t0"]], waiting=[], kvpilot_clock=lambda: now[0])
+    tr = SimpleNamespace(infos={rid: SimpleNamespace(meta=m, running=rid[0] in "acd") for rid, m in metas.items()},
+                         sessions={}, session_request={s: f"{s}-t0" for s in "abcdf"},
+                         state=lambda t: SimpleNamespace(time_s=t))
+    guard = SimpleNamespace(stats=SimpleNamespace(host_evict_calls=0, host_evicted_listed=0, host_bypassed=0),
+                            step_no=1, inner_s=0.0,
+                            decide=lambda what, fn, kind, *a: fn(*a))
+    policy = ByKey()
+    lever = HostTierLever(sched, policy, guard, tr, None)
+    cp = KVPilotCachePolicy(16)
+    cp.kvpilot_lever = lever
+    lever.used("b-t0")  # b finished earlier, its blocks in the tier
+    _fill(cp, [("b-t0", [b"b0", b"b1"])])
+    lever.last_used.update(b=0.5, c=0.2, d=0.1)
+    now[0] = 2.0
+    cp.on_store_miss([b"a0"], _ctx("a-t0"))  # step 1's first eviction: a stores
+    assert cp.evict(1, set()) is not None
+    assert set(policy.calls[-1]) == {"a", "b"}  # the tier's owner and the storer; c and d store nothing yet
+    first = policy.calls[-1]
+    cp.on_store_miss([b"c0"], _ctx("c-t0"))  # c stores next, in the same step: its last use becomes now
+    assert lever.last_used["c"] == 2.0
+    cp.evict(1, set())
+    late = policy.calls[-1]
+    assert set(late) == {"a", "b", "c"} and all(late[k] is first[k] for k in "ab")
+    assert late["c"].last_used_s == 0.2  # as the step's first order saw it
+    assert lever.order(cp, 1, "c") == lever.order(cp, 1, "a")  # ranked now: no further call
+    assert len(policy.calls) == 2
+    lever.metas["f"] = metas["f-t0"]
+    lever.last_used["f"] = 1.5
+    lever.order(cp, 1, "f")  # a finished storer: a fresh order, with the last uses as they are now
+    assert set(policy.calls[-1]) == {"b", "f"} and len(policy.calls) == 3
+    guard.step_no = 2
+    cp.on_store_miss([b"d0"], _ctx("d-t0"))
+    lever.order(cp, 1, "d")
+    assert policy.calls[-1]["d"].last_used_s == 2.0  # a new step: d's own last use, now
