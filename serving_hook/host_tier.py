@@ -61,6 +61,9 @@ class _BypassLogFilter(logging.Filter):
 
 
 _FILTER = _BypassLogFilter()
+#: Storers in a step (stores that asked its order for room) from which the next step's order ranks every running
+#: session at once (see HostTierLever.order).
+WIDE_AFTER_STORERS = 3
 _perf = time.perf_counter
 
 
@@ -215,7 +218,11 @@ class HostTierLever(Lever):
         self._listed: list[CachedPrefix] = []  # their candidates
         self._running: dict[str, RequestMeta] = {}  # the step's running owners (their requests' metas)
         self._stale: dict[str, float] = {}  # owner -> its last use the step's order saw, where used() changed it
+        self._storers: set = set()  # the owners whose stores asked the step's order for room
+        self._late = 0  # the step's running storers its first order did not rank
+        self._wide = False  # rank every running session at the step's first eviction (see order)
         self._owned_prefixes: dict[str, CachedPrefix] = {}  # see _prefixes
+        self._running_prefixes: dict[str, CachedPrefix] = {}  # see _running_candidates
 
     def owner_of(self, req_id: str) -> str:
         """The owner of what ``req_id`` stores or reuses: its session, else itself (meta noted for later)."""
@@ -247,27 +254,35 @@ class HostTierLever(Lever):
         return owner
 
     def order(self, cp: KVPilotCachePolicy, n: int, storer: Optional[str]) -> Optional[list]:
-        """The policy's owner order for this step: computed at the step's first eviction over the tier's owners and
-        the storing one; a later running storer it did not rank is ranked as it stood then, a later finished one
-        gets a fresh order; None: LRU.
+        """The policy's owner order for this step, computed at the step's first eviction; a later finished storer it
+        did not rank gets a fresh one; None: LRU.
 
-        The order is the same as one over the tier's owners and every running session at the step's first
-        eviction (each a possible storer), for a policy whose order is a sort by a key of each owner alone, as
-        the learned policy's and the oracle's are; half the candidates, most of them never used (measured at 128
-        running agent sessions: 60 tier owners, 70 running sessions with nothing in the tier).
+        It is the order over the tier's owners and every running session (each a possible storer) as they stood
+        then. Most of those sessions have nothing in the tier (measured at 128 running agent sessions: 60 tier
+        owners, 70 such sessions), and in most steps one session stores, so the order ranks the tier's owners and
+        the storer; a later running storer joins it, as it stood then, and a third brings in every running
+        session. After a step with three storers or more every running session is ranked at once. For a policy
+        whose order is a sort by a key of each owner alone (the learned policy's, the oracle's) the order is the
+        same either way.
         """
         step = self.guard.step_no
         if step == self._step:
-            if storer is None or storer in self._ranked:
+            if storer is None:
                 return self._order
-            meta = self._running.get(storer)
-            if meta is not None:
-                late = CachedPrefix(storer, storer, OwnerState.RUNNING, meta, (), (),
-                                    self._stale.get(storer, self.last_used.get(storer, 0.0)))
-                return self._decide(self._listed + [late], n)
+            self._storers.add(storer)
+            if storer in self._ranked:
+                return self._order
+            if storer in self._running:  # a later running storer, as it stood at the step's first eviction
+                self._late += 1
+                late = self._running_candidates(self._stale, only=storer if self._late == 1 else None)
+                return self._decide(self._listed + late, n)
             if storer not in self.metas:
                 return self._order
-        self._step = step
+        else:
+            self._wide = len(self._storers) >= WIDE_AFTER_STORERS
+            self._step = step
+            self._storers = {storer} if storer is not None else set()
+            self._late = 0
         self._stale = {}
         self._order = None
         try:
@@ -340,18 +355,37 @@ class HostTierLever(Lever):
             out.append(p)
         self._owned_prefixes = kept
         self._running = running
-        if storer is not None and storer not in owned:
-            # the storing owner, nothing of it in the tier yet: ranked too, so that its store is skipped when it comes
-            # before enough room (an owner with nothing in the tier and no store frees nothing and skips nothing;
-            # another storer in the step gets a new order, see order())
+        if self._wide:
+            out += self._running_candidates({}, owned)
+        elif storer is not None and storer not in owned:  # the storing owner, nothing of it in the tier yet
             meta = running.get(storer)
             if meta is not None:
-                state = OwnerState.RUNNING
-            else:  # a finished request storing its last blocks
-                meta = metas.get(storer)
-                state = OwnerState.PAUSED_TOOL if storer in paused else OwnerState.FINISHED
-            if meta is not None:
-                out.append(CachedPrefix(storer, storer, state, meta, (), (), last.get(storer, 0.0)))
+                out.append(CachedPrefix(storer, storer, OwnerState.RUNNING, meta, (), (), last.get(storer, 0.0)))
+        if storer is not None and storer not in running and storer not in owned and storer in metas:
+            # a finished request storing its last blocks, nothing of it in the tier yet
+            state = OwnerState.PAUSED_TOOL if storer in paused else OwnerState.FINISHED
+            out.append(CachedPrefix(storer, storer, state, metas[storer], (), (), last.get(storer, 0.0)))
+        return out
+
+    def _running_candidates(self, stale: dict[str, float], skip: Optional[dict] = None,
+                            only: Optional[str] = None) -> list[CachedPrefix]:
+        """The step's running owners not ranked yet (not in ``skip``, else not in the step's order; ``only``: that
+        one alone), each with its last use as of the step's order (``stale``); their candidates are kept from step
+        to step while their request and last use are the same (most of them: few turns end in a step)."""
+        skip = self._ranked if skip is None else skip
+        last = self.last_used
+        made, out = self._running_prefixes, []
+        for owner, meta in ((only, self._running[only]),) if only is not None else self._running.items():
+            if owner not in skip:
+                t = stale.get(owner)
+                if t is None:
+                    t = last.get(owner, 0.0)
+                p = made.get(owner)
+                if p is None or p.meta is not meta or p.last_used_s != t:
+                    p = made[owner] = CachedPrefix(owner, owner, OwnerState.RUNNING, meta, (), (), t)
+                out.append(p)
+        if len(made) > 4 * len(self._running) + 64:  # bound it: drop the owners no longer running
+            self._running_prefixes = {o: p for o, p in made.items() if o in self._running}
         return out
 
     def forget_step(self) -> None:

@@ -241,9 +241,10 @@ class ByKey(Policy):
 
 
 def test_the_steps_order_ranks_a_later_running_storer_as_it_stood_at_the_steps_first_eviction():
-    """One order per step over the tier's owners and the storer; a later running storer it did not rank is ranked
-    with its last use as the step's order saw it (the same order as one over every running session at the first
-    eviction); a finished storer gets a fresh order; the next step starts afresh."""
+    """One order per step, as over the tier's owners and every running session at the step's first eviction: it
+    ranks the tier's owners and the storer, a later running storer joins as it stood then (its last use as the
+    step's order saw it), a third brings every running session in; a finished storer gets a fresh order; after a
+    step with three storers or more every running session is ranked at once."""
     from policy.interface import RequestMeta
     from serving_hook.host_tier import HostTierLever, KVPilotCachePolicy
 
@@ -275,13 +276,19 @@ def test_the_steps_order_ranks_a_later_running_storer_as_it_stood_at_the_steps_f
     late = policy.calls[-1]
     assert set(late) == {"a", "b", "c"} and all(late[k] is first[k] for k in "ab")
     assert late["c"].last_used_s == 0.2  # as the step's first order saw it
-    assert lever.order(cp, 1, "c") == lever.order(cp, 1, "a")  # ranked now: no further call
-    assert len(policy.calls) == 2
+    assert lever.order(cp, 1, "c") == lever.order(cp, 1, "a") and len(policy.calls) == 2  # ranked: no new call
     lever.metas["f"] = metas["f-t0"]
     lever.last_used["f"] = 1.5
     lever.order(cp, 1, "f")  # a finished storer: a fresh order, with the last uses as they are now
-    assert set(policy.calls[-1]) == {"b", "f"} and len(policy.calls) == 3
-    guard.step_no = 2
-    cp.on_store_miss([b"d0"], _ctx("d-t0"))
+    assert set(policy.calls[-1]) == {"b", "f"}
+    cp.on_store_miss([b"d0"], _ctx("d-t0"))  # the step's second late running storer: every running session joins
     lever.order(cp, 1, "d")
-    assert policy.calls[-1]["d"].last_used_s == 2.0  # a new step: d's own last use, now
+    assert set(policy.calls[-1]) == {"a", "b", "c", "d", "f"}
+    assert policy.calls[-1]["d"].last_used_s == 0.1 and policy.calls[-1]["c"].last_used_s == 2.0
+    assert len(policy.calls) == 4
+    guard.step_no = 2  # step 1 had four storers: every running session at the first eviction
+    lever.order(cp, 1, "d")
+    assert set(policy.calls[-1]) == {"a", "b", "c", "d"} and policy.calls[-1]["d"].last_used_s == 2.0
+    guard.step_no = 3  # step 2 had one: the tier's owners and the storer
+    lever.order(cp, 1, "a")
+    assert set(policy.calls[-1]) == {"a", "b"} and len(policy.calls) == 6
