@@ -205,6 +205,8 @@ def table(engine, mode, what, steps, sizes):
 
 
 SESSION_PAUSE_STEPS = 10
+#: Untimed steps before a sessions run's first turn can end (admission, prefill).
+WARM_STEPS = 20
 SESSION_TURNS = 5
 #: A turn's output tokens, from MIN to MAX (a hash of its id): short turns, so that about 4 of 128 running
 #: sessions finish a turn in every step (the levers' worst case: decisions in every step).
@@ -249,7 +251,11 @@ def sessions_build(engine, cls, running, tier_share=4.0, host_policy=False, turn
         prompts[f"s{i}"] = engine.prompt_tokens(f"sess-{i}", PROMPT)
         add(f"s{i}", 0)
 
-    def step(k, timed):
+    k = 0  # the engine step
+
+    def step(timed):
+        nonlocal k
+        k += 1
         while returns and returns[0][0] <= k:
             _, sid, turn = returns.pop(0)
             add(sid, turn)
@@ -278,8 +284,10 @@ def sessions_build(engine, cls, running, tier_share=4.0, host_policy=False, turn
             return dt, getattr(s, "kvpilot_stats", None)
         return None
 
-    for k in range(20):  # warm-up: admit, prefill, first pauses
-        step(k, False)
+    # warm-up: admit, prefill, and every session's first turn ended and its tool returned (until then few turns end
+    # and few steps decide: timed from step 20, turns of 120-360 tokens measured half the steady state's cost)
+    for _ in range(WARM_STEPS + turn_tokens[1] + SESSION_PAUSE_STEPS):
+        step(False)
     return step
 
 
@@ -310,7 +318,7 @@ def sessions_table(engine, steps, sizes):
         try:
             for i in range(steps):
                 for k, drive in drivers.items():
-                    dt, st = drive(20 + i, True)
+                    dt, st = drive(True)
                     times[k].append(dt)
                     if st is not None:
                         own[k].append(st.last_hook_time_s)

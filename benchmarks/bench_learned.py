@@ -325,7 +325,7 @@ def tier_bench(engine, model: Path, running: int, steps: int, tier_share: float,
     try:
         for i in range(steps):
             for k, drive in (drivers.items() if i % 2 else reversed(drivers.items())):
-                dt, st_k = drive(20 + i, True)
+                dt, st_k = drive(True)
                 times[k].append(dt)
                 if st_k is not None:
                     st = st_k
