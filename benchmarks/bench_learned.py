@@ -53,7 +53,8 @@ that the tier is full and evicts in most steps: stock vLLM (its LRU tier) beside
 ``offload`` and ``host_eviction`` on (the tier's eviction order from the reuse predictor, through
 :mod:`serving_hook.host_tier`). Its steps differ from stock's (the policy admits and keeps other requests), so
 it compares medians, in wall time (the hook's own time, which counts the tier's eviction too, is wall time), and
-means: the time added over the run. Turns are short by default (16-48 tokens: about 4 of 128 sessions end a
+means: the time added over the run, timed in the steady state (once every session's first turn has ended and its
+tool returned; before that few steps decide). Turns are short by default (16-48 tokens: about 4 of 128 sessions end a
 turn in every step, so every step decides); ``--tier-turn-tokens 120 360`` gives turns of the agentic preset's
 swe length (median 236), where a decision comes every few steps and the median step decides nothing.
 
