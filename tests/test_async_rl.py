@@ -5,6 +5,7 @@ summary; bad settings are named errors (CLI exit 2); the synchronous trainer pri
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,8 @@ def test_bad_values(make: Any, match: str) -> None:
     (["--driver", "async", "--train-batch", "0"], "train_batch must be an integer >= 1"),
     (["--train-batch", "2"], "--train-batch needs --trainer"),
     (["--driver", "async", "--admission", "fifo"], "unknown async admission 'fifo'"),
+    (["--driver", "async", "--max-groups", "0"], "max_concurrent_groups must be an integer >= 1"),
+    (["--max-groups", "2"], "--max-groups needs --driver async"),
     (["--driver", "bogus"], "unknown driver 'bogus'"),
 ])
 def test_cli_bad_async_settings_exit_2(tmp_path: Path, args: list[str], match: str) -> None:
@@ -189,6 +192,37 @@ def test_cli_bad_async_settings_exit_2(tmp_path: Path, args: list[str], match: s
     assert res.exit_code == 2, res.output
     assert match in res.output
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_max_groups_caps_the_groups_in_flight(vllm_engine: Any, tmp_path: Path) -> None:
+    """``--max-groups 1``: each group starts once the one before it has ended (AReaL's rule alone runs several at
+    once); the CLI's run is the library's with ``max_concurrent_groups``."""
+    import json
+
+    from training.cli import app
+
+    w = _uniform(steps=2, groups=2, group=2)
+
+    def spans(cap):
+        res = Simulation(w, "vllm-default", driver="async", kv_fraction=2.0, progress=False, trainer=Trainer(),
+                         async_rl=AsyncRL(2, "keep", max_concurrent_groups=cap)).run()
+        groups: dict[str, list[float]] = {}
+        for t in res.trajectories:
+            g = groups.setdefault(t.session_id.rsplit("-", 1)[0], [math.inf, -math.inf])
+            g[0], g[1] = min(g[0], t.start_s), max(g[1], t.end_s)
+        return sorted(groups.values()), res.summary.to_dict()["trajectories_per_s"]
+
+    capped, tps = spans(1)
+    assert all(b[0] >= a[1] for a, b in zip(capped, capped[1:]))
+    free, _ = spans(None)
+    assert any(b[0] < a[1] for a, b in zip(free, free[1:]))
+    path = tmp_path / "w.parquet"
+    write_workload(w, path)
+    res = CliRunner().invoke(app, ["simulate", "-w", str(path), "-o", str(tmp_path / "o"), "--no-progress", "--json",
+                                   "--driver", "async", "--staleness", "2", "--kv-fraction", "2", "--max-groups", "1"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output[res.output.index("["):res.output.rindex("]") + 1])
+    assert [r["trajectories_per_s"] for r in rows if r["run"] != "sync"] == [pytest.approx(tps)]
 
 
 @pytest.mark.slow

@@ -28,11 +28,13 @@ COLUMNS = ("policy", "kv_fraction", "replicas", "run", "eta", "weight_sync", "tr
 
 def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes: Sequence[str], *,
           sim_options: dict[str, Any], progress: bool = True, kv_fraction: float | None = None,
-          replicas: int = 1, admission: str = "staleness") -> list[dict[str, Any]]:
+          replicas: int = 1, admission: str = "staleness", max_groups: int | None = None) -> list[dict[str, Any]]:
     """The synchronous run and every async (eta, mode) run of ``workload`` (a prepared workload); their rows.
 
     ``sim_options``: :func:`simulator.simulation.run_simulation`'s options shared by every run (its
-    ``trainer`` included); bad settings raise :class:`simulator.config.SimulationError` before any run."""
+    ``trainer`` included); ``max_groups``: the async runs' cap on groups in flight
+    (:attr:`simulator.config.AsyncRL.max_concurrent_groups`); bad settings raise
+    :class:`simulator.config.SimulationError` before any run."""
     from simulator.config import AsyncRL, SimulationError, Trainer
     from simulator.simulation import Simulation
 
@@ -42,7 +44,7 @@ def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes:
     opts = dict(sim_options)
     opts.setdefault("trainer", Trainer())
     plan: list[tuple[str, dict[str, Any]]] = [("sync", {})]
-    plan += [(f"async-eta{e}-{m}", {"driver": "async", "async_rl": AsyncRL(e, m, admission)})
+    plan += [(f"async-eta{e}-{m}", {"driver": "async", "async_rl": AsyncRL(e, m, admission, max_groups)})
              for e in etas for m in modes]
     sims = [(name, Simulation(workload, policy, out_dir=Path(out_dir) / name, progress=False, replicas=replicas,
                               kv_fraction=kv_fraction, **opts, **extra)) for name, extra in plan]  # checked first
@@ -78,7 +80,7 @@ def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes:
 def sweep_grid(workload: Any, out_dir: Path, policies: Sequence[str], kv_fractions: Sequence[float | None],
                replicas: Sequence[int], etas: Sequence[int], modes: Sequence[str], *, sim_options: dict[str, Any],
                progress: bool = True, admission: str = "staleness", policy_options: dict[str, Any] | None = None,
-               learned_model: Path | None = None) -> list[dict[str, Any]]:
+               learned_model: Path | None = None, max_groups: int | None = None) -> list[dict[str, Any]]:
     """:func:`sweep` for every policy x KV fraction x replica count, each into ``out_dir/<policy>-kv<kv>-r<n>``
     (``out_dir`` itself for a single one); their rows.
 
@@ -94,7 +96,8 @@ def sweep_grid(workload: Any, out_dir: Path, policies: Sequence[str], kv_fractio
                 if policy == "learned" and learned_model:
                     options["model"] = str(learned_model)
                 rows += sweep(workload, sub, policy, etas, modes, kv_fraction=kv, replicas=reps, admission=admission,
-                              progress=progress, sim_options={**sim_options, "policy_options": options})
+                              max_groups=max_groups, progress=progress,
+                              sim_options={**sim_options, "policy_options": options})
     return rows
 
 

@@ -172,6 +172,10 @@ TrainerOpt = Annotated[bool, typer.Option(
 AdmissionOpt = Annotated[str, typer.Option(
     "--admission", help="--driver async: staleness (AReaL's capacity rule, FCFS) or kv-pressure (prime-rl's KV "
     "controller inside the staleness rule).")]
+MaxGroupsOpt = Annotated[Optional[int], typer.Option(
+    "--max-groups", help="--driver async: at most this many GRPO groups in flight, under the --admission rule "
+    "(default: no cap beyond it). Where memory binds it decides throughput: "
+    "docs/results/2026-12-05-async-32b-twelve-batches.md.")]
 
 
 def _trainer_spec(driver: str, trainer: bool, train_batch: Optional[int]):
@@ -187,10 +191,16 @@ def _trainer_spec(driver: str, trainer: bool, train_batch: Optional[int]):
         return Trainer(train_batch=train_batch)
 
 
+def _check_max_groups(driver: str, max_groups: Optional[int]) -> None:
+    """``--max-groups`` caps the async driver's groups in flight: with another driver it is an error (exit 2)."""
+    if max_groups is not None and driver != "async":
+        raise fail("--max-groups needs --driver async")
+
+
 def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fractions: list, replicas: list[int],
                  staleness: str, weight_sync: str, admission: str, trainer: object, progress: bool, as_json: bool,
                  *, policy_options: Optional[str] = None, learned_model: Optional[Path] = None,
-                 **sim_options: object) -> None:
+                 max_groups: Optional[int] = None, **sim_options: object) -> None:
     """``--driver async``: the synchronous run and every (eta, mode) async run per policy x KV x replicas."""
     from simulator.config import SimulationError
     from simulator.workload import load_workload
@@ -204,7 +214,7 @@ def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fraction
     with reported(SimulationError):  # bad staleness, weight-sync mode or admission: before any run
         rows = sweep_grid(prepared, out_dir, policies, kv_fractions, replicas, etas, modes, admission=admission,
                           progress=progress, policy_options=options, learned_model=learned_model,
-                          sim_options={**sim_options, "trainer": trainer})
+                          max_groups=max_groups, sim_options={**sim_options, "trainer": trainer})
     write_sweep(rows, out_dir)
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
@@ -259,12 +269,15 @@ def simulate(
     train_batch: TrainBatchOpt = None,
     trainer: TrainerOpt = False,
     admission: AdmissionOpt = "staleness",
+    max_groups: MaxGroupsOpt = None,
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
+    _check_max_groups(driver, max_groups)
     if driver == "async":
         _async_sweep(workload, out_dir, [policy], [kv_fraction], [replicas], staleness, weight_sync, admission,
-                     trainer_spec, progress, as_json, policy_options=policy_options, router=router,
+                     trainer_spec, progress, as_json, policy_options=policy_options, max_groups=max_groups,
+                     router=router,
                      kv_blocks=kv_blocks, preset=preset, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
                      offload_gib=offload_gib)
@@ -417,6 +430,7 @@ def evaluate_cmd(
     train_batch: TrainBatchOpt = None,
     trainer: TrainerOpt = False,
     admission: AdmissionOpt = "staleness",
+    max_groups: MaxGroupsOpt = None,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
     from training.evaluate import (DEFAULT_KV_FRACTIONS, EvaluationError, build_cases, check_run, evaluate,
@@ -442,6 +456,7 @@ def evaluate_cmd(
         cases = build_cases(names, kvs, reps, router_names, kv_totals=totals, tier_gibs=tiers)
         check_run(jobs, backend, address, decode_stride)
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
+    _check_max_groups(driver, max_groups)
     if driver == "async":  # in this process, case after case (each sweep runs sync and every eta x mode)
         if totals is not None:
             raise fail("--driver async takes --kv-fractions, not --kv-total")
@@ -451,7 +466,7 @@ def evaluate_cmd(
                      weight_sync, admission, trainer_spec, progress, False, router=router_names[0],
                      preset=preset, decode_stride=decode_stride, keep_cache_across_steps=keep_cache,
                      offload_gib=tiers[0], decision_log=full_telemetry, kv_event_log=full_telemetry,
-                     learned_model=model)
+                     learned_model=model, max_groups=max_groups)
         return
     where = f"{jobs} job(s)" if backend == "process" else f"Ray at {address}" if address else \
         f"a local Ray instance of {jobs} CPU(s)"
