@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from policy.common import remaining_tokens
+
 #: Raw per-candidate values (NaN where unknown), in order.
 RAW: tuple[str, ...] = (
     "prompt_tokens", "computed_tokens", "output_tokens", "max_tokens", "turn", "group_size", "group_finished",
@@ -119,11 +121,7 @@ def light_values(cands: Sequence[Any], preds: Sequence[tuple[float, float]]) -> 
         p90 = b if -inf < b < inf else p50
         if p90 < p50:
             p90 = p50
-        r = p50 - out if out < p50 else p90 - out if out < p90 else max(p90 - p50, 1.0)
-        if mx > 0:
-            cap = mx - out
-            r = min(r, cap if cap > 0.0 else 0.0)
-        rems.append(r)
+        rems.append(remaining_tokens(p50, p90, out, mx))
         run = c.status.value == "running"
         running.append(run)
         preempted.append(c.num_preemptions > 0 and not run)

@@ -357,10 +357,8 @@ class HostTierLever(Lever):
         self._running = running
         if self._wide:
             out += self._running_candidates({}, owned)
-        elif storer is not None and storer not in owned:  # the storing owner, nothing of it in the tier yet
-            meta = running.get(storer)
-            if meta is not None:
-                out.append(CachedPrefix(storer, storer, OwnerState.RUNNING, meta, (), (), last.get(storer, 0.0)))
+        elif storer is not None and storer in running:  # the storing owner (unless it has blocks in the tier)
+            out += self._running_candidates({}, owned, only=storer)
         if storer is not None and storer not in running and storer not in owned and storer in metas:
             # a finished request storing its last blocks, nothing of it in the tier yet
             state = OwnerState.PAUSED_TOOL if storer in paused else OwnerState.FINISHED
