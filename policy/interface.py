@@ -274,6 +274,9 @@ class Policy:
     #: Decides the CPU offload tier's eviction order (:meth:`evict_host`), through kvpilot's ``CachePolicy``
     #: (:mod:`serving_hook.host_tier`); without it the tier is vLLM's LRU.
     uses_host_eviction: bool = False
+    #: Per domain, the mean peak context of logged sessions (:func:`policy.group_width.fit_session_contexts`):
+    #: the prior of the asynchronous rollout's ``working-set`` admission; ``None``: none.
+    session_contexts: Optional[Mapping[str, Mapping[str, float]]] = None
 
     #: Eviction lever: offer :meth:`evict` at most this many candidates, the
     #: least recently freed first (LRU order); ``None`` offers all of them.

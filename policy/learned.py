@@ -205,6 +205,7 @@ class LearnedPolicy(Sampler):
         if self.scorer.n_in != len(FEATURES):
             raise ValueError(f"scorer takes {self.scorer.n_in} features, the policy computes {len(FEATURES)}")
         self.manifest = dict(manifest or {})
+        self.session_contexts = self.manifest.get("trained_on", {}).get("session_contexts")
         self.predictors_dir = Path(predictors_dir) if predictors_dir is not None else None
         if mode == "log":
             self.name = "learned-log"

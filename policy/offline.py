@@ -94,6 +94,23 @@ def logged_levers(log_dirs: Sequence[Path], data: "Decisions") -> dict[str, bool
     return {"preempt": bool(np.any(data.kind == KINDS["preempt"])), "offload": tier}
 
 
+def logged_session_contexts(log_dirs: Sequence[Path]) -> dict[str, dict[str, float]]:
+    """Per domain, the mean peak context of the sessions the logs hold and their count (the prior of the async
+    rollout's ``working-set`` admission, :mod:`policy.group_width`), pooled over the log directories."""
+    from data.io import read_telemetry
+    from policy.group_width import fit_session_contexts
+
+    pooled: dict[str, list[float]] = {}
+    for log in log_dirs:
+        fit = fit_session_contexts(read_telemetry(decision_telemetry(log), "requests",
+                                                  ["session_id", "domain", "prompt_tokens", "output_tokens"]))
+        for domain, s in fit.items():
+            acc = pooled.setdefault(domain, [0.0, 0.0])
+            acc[0] += s["mean_peak"] * s["sessions"]
+            acc[1] += s["sessions"]
+    return {d: {"mean_peak": total / n, "sessions": n} for d, (total, n) in sorted(pooled.items())}
+
+
 def train_policy(
     log_dirs: Sequence[Path],
     predictors_dir: Path,
@@ -136,7 +153,7 @@ def train_policy(
     cfg["runtime"] = runtime
     trained_on = {"logs": [str(p) for p in log_dirs], "predictors": str(predictors_dir), "split": split,
                   "decisions_train": int(len(train)), "decisions_test": int(len(test)),
-                  "candidate_rows": int(len(data.x))}
+                  "candidate_rows": int(len(data.x)), "session_contexts": logged_session_contexts(log_dirs)}
     policy = LearnedPolicy(state, length_model, manifest={"config": cfg, "trained_on": trained_on},
                            predictors_dir=predictors_dir, **runtime)
     policy.save(out_dir)

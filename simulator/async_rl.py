@@ -17,6 +17,12 @@ Admission (:class:`simulator.config.AsyncRL`):
   capacity over a group's largest context (at least one group), grows by one group when a group ends with the
   fleet's KV use below ``kv_low`` and shrinks by one above ``kv_high``. prime-rl also cancels its youngest
   episodes near the ceiling; here the limit only stops admission (no work is thrown away).
+* ``working-set``: kvpilot's width inside the same rule (:mod:`policy.group_width`): the next group starts only
+  while the predicted peak contexts of the sessions in flight and of its own fit in the fleet's GPU KV plus its
+  host tier (one group always may). A session's peak is predicted by domain from the policy's logged prior
+  (:attr:`policy.interface.Policy.session_contexts`), refined by each session that ends; one in flight counts
+  at least its context now (the prompt of its latest turn). It is checked whenever a session ends.
+* ``auto`` (the default): ``working-set`` for a policy with a logged prior, else ``staleness``.
 
 The trainer takes the ``B`` finished groups of the lowest start version (then finish order), but never a batch
 after which some group could no longer be trained by version ``v + eta`` (earliest deadline first with a
@@ -45,6 +51,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from policy.group_width import SessionContexts, working_set_admits
 from simulator import engine
 from simulator.clock import RELEASE, SYNC_END, TRAIN_END, EventClock
 from simulator.config import AsyncRL, SimulationError, Trainer
@@ -78,7 +85,8 @@ class AsyncDriver(StepDriver):
     :meth:`synced` besides the synchronous driver's."""
 
     def __init__(self, workload: PreparedWorkload, fleet: Fleet, clock: EventClock, runner: ScriptedRunner,
-                 progress: Any = None, *, spec: AsyncRL, trainer: Trainer, session_ids: bool = True) -> None:
+                 progress: Any = None, *, spec: AsyncRL, trainer: Trainer, session_ids: bool = True,
+                 tier_tokens: int = 0, session_contexts: Any = None) -> None:
         if workload.trace:
             raise SimulationError("the async driver runs RL steps, not a trace replay (every arrival_s is set)")
         super().__init__(workload, fleet, clock, runner, None, progress, reset_at_weight_sync=False, trainer=trainer,
@@ -113,6 +121,10 @@ class AsyncDriver(StepDriver):
         total_tokens = sum(r.kv_blocks for r in fleet.replicas) * 16
         group_need = max(len(g.trajs) for g in self.groups) * max(w.largest_request, 1)
         self.kv_limit = max(1, total_tokens // group_need)  # kv-pressure: groups in flight
+        # working-set: the sessions in flight, their predicted peak contexts, and the memory they must fit in
+        self.contexts = SessionContexts(session_contexts, fallback=max(w.largest_request, 1))
+        self.capacity_tokens = total_tokens + tier_tokens
+        self.in_flight: dict[Trajectory, None] = {}  # in start order, so that sums are reproducible
 
     # ------------------------------------------------------------------ ids
     def request_id(self, row: int) -> str:
@@ -150,17 +162,33 @@ class AsyncDriver(StepDriver):
             cap = min(cap, self.kv_limit - self.running_groups)
         return cap
 
+    def _session_need(self, traj: Trajectory) -> float:
+        """working-set: the tokens a session in flight is predicted to hold at its peak."""
+        w = self.workload
+        row = traj.turns[max(traj.next_turn - 1, 0)]
+        return max(w.prompt_tokens[row], self.contexts.predict(w.domain[row]))
+
+    def _fits(self, g: Group) -> bool:
+        """working-set: whether group ``g``'s predicted working set fits beside that of the sessions in flight."""
+        need = self._session_need
+        return working_set_admits(sum(need(x) for x in self.in_flight), sum(need(x) for x in g.trajs),
+                                  self.capacity_tokens, self.running_groups)
+
     def admit(self, t: float) -> None:
         """Start groups while the capacity allows, in workload order."""
         cap = self.capacity()
+        working_set = self.spec.admission == "working-set"
         while cap > 0 and self.next_group < len(self.groups):
             g = self.groups[self.next_group]
+            if working_set and not self._fits(g):
+                break
             self.next_group += 1
             self.running_groups += 1
             self.unconsumed.add(g.index)
             g.version, g.start = self.version, t
             for traj in g.trajs:
                 traj.start, traj.version, traj.next_turn = t, self.version, 1
+                self.in_flight[traj] = None
                 self.submit(traj.turns[0], t)
             cap -= 1
 
@@ -175,9 +203,14 @@ class AsyncDriver(StepDriver):
         traj.end = t
         self.fleet.session_ended(traj.session)
         self.traj_records.append(TrajectoryRecord(traj.session, traj.step, traj.start, t, traj.version, self.version))
+        self.in_flight.pop(traj, None)
+        w = self.workload
+        self.contexts.observe(w.domain[traj.turns[0]], max(w.prompt_tokens[r] + w.output_tokens[r] for r in traj.turns))
         g = self.group_of[traj.session]
         g.left -= 1
         if g.left:
+            if self.spec.admission == "working-set":
+                self.admit(t)
             return
         g.end = t
         self._finish_seq += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,9 +84,12 @@ DRIVERS = ("sync", "async")
 #: far), ``recompute`` (vLLM's ``pause_generation(mode="keep", clear_cache=True)``: preempt everything and clear the
 #: cache) or ``keep`` their KV (the prefix cache salted by each group's start version, no reset).
 WEIGHT_SYNC_MODES = ("abort", "recompute", "keep")
-#: Trajectory admission of the asynchronous driver: ``staleness`` (AReaL's capacity rule, FCFS) or
-#: ``kv-pressure`` (prime-rl's KV-pressure concurrency controller, inside the same staleness rule).
-ADMISSIONS = ("staleness", "kv-pressure")
+#: Trajectory admission of the asynchronous driver: ``staleness`` (AReaL's capacity rule, FCFS),
+#: ``kv-pressure`` (prime-rl's KV-pressure concurrency controller, inside the same staleness rule),
+#: ``working-set`` (kvpilot's: groups in flight while their predicted working set fits in GPU KV plus the host
+#: tier, inside the staleness rule; :mod:`policy.group_width`) or ``auto``: ``working-set`` for a policy that
+#: carries a logged prior of session contexts (kvpilot's learned policy), else ``staleness``.
+ADMISSIONS = ("auto", "staleness", "kv-pressure", "working-set")
 
 
 @dataclass(frozen=True)
@@ -151,11 +154,18 @@ class AsyncRL:
 
     staleness: int = 1
     weight_sync: str = "keep"
-    admission: str = "staleness"
+    admission: str = "auto"
     max_concurrent_groups: int | None = None
     #: kv-pressure: KV use above which the controller shrinks its concurrency, and below which it grows it.
     kv_high: float = 0.95
     kv_low: float = 0.80
+
+    def resolved(self, session_contexts: Any) -> "AsyncRL":
+        """These settings with ``auto`` admission made concrete for a policy whose logged prior of session
+        contexts is ``session_contexts`` (:attr:`policy.interface.Policy.session_contexts`)."""
+        if self.admission != "auto":
+            return self
+        return replace(self, admission="working-set" if session_contexts else "staleness")
 
     def __post_init__(self) -> None:
         eta = self.staleness

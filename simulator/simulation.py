@@ -102,6 +102,8 @@ class Simulation:
         self.offload_blocks = config.offload_blocks() if probe.uses_offload else 0
         #: The tier's cache policy is kvpilot's (the policy orders its evictions), else vLLM's LRU.
         self.host_policy = bool(self.offload_blocks and probe.uses_host_eviction)
+        #: The policy's logged prior of session contexts (the async driver's ``working-set`` admission).
+        self.session_contexts = probe.session_contexts
         self.router = config.make_router()
         self.kv_blocks = config.kv_blocks_for(w)
         self.driver: StepDriver | AsyncDriver | None = None  # the run's, once it ran
@@ -268,8 +270,10 @@ class Simulation:
                        dynamic_ncols=True)
         handlers = {}
         if config.driver == "async":
-            driver = AsyncDriver(w, fleet, clock, runner, bar, spec=config.async_rl, trainer=config.trainer,
-                                 session_ids=config.session_ids)
+            spec = config.async_rl.resolved(self.session_contexts)
+            driver = AsyncDriver(w, fleet, clock, runner, bar, spec=spec, trainer=config.trainer,
+                                 session_ids=config.session_ids, tier_tokens=self.offload_blocks * 16 * len(replicas),
+                                 session_contexts=self.session_contexts)
             handlers = {TRAIN_END: driver.trained, SYNC_END: driver.synced}
         elif self.tail is not None:
             driver = TailBatchingDriver(w, fleet, clock, runner, None, bar, spec=self.tail,

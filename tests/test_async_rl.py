@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from data.io import write_workload
 from data.schemas import WORKLOAD
 from data.synth import SynthConfig, generate
+from policy.vllm_default import VllmDefaultPolicy
 from simulator.config import AsyncRL, SimulationError, Trainer
 from simulator.simulation import Simulation, run_simulation
 from simulator.workload import prepare_workload
@@ -194,6 +195,20 @@ def test_cli_bad_async_settings_exit_2(tmp_path: Path, args: list[str], match: s
     assert not out.exists() or not any(out.iterdir())
 
 
+def _group_spans(result: Any) -> list[list[float]]:
+    """Each GRPO group's [first start, last end] (its sessions are ``<group>-<i>``), in start order."""
+    groups: dict[str, list[float]] = {}
+    for t in result.trajectories:
+        g = groups.setdefault(t.session_id.rsplit("-", 1)[0], [math.inf, -math.inf])
+        g[0], g[1] = min(g[0], t.start_s), max(g[1], t.end_s)
+    return sorted(groups.values())
+
+
+def _overlap(spans: list[list[float]]) -> bool:
+    """Whether some group started before the one started before it had ended."""
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
 def test_max_groups_caps_the_groups_in_flight(vllm_engine: Any, tmp_path: Path) -> None:
     """``--max-groups 1``: each group starts once the one before it has ended (AReaL's rule alone runs several at
     once); the CLI's run is the library's with ``max_concurrent_groups``."""
@@ -206,16 +221,12 @@ def test_max_groups_caps_the_groups_in_flight(vllm_engine: Any, tmp_path: Path) 
     def spans(cap):
         res = Simulation(w, "vllm-default", driver="async", kv_fraction=2.0, progress=False, trainer=Trainer(),
                          async_rl=AsyncRL(2, "keep", max_concurrent_groups=cap)).run()
-        groups: dict[str, list[float]] = {}
-        for t in res.trajectories:
-            g = groups.setdefault(t.session_id.rsplit("-", 1)[0], [math.inf, -math.inf])
-            g[0], g[1] = min(g[0], t.start_s), max(g[1], t.end_s)
-        return sorted(groups.values()), res.summary.to_dict()["trajectories_per_s"]
+        return _group_spans(res), res.summary.to_dict()["trajectories_per_s"]
 
     capped, tps = spans(1)
-    assert all(b[0] >= a[1] for a, b in zip(capped, capped[1:]))
+    assert not _overlap(capped)
     free, _ = spans(None)
-    assert any(b[0] < a[1] for a, b in zip(free, free[1:]))
+    assert _overlap(free)
     path = tmp_path / "w.parquet"
     write_workload(w, path)
     res = CliRunner().invoke(app, ["simulate", "-w", str(path), "-o", str(tmp_path / "o"), "--no-progress", "--json",
@@ -274,3 +285,34 @@ def test_fewest_sessions_router() -> None:
     r.on_session_end("a")
     r.on_session_end("c")
     assert r.route(req("d"), loads) == 1 and r.active_sessions(0) == 1
+
+
+class _WithPrior(VllmDefaultPolicy):
+    """vLLM's own behaviour, carrying a logged prior of session contexts as kvpilot's learned policy does."""
+
+    def __init__(self, mean_peak: float) -> None:
+        super().__init__()
+        self.session_contexts = {"math": {"mean_peak": mean_peak, "sessions": 64.0}}
+
+
+def test_working_set_admission_fits_the_predicted_working_set_in_memory(vllm_engine: Any) -> None:
+    """working-set starts a group only while the predicted peak contexts of the sessions in flight and its own
+    fit in GPU KV: at 256 tokens of KV, groups of two 96-token sessions run one at a time (AReaL's rule runs
+    them together); with ample KV, or a prior that predicts small sessions, they overlap. ``auto`` is
+    working-set for a policy with a prior and AReaL's rule otherwise."""
+    w = prepare_workload(_uniform(steps=2, groups=2, group=2))  # 96 tokens per session at its end
+
+    def run(policy: Any, admission: str, **kv: Any) -> tuple[list[list[float]], str]:
+        sim = Simulation(w, policy, driver="async", progress=False, trainer=Trainer(),
+                         async_rl=AsyncRL(2, "keep", admission), **kv)
+        return _group_spans(sim.run()), sim.driver.spec.admission
+
+    tight = {"kv_blocks": 17}  # 16 blocks of 16 tokens beside vLLM's null block
+    spans, resolved = run("vllm-default", "working-set", **tight)
+    assert not _overlap(spans) and resolved == "working-set"  # no prior: a session may reach the largest request
+    assert run("vllm-default", "working-set", **tight) == (spans, resolved)  # the same run twice
+    assert run("vllm-default", "auto", **tight) == run("vllm-default", "staleness", **tight)
+    assert _overlap(run("vllm-default", "staleness", **tight)[0])
+    assert _overlap(run("vllm-default", "working-set", kv_fraction=4.0)[0])
+    spans, resolved = run(lambda: _WithPrior(10.0), "auto", **tight)
+    assert _overlap(spans) and resolved == "working-set"  # the first two groups' prompts (4 x 64) fit

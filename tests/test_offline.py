@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from policy.offline_config import OfflineConfig
@@ -45,6 +46,20 @@ def test_train_policy_writes_a_policy_dir(learned_runs: dict, tmp_path: Path) ->
     manifest = json.loads((out / "policy.json").read_text())
     assert manifest["config"]["epochs"] == 1 and manifest["trained_on"]["decisions_train"] > 0
     assert (out / "predictors" / "length").is_dir()
+    # the async rollout's working-set prior: per domain, the logged sessions' mean peak context
+    from data.io import read_telemetry
+    from policy.offline_data import decision_telemetry
+
+    peaks = pd.concat([read_telemetry(decision_telemetry(learned_runs[k]), "requests").to_pandas().assign(log=k)
+                       for k in ("train1", "train2")])
+    peaks = peaks.assign(ctx=peaks.prompt_tokens + peaks.output_tokens)
+    peaks = peaks.groupby(["log", "session_id", "domain"]).ctx.max()
+    want = peaks.groupby("domain").agg(["mean", "count"])
+    got = manifest["trained_on"]["session_contexts"]
+    assert set(got) == set(want.index) and len(got) >= 1
+    for d, s in got.items():
+        assert s["sessions"] == want.loc[d, "count"] and s["mean_peak"] == pytest.approx(want.loc[d, "mean"])
+    assert LearnedPolicy.load(out).session_contexts == got
     # by default every lever found in the logs is learned: these logs preempt (no CPU tier), so the head is on
     assert manifest["config"]["preempt"] is True and manifest["config"]["runtime"]["preempt"] is True
     assert manifest["config"]["offload"] is False and not LearnedPolicy.load(out).uses_offload

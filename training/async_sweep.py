@@ -18,8 +18,9 @@ from typing import Any
 __all__ = ["COLUMNS", "sweep", "sweep_grid", "write_sweep"]
 
 #: The table's columns, in order (summary keys, and the sweep's own).
-COLUMNS = ("policy", "kv_fraction", "replicas", "run", "eta", "weight_sync", "trajectories_per_s", "ratio_vs_sync",
-           "throughput_bound_trajectories_per_s", "throughput_over_bound", "gap_closed", "throughput_bound_binding",
+COLUMNS = ("policy", "kv_fraction", "replicas", "run", "eta", "weight_sync", "async_admission", "trajectories_per_s",
+           "ratio_vs_sync", "throughput_bound_trajectories_per_s", "throughput_over_bound", "gap_closed",
+           "throughput_bound_binding",
            "run_s", "max_staleness", "mean_staleness", "reprefill_tokens_per_update", "weight_updates",
            "trainer_idle_share", "rollout_idle_share", "prefix_hit_rate", "preemptions", "recomputed_tokens",
            "group_latency_p50_s", "group_latency_p90_s", "gpu_decode_s", "gpu_prefill_new_s",
@@ -28,7 +29,7 @@ COLUMNS = ("policy", "kv_fraction", "replicas", "run", "eta", "weight_sync", "tr
 
 def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes: Sequence[str], *,
           sim_options: dict[str, Any], progress: bool = True, kv_fraction: float | None = None,
-          replicas: int = 1, admission: str = "staleness", max_groups: int | None = None) -> list[dict[str, Any]]:
+          replicas: int = 1, admission: str = "auto", max_groups: int | None = None) -> list[dict[str, Any]]:
     """The synchronous run and every async (eta, mode) run of ``workload`` (a prepared workload); their rows.
 
     ``sim_options``: :func:`simulator.simulation.run_simulation`'s options shared by every run (its
@@ -79,7 +80,7 @@ def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes:
 
 def sweep_grid(workload: Any, out_dir: Path, policies: Sequence[str], kv_fractions: Sequence[float | None],
                replicas: Sequence[int], etas: Sequence[int], modes: Sequence[str], *, sim_options: dict[str, Any],
-               progress: bool = True, admission: str = "staleness", policy_options: dict[str, Any] | None = None,
+               progress: bool = True, admission: str = "auto", policy_options: dict[str, Any] | None = None,
                learned_model: Path | None = None, max_groups: int | None = None) -> list[dict[str, Any]]:
     """:func:`sweep` for every policy x KV fraction x replica count, each into ``out_dir/<policy>-kv<kv>-r<n>``
     (``out_dir`` itself for a single one); their rows.

@@ -170,8 +170,10 @@ TrainerOpt = Annotated[bool, typer.Option(
     "--trainer", help="--driver sync: price a training step and a weight update after each RL step (as --driver "
     "async does), so that both drivers do the same work.")]
 AdmissionOpt = Annotated[str, typer.Option(
-    "--admission", help="--driver async: staleness (AReaL's capacity rule, FCFS) or kv-pressure (prime-rl's KV "
-    "controller inside the staleness rule).")]
+    "--admission", help="--driver async: staleness (AReaL's capacity rule, FCFS), kv-pressure (prime-rl's KV "
+    "controller inside the staleness rule), working-set (kvpilot's: groups in flight while their predicted "
+    "working set fits in GPU KV plus the host tier, inside the staleness rule) or auto: working-set for the "
+    "learned policy (its logged prior of session contexts), else staleness.")]
 MaxGroupsOpt = Annotated[Optional[int], typer.Option(
     "--max-groups", help="--driver async: at most this many GRPO groups in flight, under the --admission rule "
     "(default: no cap beyond it). Where memory binds it decides throughput: "
@@ -268,7 +270,7 @@ def simulate(
     weight_sync: WeightSyncOpt = "keep",
     train_batch: TrainBatchOpt = None,
     trainer: TrainerOpt = False,
-    admission: AdmissionOpt = "staleness",
+    admission: AdmissionOpt = "auto",
     max_groups: MaxGroupsOpt = None,
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
@@ -429,7 +431,7 @@ def evaluate_cmd(
     weight_sync: WeightSyncOpt = "keep",
     train_batch: TrainBatchOpt = None,
     trainer: TrainerOpt = False,
-    admission: AdmissionOpt = "staleness",
+    admission: AdmissionOpt = "auto",
     max_groups: MaxGroupsOpt = None,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
