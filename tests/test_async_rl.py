@@ -61,8 +61,8 @@ def _short_and_long(steps: int = 6) -> pa.Table:
 
 @pytest.mark.slow
 def test_the_throughput_bound_holds_on_random_workloads(vllm_engine: Any) -> None:
-    """20 random workloads, each under a policy (cycled) and every weight-sync mode at a random eta, plus the
-    synchronous trainer: no run beats its bound, and staleness never exceeds eta."""
+    """20 random workloads, each under a policy and an async admission rule (cycled) and every weight-sync mode at a
+    random eta, plus the synchronous trainer: no run beats its bound, and staleness never exceeds eta."""
     policies = ["vllm-default", "continuum", "infercept", "sjf-predicted", "working-set"]
     rng = random.Random(7)
     for i in range(20):
@@ -74,8 +74,10 @@ def test_the_throughput_bound_holds_on_random_workloads(vllm_engine: Any) -> Non
                       trainer=Trainer(mfu=rng.choice([0.05, 0.35]), train_batch=rng.choice([None, 1])))
         runs = [run_simulation(prepared, policy, **common).summary]
         eta = rng.choice([0, 1, 2, 4])
+        admission = ("staleness", "kv-pressure", "working-set")[i % 3]
         for mode in ("abort", "recompute", "keep"):
-            s = run_simulation(prepared, policy, driver="async", async_rl=AsyncRL(eta, mode), **common).summary
+            s = run_simulation(prepared, policy, driver="async", async_rl=AsyncRL(eta, mode, admission),
+                               **common).summary
             assert s.trained.max_staleness <= eta, (i, mode)
             assert sum(s.trained.staleness_counts.values()) == s.metrics.trajectories == len(prepared.sessions)
             runs.append(s)
