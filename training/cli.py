@@ -193,10 +193,14 @@ def _trainer_spec(driver: str, trainer: bool, train_batch: Optional[int]):
         return Trainer(train_batch=train_batch)
 
 
-def _check_max_groups(driver: str, max_groups: Optional[int]) -> None:
-    """``--max-groups`` caps the async driver's groups in flight: with another driver it is an error (exit 2)."""
-    if max_groups is not None and driver != "async":
-        raise fail("--max-groups needs --driver async")
+def _check_async_only(driver: str, max_groups: Optional[int], admission: str) -> None:
+    """``--max-groups`` and ``--admission`` set the async driver's rollout controller: with another driver they are
+    an error (exit 2)."""
+    if driver != "async":
+        if max_groups is not None:
+            raise fail("--max-groups needs --driver async")
+        if admission != "auto":
+            raise fail("--admission needs --driver async")
 
 
 def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fractions: list, replicas: list[int],
@@ -275,7 +279,7 @@ def simulate(
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
-    _check_max_groups(driver, max_groups)
+    _check_async_only(driver, max_groups, admission)
     if driver == "async":
         _async_sweep(workload, out_dir, [policy], [kv_fraction], [replicas], staleness, weight_sync, admission,
                      trainer_spec, progress, as_json, policy_options=policy_options, max_groups=max_groups,
@@ -458,7 +462,7 @@ def evaluate_cmd(
         cases = build_cases(names, kvs, reps, router_names, kv_totals=totals, tier_gibs=tiers)
         check_run(jobs, backend, address, decode_stride)
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
-    _check_max_groups(driver, max_groups)
+    _check_async_only(driver, max_groups, admission)
     if driver == "async":  # in this process, case after case (each sweep runs sync and every eta x mode)
         if totals is not None:
             raise fail("--driver async takes --kv-fractions, not --kv-total")
