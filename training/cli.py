@@ -225,7 +225,7 @@ def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fraction
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
     else:
-        shown = ("policy", "kv_fraction", "replicas", "run", "trajectories_per_s", "ratio_vs_sync",
+        shown = ("policy", "kv_fraction", "replicas", "run", "async_admission", "trajectories_per_s", "ratio_vs_sync",
                  "throughput_over_bound", "gap_closed", "max_staleness", "reprefill_tokens_per_update")
         typer.echo("  ".join(f"{c:>14}" for c in shown))
         for r in rows:
