@@ -62,22 +62,16 @@ class SessionContexts:
         for domain, s in prior.items():
             n = min(float(s["sessions"]), PRIOR_WEIGHT)
             self._sum[domain], self._n[domain] = float(s["mean_peak"]) * n, n
-        self._cache: dict[str, float] = {}
 
     def predict(self, domain: str) -> float:
         """The predicted peak context of a session of ``domain``."""
-        p = self._cache.get(domain)
-        if p is None:
-            n = self._n.get(domain)
-            p = self._sum[domain] / n if n else self.fallback
-            self._cache[domain] = p
-        return p
+        n = self._n.get(domain)
+        return self._sum[domain] / n if n else self.fallback
 
     def observe(self, domain: str, peak: int) -> None:
         """A session of ``domain`` ended at ``peak`` tokens of context."""
         self._sum[domain] = self._sum.get(domain, 0.0) + peak
         self._n[domain] = self._n.get(domain, 0.0) + 1.0
-        self._cache.pop(domain, None)
 
 
 def working_set_admits(in_flight_tokens: float, next_tokens: float, capacity_tokens: float,

@@ -204,12 +204,15 @@ class AsyncDriver(StepDriver):
         self.fleet.session_ended(traj.session)
         self.traj_records.append(TrajectoryRecord(traj.session, traj.step, traj.start, t, traj.version, self.version))
         self.in_flight.pop(traj, None)
-        w = self.workload
-        self.contexts.observe(w.domain[traj.turns[0]], max(w.prompt_tokens[r] + w.output_tokens[r] for r in traj.turns))
+        working_set = self.spec.admission == "working-set"
+        if working_set:  # the session's peak refines its domain's prediction, and frees room
+            w = self.workload
+            self.contexts.observe(w.domain[traj.turns[0]],
+                                  max(w.prompt_tokens[r] + w.output_tokens[r] for r in traj.turns))
         g = self.group_of[traj.session]
         g.left -= 1
         if g.left:
-            if self.spec.admission == "working-set":
+            if working_set:
                 self.admit(t)
             return
         g.end = t
