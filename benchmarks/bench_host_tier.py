@@ -25,7 +25,7 @@ class _Lever:
 
     def __init__(self, owners: int, stores_per_step: int) -> None:
         self.rank = {f"s{i}": random.Random(i).random() for i in range(owners)}
-        self.stats = SimpleNamespace(host_bypassed=0, host_evicted_listed=0)
+        self.stats = SimpleNamespace(host_bypassed=0, host_evicted_listed=0, side_time_s=0.0)
         self.guard = SimpleNamespace(inner_s=0.0)
         self.every = stores_per_step
         self.calls = 0

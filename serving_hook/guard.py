@@ -54,8 +54,12 @@ class HookStats:
     host_bypassed: int = 0  # stores skipped: the storer came first in the policy's host-tier order
     prefix_queries: int = 0
     prefix_hits: int = 0
-    hook_time_s: float = 0.0  # the hook's own time (telemetry-enabled or policy mode)
+    hook_time_s: float = 0.0  # the hook's own time in its schedule() (telemetry-enabled or policy mode)
     last_hook_time_s: float = 0.0
+    #: the hook's own time elsewhere on the engine thread: arrivals, events, finishes, frees, preemptions and the
+    #: CPU tier's store misses and reuses (with hook_time_s: kvpilot's time in the engine, but for the tier's
+    #: per-chunk insert / remove bookkeeping, not timed there: benchmarks/bench_host_tier.py measures it)
+    side_time_s: float = 0.0
     model_version: Optional[str] = None  # policy ``registry``: the registry version served (None: none yet)
     model_swaps: int = 0  # policy ``registry``: versions swapped in after start-up
     state_carried: int = 0  # swaps that handed the old model's session state to the new one

@@ -140,14 +140,21 @@ class KVPilotCachePolicy(LRUCachePolicy):
     def on_store_miss(self, keys: Iterable[Any], req_context: Any) -> None:
         super().on_store_miss(keys, req_context)
         lever = self.kvpilot_lever
-        self.storer = lever.used(req_context.req_id) if lever is not None else None
+        if lever is None:
+            self.storer = None
+            return
+        t0 = _perf()
+        self.storer = lever.used(req_context.req_id)
+        lever.stats.side_time_s += _perf() - t0
 
     def on_request_finished(self, key_groups: Sequence[Sequence[Any]], insertion_only_keys: set,
                             reused_keys: set, req_context: Any) -> None:
         super().on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context)
         lever = self.kvpilot_lever
         if lever is not None and reused_keys:  # what it reused is its session's now
+            t0 = _perf()
             self._own((k for g in key_groups for k in g if k in reused_keys), lever.used(req_context.req_id))
+            lever.stats.side_time_s += _perf() - t0
 
     def clear(self) -> None:
         super().clear()

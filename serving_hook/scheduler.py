@@ -193,12 +193,14 @@ class KVPilotMixin:
         super().add_request(request)
         if self._kvp_passthrough:
             return
+        t0 = _perf()
         try:
             sid = self._kvp_translate.add(request)
             if sid is not None and self._kvp_retention is not None:
                 self._kvp_retention.session_resumed(sid)
         except Exception as e:  # never into vLLM
             self._kvp_guard.internal_error("add_request", e)
+        self.kvpilot_stats.side_time_s += _perf() - t0
 
     def schedule(self, *args: Any, **kwargs: Any):
         if self._kvp_passthrough:
@@ -262,12 +264,15 @@ class KVPilotMixin:
             return super().update_from_output(scheduler_output, model_runner_output)
         tr = self._kvp_translate
         rows = self._kvp_rows
+        t0 = _perf()
         if rows.writer is not None:
             try:
                 tr.count_computed(scheduler_output.num_scheduled_tokens)
             except Exception as e:
                 self._kvp_guard.internal_error("update_from_output", e)
+        t1 = _perf()
         outs = super().update_from_output(scheduler_output, model_runner_output)
+        t2 = _perf()
         rows.end_step()
         if rows.writer is not None and not self.get_num_unfinished_requests():
             rows.writer.flush()  # idle: nothing of this engine waits in memory for a kill (telemetry module)
@@ -276,22 +281,27 @@ class KVPilotMixin:
                 tr.first_tokens()
         except Exception as e:
             self._kvp_guard.internal_error("update_from_output", e)
+        self.kvpilot_stats.side_time_s += (t1 - t0) + (_perf() - t2)
         return outs
 
     def _preempt_request(self, request: Any, timestamp: float, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, timestamp, *args, **kwargs)
         if self._kvp_passthrough:
             return
+        t0 = _perf()
         self._kvp_rows.preemptions += 1
-        self.kvpilot_stats.preemptions += 1
+        st = self.kvpilot_stats
+        st.preemptions += 1
         try:
             self._kvp_translate.preempted(request)
         except Exception as e:
             self._kvp_guard.internal_error("preempt", e)
+        st.side_time_s += _perf() - t0
 
     def _free_blocks(self, request: Any) -> None:
         if self._kvp_passthrough or (self._kvp_retention is None and self._kvp_eviction is None):
             return super()._free_blocks(request)
+        t0 = _perf()
         try:
             groups = self.kv_cache_manager.coordinator.get_blocks(request.request_id)
             blocks = [b for g in groups for b in g if not b.is_null and b.block_hash is not None]
@@ -300,8 +310,12 @@ class KVPilotMixin:
             self._kvp_guard.internal_error("free_blocks", e)
             blocks = []
             hashes = []
+        t1 = _perf()
         super()._free_blocks(request)
+        t2 = _perf()
+        st = self.kvpilot_stats
         if not blocks:
+            st.side_time_s += (t1 - t0)
             return
         try:
             freed = self._kvp_translate.freed(request, blocks, hashes)
@@ -311,11 +325,13 @@ class KVPilotMixin:
                 self._kvp_eviction.note_freed(freed)
         except Exception as e:
             self._kvp_guard.internal_error("free_blocks", e)
+        st.side_time_s += (t1 - t0) + (_perf() - t2)
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
         result = super()._free_request(request, *args, **kwargs)
         if self._kvp_passthrough:
             return result
+        t0 = _perf()
         try:
             done = self._kvp_translate.finished(request)
             if done is not None and self._kvp_rows.writer is not None:
@@ -331,6 +347,7 @@ class KVPilotMixin:
                 )
         except Exception as e:
             self._kvp_guard.internal_error("finish", e)
+        self.kvpilot_stats.side_time_s += _perf() - t0
         return result
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any):

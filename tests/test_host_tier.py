@@ -34,7 +34,7 @@ class FakeLever:
 
     def __init__(self, order):
         self.fixed = order
-        self.stats = SimpleNamespace(host_bypassed=0, host_evicted_listed=0)
+        self.stats = SimpleNamespace(host_bypassed=0, host_evicted_listed=0, side_time_s=0.0)
         self.guard = SimpleNamespace(inner_s=0.0)  # the hook's time inside schedule(): evict adds its own
 
     def owner_of(self, rid: str) -> str:
@@ -200,7 +200,7 @@ def test_a_session_whose_next_turn_is_queued_is_a_waiting_owner_at_its_queue_pos
     sched = SimpleNamespace(running=[req["a-t1"]], waiting=[req["d-t0"], req["b-t1"]], kvpilot_clock=lambda: 5.0)
     tr = SimpleNamespace(infos={rid: SimpleNamespace(meta=m, running=rid == "a-t1") for rid, m in metas.items()},
                          sessions={"c": 0}, session_request={"a": "a-t1", "b": "b-t1", "d": "d-t0"})
-    guard = SimpleNamespace(stats=None, step_no=0)
+    guard = SimpleNamespace(stats=SimpleNamespace(side_time_s=0.0), step_no=0)
     lever = HostTierLever(sched, None, guard, tr, None)
     cp = KVPilotCachePolicy(16)
     cp.kvpilot_lever = lever
@@ -255,7 +255,8 @@ def test_the_steps_order_ranks_a_later_running_storer_as_it_stood_at_the_steps_f
     tr = SimpleNamespace(infos={rid: SimpleNamespace(meta=m, running=rid[0] in "acd") for rid, m in metas.items()},
                          sessions={}, session_request={s: f"{s}-t0" for s in "abcdf"},
                          state=lambda t: SimpleNamespace(time_s=t))
-    guard = SimpleNamespace(stats=SimpleNamespace(host_evict_calls=0, host_evicted_listed=0, host_bypassed=0),
+    guard = SimpleNamespace(stats=SimpleNamespace(host_evict_calls=0, host_evicted_listed=0, host_bypassed=0,
+                                                  side_time_s=0.0),
                             step_no=1, inner_s=0.0,
                             decide=lambda what, fn, kind, *a: fn(*a))
     policy = ByKey()
@@ -292,3 +293,33 @@ def test_the_steps_order_ranks_a_later_running_storer_as_it_stood_at_the_steps_f
     guard.step_no = 3  # step 2 had one: the tier's owners and the storer
     lever.order(cp, 1, "a")
     assert set(policy.calls[-1]) == {"a", "b"} and len(policy.calls) == 6
+
+
+def test_the_hooks_time_outside_its_schedule_is_counted(vllm_engine):
+    """``HookStats.side_time_s`` counts the hook's time elsewhere on the engine thread (arrivals, events, finishes,
+    frees, the tier's bookkeeping), so that the benchmarks report all of kvpilot's time; a passthrough hook counts
+    none."""
+    from policy.vllm_default import VllmDefaultPolicy
+
+    _, s = _paused_session(vllm_engine, TierOrder(), host_policy=True)
+    st = s.kvpilot_stats
+    assert st.side_time_s > 0.0 and st.hook_time_s > 0.0
+    before = st.side_time_s
+    s.add_request(vllm_engine.make_request("late", vllm_engine.prompt_tokens("late", 32), 2, arrival_time=0.0))
+    assert st.side_time_s > before  # an arrival alone
+    before = st.side_time_s
+    cp = find_tier(s)
+    cp.on_store_miss([b"x"], _ctx("late"))
+    assert st.side_time_s > before  # the tier's bookkeeping of a store miss
+    p = vllm_engine.make_scheduler(hook_scheduler(VllmDefaultPolicy()), num_blocks=40)
+    p.add_request(vllm_engine.make_request("r", vllm_engine.prompt_tokens("r", 32), 2, arrival_time=0.0))
+    while p.has_requests():
+        out = p.schedule()
+        p.update_from_output(out, vllm_engine.FakeRunner().model_output(p, out))
+    assert p._kvp_passthrough and p.kvpilot_stats.side_time_s == 0.0
+
+
+def find_tier(s):
+    from serving_hook.host_tier import find_cache_policy
+
+    return find_cache_policy(s)
