@@ -321,12 +321,7 @@ class HostTierLever(Lever):
     def _prefixes(self, cp: KVPilotCachePolicy, storer: Optional[str]) -> list[CachedPrefix]:
         infos = self.tr.infos
         owned = cp.owned
-        running: dict[str, RequestMeta] = {}  # owner -> its running request's meta
-        for r in self.sched.running:
-            info = infos.get(r.request_id)
-            if info is not None:
-                m = info.meta
-                running[m.session_id if m.session_id is not None else r.request_id] = m
+        running = self.tr.running_owners()  # owner -> its running request's meta
         paused = self.tr.sessions
         live = self.tr.session_request
         metas, last = self.metas, self.last_used

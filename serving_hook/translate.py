@@ -164,6 +164,9 @@ class Translator:
         self.groups: dict[str, list] = {}  # group_id -> [finished, running, (output lens,)]
         self.sessions: dict[str, int] = {}  # session_id -> last turn seen finishing with a tool
         self.session_request: dict[str, str] = {}  # session_id -> the id of its live request (its latest)
+        #: owner (session id, else request id) -> the meta of its running request, for the requests noted running
+        #: (:meth:`scheduled` notes a step's admissions after vLLM's ``schedule()``; see :meth:`running_owners`)
+        self._running_owners: dict[str, RequestMeta] = {}
         #: each request's session identity, from the sources frameworks send or the block-hash chain
         self.identity = SessionIdentity(sched.hash_block_size, guard.stats.session_sources)
         self.prefilling: set[str] = set()  # scheduled, first token not seen yet
@@ -366,7 +369,9 @@ class Translator:
                 self.prefilling.add(rid)
             if not info.running:
                 info.running = True
-                g = self.group(info.meta)
+                m = info.meta
+                self._running_owners[m.session_id if m.session_id is not None else rid] = m
+                g = self.group(m)
                 if g is not None:
                     g[1] += 1
             if hit > 0 and hit_heads is not None and r.block_hashes:
@@ -405,12 +410,43 @@ class Translator:
         for rid in done:
             self.prefilling.discard(rid)
 
+    def _not_running(self, rid: str, meta: RequestMeta) -> None:
+        owner = meta.session_id if meta.session_id is not None else rid
+        if self._running_owners.get(owner) is meta:
+            del self._running_owners[owner]
+
+    def running_owners(self) -> dict[str, RequestMeta]:
+        """Owner (session id, else request id) -> the meta of its running request, for each request in vLLM's
+        ``running`` with a record; read-only.
+
+        The same mapping as a pass over ``running`` (a test checks it through the real scheduler), without reading
+        each running request: the requests noted running, plus the step's admissions that :meth:`scheduled` has not
+        noted yet, which vLLM appends to ``running`` (read from its end)."""
+        infos = self.infos
+        new = None
+        for r in reversed(self.sched.running):
+            info = infos.get(r.request_id)
+            if info is None:
+                continue
+            if info.running:
+                break
+            if new is None:
+                new = []
+            new.append((r.request_id, info.meta))
+        if new is None:
+            return self._running_owners
+        out = dict(self._running_owners)
+        for rid, m in reversed(new):
+            out[m.session_id if m.session_id is not None else rid] = m
+        return out
+
     def preempted(self, request: Any) -> None:
         """vLLM preempted ``request``."""
         info = self.infos.get(request.request_id)
         if info is not None:
             if info.running:
                 info.running = False
+                self._not_running(request.request_id, info.meta)
                 g = self.group(info.meta)
                 if g is not None:
                     g[1] -= 1
@@ -437,6 +473,8 @@ class Translator:
             rs = "tool_call"
             if meta.session_id is not None:
                 self.sessions[meta.session_id] = meta.turn or 0
+        if info.running:
+            self._not_running(rid, meta)
         g = self.group(meta)
         if g is not None:
             g[0] += 1

@@ -122,8 +122,10 @@ class TierOrder(Policy):
         return EvictionDecision(order=[p.prefix_id for p in sorted(prefixes, key=lambda p: rank[p.owner_state])])
 
 
-def _paused_session(engine, policy, host_policy: bool):
-    """Turn 0 of session s0 (10 blocks) pauses; four fillers of 10 blocks take the GPU; turn 1 returns. Tier: 12."""
+def _paused_session(engine, policy, host_policy: bool, fillers_together: bool = False):
+    """Turn 0 of session s0 (10 blocks) pauses; four fillers of 10 blocks take the GPU; turn 1 returns. Tier: 12.
+
+    ``fillers_together``: the fillers arrive at once (admitted in one step), else one after another."""
     from simulator.cost_model import CostModel
     from simulator.offload import OffloadWorker
     from tests.test_paused_sessions import Clock, _step
@@ -131,6 +133,8 @@ def _paused_session(engine, policy, host_policy: bool):
     cls = hook_scheduler(policy, kv_block_bytes=1_000_000, host_link_gbps=1.0)
     cfg = engine.make_vllm_config(num_blocks=40, offload_blocks=12, host_policy=host_policy)
     s = engine.make_scheduler(cls, num_blocks=40, vllm_config=cfg)
+    if hasattr(policy, "sched"):  # a policy that reads the scheduler (RunningCheck)
+        policy.sched = s
     clock = s.kvpilot_clock = Clock()
     cost = CostModel.preset("H200-7B")
     worker = OffloadWorker(cost, cost.kv_block_bytes(16))
@@ -145,7 +149,9 @@ def _paused_session(engine, policy, host_policy: bool):
     drain()
     for i in range(4):  # one after another: each store fits the tier, together they take the whole GPU
         s.add_request(engine.make_request(f"fill{i}", engine.prompt_tokens(f"fill{i}", 160), 4, arrival_time=clock.t))
-        drain()
+        if not fillers_together:
+            drain()
+    drain()
     turn2 = prompt + engine.output_tokens("t0", 3) + engine.prompt_tokens("tool", 30)
     s.add_request(engine.make_request("t1", turn2, 4, arrival_time=clock.t,
                                       extra_args={**meta, "kvpilot_turn": 1, "kvpilot_tool": None}))
@@ -199,7 +205,8 @@ def test_a_session_whose_next_turn_is_queued_is_a_waiting_owner_at_its_queue_pos
     req = {rid: SimpleNamespace(request_id=rid) for rid in metas}
     sched = SimpleNamespace(running=[req["a-t1"]], waiting=[req["d-t0"], req["b-t1"]], kvpilot_clock=lambda: 5.0)
     tr = SimpleNamespace(infos={rid: SimpleNamespace(meta=m, running=rid == "a-t1") for rid, m in metas.items()},
-                         sessions={"c": 0}, session_request={"a": "a-t1", "b": "b-t1", "d": "d-t0"})
+                         sessions={"c": 0}, session_request={"a": "a-t1", "b": "b-t1", "d": "d-t0"},
+                         running_owners=lambda: {"a": metas["a-t1"]})
     guard = SimpleNamespace(stats=SimpleNamespace(side_time_s=0.0), step_no=0)
     lever = HostTierLever(sched, None, guard, tr, None)
     cp = KVPilotCachePolicy(16)
@@ -254,6 +261,7 @@ def test_the_steps_order_ranks_a_later_running_storer_as_it_stood_at_the_steps_f
     sched = SimpleNamespace(running=[req["a-t0"], req["c-t0"], req["d-t0"]], waiting=[], kvpilot_clock=lambda: now[0])
     tr = SimpleNamespace(infos={rid: SimpleNamespace(meta=m, running=rid[0] in "acd") for rid, m in metas.items()},
                          sessions={}, session_request={s: f"{s}-t0" for s in "abcdf"},
+                         running_owners=lambda: {s: metas[f"{s}-t0"] for s in "acd"},
                          state=lambda t: SimpleNamespace(time_s=t))
     guard = SimpleNamespace(stats=SimpleNamespace(host_evict_calls=0, host_evicted_listed=0, host_bypassed=0,
                                                   side_time_s=0.0),
@@ -323,3 +331,38 @@ def find_tier(s):
     from serving_hook.host_tier import find_cache_policy
 
     return find_cache_policy(s)
+
+
+class RunningCheck(TierOrder):
+    """:class:`TierOrder` that, at each of the tier's eviction orders (inside vLLM's ``schedule()``), compares the
+    hook's running owners with a pass over vLLM's ``running``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sched = None
+        self.checked = self.unnoted = 0
+
+    def evict_host(self, prefixes, n, state):
+        s = self.sched
+        tr = s._kvp_translate
+        ref = {}
+        for r in s.running:
+            info = tr.infos.get(r.request_id)
+            if info is not None:
+                m = info.meta
+                ref[m.session_id if m.session_id is not None else r.request_id] = m
+        got = tr.running_owners()
+        assert got.keys() == ref.keys() and all(got[k] is ref[k] for k in ref)
+        self.checked += 1
+        self.unnoted += got is not tr._running_owners  # admitted in this step, not noted yet
+        return super().evict_host(prefixes, n, state)
+
+
+def test_the_hooks_running_owners_are_a_pass_over_vllms_running(vllm_engine):
+    """The tier's candidates read the running sessions from the hook's bookkeeping: at every eviction order of a
+    run with stores, pauses, new turns and a same-step admission, the same mapping as a pass over vLLM's running
+    list (the step's admissions included, which the hook notes only after the step)."""
+    for together in (False, True):
+        policy = RunningCheck()
+        _paused_session(vllm_engine, policy, host_policy=True, fillers_together=together)
+        assert policy.checked >= 10 and policy.unnoted >= 1
