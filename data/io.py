@@ -9,8 +9,9 @@ in every error.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -23,8 +24,12 @@ from data.validate import check_rows, conform_table, validate_table
 
 PathLike = str | os.PathLike[str]
 
-# Schema metadata that must agree across the part files of one table.
+# Schema metadata that must agree across the part files of one table (but for SOURCE_KEY).
 _METADATA_PREFIX = b"kvpilot."
+#: Schema metadata key of a workload's provenance, a JSON object: what made it (``generator``) and from what
+#: (``kvpilot workload synth``: the whole generator ``config``; ``kvpilot workload import``: ``format``, ``files``).
+#: Parts of one directory with different sources read as ``{"parts": [their sources]}``.
+SOURCE_KEY = b"kvpilot.source"
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 
 
@@ -71,6 +76,25 @@ def read_workload(path: PathLike) -> pa.Table:
 def write_workload(table: pa.Table, path: PathLike) -> Path:
     """Validate and write a workload to one Parquet file."""
     return write_table(table, path, WORKLOAD)
+
+
+def with_source(table: pa.Table, source: Mapping) -> pa.Table:
+    """``table`` with ``source`` as its provenance (:data:`SOURCE_KEY`), which Parquet files keep."""
+    meta = dict(table.schema.metadata or {})
+    meta[SOURCE_KEY] = json.dumps(source, sort_keys=True).encode()
+    return table.replace_schema_metadata(meta)
+
+
+def source_of(table: pa.Table) -> dict | None:
+    """A workload table's provenance (:data:`SOURCE_KEY`), or None when it carries none (or none readable)."""
+    raw = (table.schema.metadata or {}).get(SOURCE_KEY)
+    if raw is None:
+        return None
+    try:
+        out = json.loads(raw)
+    except ValueError:
+        return None
+    return out if isinstance(out, dict) else None
 
 
 def read_telemetry(directory: PathLike, name: str, columns: Sequence[str] | None = None) -> pa.Table:
@@ -149,11 +173,13 @@ def _partition_column(file: Path, field: pa.Field, value: str, length: int) -> p
 
 
 def _concat(tables: list[pa.Table], parts: list[tuple[str, int]]) -> pa.Table:
-    """Concatenate conformed parts; their ``kvpilot.*`` metadata must agree and is kept."""
-    metadata = tables[0].schema.metadata or {}
-    ours = {k: v for k, v in metadata.items() if k.startswith(_METADATA_PREFIX)}
+    """Concatenate conformed parts; their ``kvpilot.*`` metadata must agree and is kept (their sources, when they
+    differ, as ``{"parts": [...]}``)."""
+    metadata = dict(tables[0].schema.metadata or {})
+    ours = {k: v for k, v in metadata.items() if k.startswith(_METADATA_PREFIX) and k != SOURCE_KEY}
     for table, (source, _) in zip(tables[1:], parts[1:], strict=True):
-        theirs = {k: v for k, v in (table.schema.metadata or {}).items() if k.startswith(_METADATA_PREFIX)}
+        theirs = {k: v for k, v in (table.schema.metadata or {}).items()
+                  if k.startswith(_METADATA_PREFIX) and k != SOURCE_KEY}
         if theirs != ours:
             raise DataValidationError(
                 f"kvpilot schema metadata differs from that of {parts[0][0]}",
@@ -161,4 +187,7 @@ def _concat(tables: list[pa.Table], parts: list[tuple[str, int]]) -> pa.Table:
             )
     if len(tables) == 1:
         return tables[0]
+    sources = [source_of(t) for t in tables]
+    if any(x != sources[0] for x in sources):
+        metadata[SOURCE_KEY] = json.dumps({"parts": sources}, sort_keys=True).encode()
     return pa.concat_tables([t.replace_schema_metadata(metadata) for t in tables])

@@ -42,6 +42,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from data.io import source_of
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -65,6 +67,7 @@ def workload_stats(table: pa.Table) -> dict[str, Any]:
         "first_block_shared_fraction": first_shared / n if n else 0.0,
         "domains": {str(d): _domain_stats(table.filter(pc.equal(table.column("domain"), d)))
                     for d in sorted(pc.unique(table.column("domain")).to_pylist())},
+        "source": source_of(table),
     }
 
 
@@ -213,7 +216,23 @@ def render_stats(stats: dict[str, Any]) -> str:
         body = [[name] + [fmt.format(d[key][f"p{q}"]) for _, key, fmt in keys for q in (50, 99)]
                 for name, d in agents.items()]
         lines += _columns(header, body)
+    src = stats.get("source")
+    if src:
+        lines.append(f"made by {_describe(src)}")
     return "\n".join(lines)
+
+
+def _describe(source: dict[str, Any]) -> str:
+    """One line of a workload's provenance (:data:`data.io.SOURCE_KEY`)."""
+    if "parts" in source:
+        return "; ".join(_describe(p) if p else "(unknown)" for p in source["parts"])
+    what = str(source.get("generator", "an unknown generator"))
+    if isinstance(source.get("config"), dict):
+        cfg = source["config"]
+        return f"{what}, seed {cfg.get('seed')}, {cfg.get('steps')} step(s) x {cfg.get('prompts_per_step')} prompts"
+    if "format" in source:
+        return f"{what} --format {source['format']} from {', '.join(map(str, source.get('files', [])))}"
+    return what
 
 
 def _columns(header: list[str], body: list[list[str]]) -> list[str]:

@@ -112,6 +112,7 @@ import pyarrow as pa
 
 from data.errors import DataValidationError
 from data.hashing import splitmix64
+from data.io import with_source
 from data.schemas import PARADIGMS, WORKLOAD
 
 _NORMAL = NormalDist()
@@ -478,7 +479,8 @@ def generate(cfg: SynthConfig) -> pa.Table:
     cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     shuffle = rng.permutation(n_groups)  # groups of a step run as one mixed, shuffled batch
     order = np.lexsort((cols["turn"], cols["sample"], shuffle[cols["group_uid"]], cols["kind"], cols["step"]))
-    return _to_table(cfg, {k: v[order] for k, v in cols.items()})
+    table = _to_table(cfg, {k: v[order] for k, v in cols.items()})
+    return with_source(table, {"generator": "kvpilot workload synth", "config": dataclasses.asdict(cfg)})
 
 
 class _Pool:

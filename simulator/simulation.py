@@ -189,6 +189,7 @@ class Simulation:
             kv_share_of_need=(self.kv_blocks - 1) / self.workload.kv_need if self.workload.kv_need else None,
             bound=self.makespan_bound(metrics.simulated_s), offload=offload, gpu=gpu, trained=trained,
             driver=self.driver_stats(), throughput_bound=self.throughput_bound(trained.trajectories_per_s),
+            workload_source=self.workload.source,
         )
 
     def makespan_bound(self, simulated_s: float) -> MakespanBoundSummary:

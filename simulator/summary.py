@@ -222,6 +222,9 @@ class RunSummary:
     throughput_bound: ThroughputBoundSummary
     #: Wall-clock seconds of the run's set-up, set by :func:`simulator.simulation.run_simulation` (None: left out).
     setup_s: float | None = None
+    #: What made the workload (its generator and config, or the trace files it was imported from), as the
+    #: workload file records it (:data:`data.io.SOURCE_KEY`); None when it does not say.
+    workload_source: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as ``summary.json`` holds it: every field by name, sub-records' fields inline."""

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.errors import DataValidationError
-from data.io import read_workload
+from data.io import read_workload, source_of
 from data.schemas import WORKLOAD
 from data.validate import validate_table
 from simulator.config import SimulationError
@@ -79,6 +79,8 @@ class PreparedWorkload:
     steps: tuple[int, ...]
     #: Tokens of the largest request at full length (prompt + output).
     largest_request: int
+    #: What made the workload (:data:`data.io.SOURCE_KEY`), None when it does not say.
+    source: dict | None = None
 
     @property
     def num_rows(self) -> int:
@@ -163,5 +165,5 @@ def _prepare(table: pa.Table) -> PreparedWorkload:
         prompt_tokens=tokens.prompt.tolist(), output_tokens=tokens.output.tolist(),
         row_of={r: i for i, r in enumerate(col["request_id"])},
         sessions=sessions, steps=tuple(sorted({s.step for s in sessions})),
-        largest_request=int((tokens.prompt + tokens.output).max()),
+        largest_request=int((tokens.prompt + tokens.output).max()), source=source_of(table),
     )

@@ -103,3 +103,51 @@ def test_the_command_line_runs_under_a_fixed_hash_seed(monkeypatch: pytest.Monke
     monkeypatch.delenv("PYTHONHASHSEED")
     cli.main()  # the real execv does not return; the stub does, and app() follows
     assert calls == [(sys.executable, [sys.executable, *sys.orig_argv[1:]], cli.HASH_SEED), "app"]
+
+
+def test_a_workload_says_what_made_it_and_a_simulation_reports_it(tmp_path: Path) -> None:
+    """`workload synth` records its whole generator config in the file, `workload import` its format and files;
+    `workload stats` and a simulation's summary report it, and a directory of parts made differently keeps each
+    part's."""
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    from data.io import SOURCE_KEY, read_workload, source_of
+    from data.synth import SynthConfig
+
+    cfg = tmp_path / "w.toml"
+    cfg.write_text("steps = 1\nprompts_per_step = 1\n")
+    out = tmp_path / "w.parquet"
+    assert runner.invoke(app, ["workload", "synth", "--preset", "agentic", "--config", str(cfg), "--seed", "77",
+                               "-o", str(out)]).exit_code == 0
+    src = json.loads(pq.read_schema(out).metadata[SOURCE_KEY])
+    want = dataclasses.replace(SynthConfig.from_file(cfg, SynthConfig.preset("agentic")), seed=77)
+    assert src == {"generator": "kvpilot workload synth", "config": json.loads(json.dumps(dataclasses.asdict(want)))}
+    res = runner.invoke(app, ["workload", "stats", str(out)])
+    assert "made by kvpilot workload synth, seed 77, 1 step(s) x 1 prompts" in res.output
+    res = runner.invoke(app, ["simulate", "-w", str(out), "-o", str(tmp_path / "run"), "--no-progress",
+                              "--kv-fraction", "0.5", "--decode-stride", "32"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["workload_source"] == src
+
+    if (TRACES / "mooncake" / "synthetic_trace.jsonl").exists():
+        lines = (TRACES / "mooncake" / "synthetic_trace.jsonl").read_text().splitlines()[:20]
+        trace = tmp_path / "trace.jsonl"
+        trace.write_text("\n".join(lines) + "\n")
+        imported = tmp_path / "t.parquet"
+        assert runner.invoke(app, ["workload", "import", "--format", "mooncake", str(trace), "-o",
+                                   str(imported)]).exit_code == 0
+        assert source_of(read_workload(imported)) == {"generator": "kvpilot workload import", "format": "mooncake",
+                                                      "files": ["trace.jsonl"]}
+
+    table = read_workload(out)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    half = table.num_rows // 2
+    pq.write_table(table.slice(0, half), parts / "a.parquet")
+    other = {"generator": "elsewhere"}
+    from data.io import with_source
+
+    pq.write_table(with_source(table.slice(half), other), parts / "b.parquet")
+    assert source_of(read_workload(parts)) == {"parts": [src, other]}

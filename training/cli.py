@@ -93,7 +93,7 @@ def workload_import(
 ) -> None:
     """Import a public trace into kvpilot's workload format, keeping its prefix structure."""
     from data import importers
-    from data.io import write_workload
+    from data.io import with_source, write_workload
 
     readers = {
         ImportFormat.mooncake: importers.import_mooncake,
@@ -102,7 +102,8 @@ def workload_import(
     }
     with reported(*_INPUT_ERRORS):  # a missing trace file is a FileNotFoundError naming each
         result = readers[fmt](inputs, skip_bad=skip_bad)
-        write_workload(result.table, out)
+        source = {"generator": "kvpilot workload import", "format": fmt.value, "files": [p.name for p in inputs]}
+        write_workload(with_source(result.table, source), out)
     for file, line, reason in result.skipped[:20]:
         console.print(f"[yellow]skipped[/] {file}:{line}: {reason}", highlight=False)
     if result.skipped:
