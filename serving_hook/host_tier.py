@@ -39,6 +39,7 @@ from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 from policy.interface import CachedPrefix, EvictionDecision, OwnerState, RequestMeta
 from serving_hook.lever import Lever
+from serving_hook.translate import owner as owner_key
 
 __all__ = ["KVPilotCachePolicy", "HostTierLever", "connector_extra_config", "find_cache_policy", "bind"]
 
@@ -239,7 +240,7 @@ class HostTierLever(Lever):
             if info is None:
                 return req_id
             meta = info.meta
-            owner = meta.session_id if meta.session_id is not None else req_id
+            owner = owner_key(meta, req_id)
             self._req_owner[req_id] = owner
             self.metas[owner] = meta
             if len(self._req_owner) > 100_000:  # bound it: the oldest requests are long gone

@@ -90,6 +90,11 @@ class Freed:
     hashes64: Optional[tuple] = None  # int64 hashes, computed once when first offered to evict()
 
 
+def owner(meta: RequestMeta, request_id: str) -> str:
+    """Who a request's KV belongs to across its turns: its session, else the request itself."""
+    return meta.session_id if meta.session_id is not None else request_id
+
+
 def plain_hash(h: Any) -> Any:
     """The plain block hash of a ``BlockHashWithGroupId`` (vLLM packs the group id in)."""
     return get_block_hash(h)
@@ -370,7 +375,7 @@ class Translator:
             if not info.running:
                 info.running = True
                 m = info.meta
-                self._running_owners[m.session_id if m.session_id is not None else rid] = m
+                self._running_owners[owner(m, rid)] = m
                 g = self.group(m)
                 if g is not None:
                     g[1] += 1
@@ -411,9 +416,9 @@ class Translator:
             self.prefilling.discard(rid)
 
     def _not_running(self, rid: str, meta: RequestMeta) -> None:
-        owner = meta.session_id if meta.session_id is not None else rid
-        if self._running_owners.get(owner) is meta:
-            del self._running_owners[owner]
+        o = owner(meta, rid)
+        if self._running_owners.get(o) is meta:
+            del self._running_owners[o]
 
     def running_owners(self) -> dict[str, RequestMeta]:
         """Owner (session id, else request id) -> the meta of its running request, for each request in vLLM's
@@ -437,7 +442,7 @@ class Translator:
             return self._running_owners
         out = dict(self._running_owners)
         for rid, m in reversed(new):
-            out[m.session_id if m.session_id is not None else rid] = m
+            out[owner(m, rid)] = m
         return out
 
     def preempted(self, request: Any) -> None:
