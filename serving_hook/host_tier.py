@@ -169,18 +169,27 @@ class KVPilotCachePolicy(LRUCachePolicy):
         t0 = _perf()
         try:
             return self._evict_in_order(lever, n, protected)
+        except Exception as e:  # never into vLLM's store planning: LRU for this eviction (nothing was evicted yet)
+            lever.guard.internal_error("evict_host", e)
+            return super().evict(n, protected)
         finally:  # the hook's time inside vLLM's schedule() (its store planning), as the GPU eviction lever's
             lever.guard.inner_s += _perf() - t0
 
     def _evict_in_order(self, lever: HostTierLever, n: int, protected: set) -> Optional[list]:
-        """``n`` chunks, the listed owners' first (deepest first), then LRU; None: skip the store (bypass)."""
+        """``n`` chunks, the listed owners' first (deepest first), then LRU; None: skip the store (bypass).
+
+        An owner listed twice counts once; an id that is not hashable raises before anything is evicted."""
         order = lever.order(self, n, self.storer)
         if order is None:
             return super().evict(n, protected)
         storer = self.storer
         evictable, owned = self._evictable, self.owned
         picked: list = []
+        seen: set = set()
         for o in order:
+            if o in seen:
+                continue
+            seen.add(o)
             if o == storer:
                 lever.stats.host_bypassed += 1
                 _BypassLogFilter.pending = 1  # the connector warns next; not a failure

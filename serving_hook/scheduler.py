@@ -237,7 +237,9 @@ class KVPilotMixin:
         waited = 0.0
         try:
             if admission is not None:
-                idle = bool(held) and not out.total_num_scheduled_tokens and not self.running
+                # every queued request held (one vLLM skipped, e.g. while its KV loads, is vLLM's to wait for)
+                idle = (bool(held) and not out.total_num_scheduled_tokens and not self.running
+                        and len(held) == len(self.waiting) + len(self.kv_holding_waiting))
                 quiet = idle and not admission.logged and admission.quiet_ids is not None
                 if idle:
                     waited = self._kvp_idle_wait(held, now)

@@ -106,6 +106,28 @@ def test_policy_order_decides_and_a_store_listed_first_is_skipped():
     assert cp.owner[b"a0"] == "d" and b"a0" not in cp.owned.get("a", {})
 
 
+def test_a_bad_order_never_reaches_vllms_store_planning():
+    """An owner listed twice is evicted once; an order with an id that cannot be looked up falls back to LRU for
+    that eviction (counted as the hook's error), where it would raise inside vLLM's ``schedule()``."""
+    from serving_hook.host_tier import KVPilotCachePolicy
+
+    stores = [("a/0", _keys("a", 3)), ("b/0", _keys("b", 2)), ("c/0", _keys("c", 3))]
+    cp = KVPilotCachePolicy(8)
+    cp.kvpilot_lever = FakeLever(["b", "b"])
+    _fill(cp, stores)
+    got = [k for k, _ in cp.evict(3, set())]
+    assert got[:2] == [b"b1", b"b0"] and len(set(got)) == 3 and got[2].startswith(b"a")
+    errors: list = []
+    bad, lru = KVPilotCachePolicy(8), KVPilotCachePolicy(8)  # lru: unbound, vLLM's own order
+    bad.kvpilot_lever = FakeLever([["a"], "b"])
+    bad.kvpilot_lever.guard.internal_error = lambda where, e: errors.append((where, type(e).__name__))
+    _fill(bad, stores)
+    _fill(lru, stores)
+    assert [k for k, _ in bad.evict(4, {b"c0"})] == [k for k, _ in lru.evict(4, {b"c0"})]
+    assert errors == [("evict_host", "TypeError")]
+    assert set(bad.chunks) == set(lru.chunks)  # nothing evicted twice, nothing lost
+
+
 class TierOrder(Policy):
     """Host tier: the storer's and finished owners first (their blocks are not worth keeping), paused last."""
 

@@ -99,3 +99,68 @@ def test_plugin_reads_the_scheduler_class_from_the_command_line():
     assert scheduler_cls_arg(["x", "--scheduler_cls=serving_hook.KVPilotAsyncScheduler"]) == \
         "serving_hook.KVPilotAsyncScheduler"
     assert scheduler_cls_arg(["x", "--model", "m"]) is None
+
+
+@pytest.mark.vllm
+def test_an_idle_held_step_waits_only_when_every_queued_request_is_held(vllm_engine):
+    """A held request and a session's next turn whose context loads from the CPU tier, nothing running: vLLM skips
+    the loading turn for a step, and the hook must not take that step for an idle one (it would wait on the engine's
+    input queue, which no finished load wakes, up to the hold's release). Once only the held request is queued,
+    it waits until an input arrives."""
+    from policy.interface import AdmissionDecision, Policy
+    from simulator.cost_model import CostModel
+    from simulator.offload import OffloadWorker
+    from tests.hooks import hook_scheduler
+
+    engine = vllm_engine
+
+    class HoldH(Policy):
+        name = "test-hold-h"
+        uses_admission = True
+
+        def admit(self, waiting, state):
+            return AdmissionDecision(hold=frozenset(c.request_id for c in waiting if c.request_id == "h"))
+
+    cls = hook_scheduler(HoldH(), kv_block_bytes=1_000_000, host_link_gbps=1.0, max_hold_s=20.0)
+    s = engine.make_scheduler(cls, num_blocks=40, vllm_config=engine.make_vllm_config(num_blocks=40, offload_blocks=64))
+    assert s.kvpilot_clock is time.time  # a real-time engine: the only kind that waits
+    s._kvp_inputs = inputs = queue.Queue()  # what the hook finds in a real engine process
+    cost = CostModel.preset("H200-7B")
+    worker = OffloadWorker(cost, cost.kv_block_bytes(16))
+
+    def step():
+        out = s.schedule()
+        worker.submit(out, time.time())
+        sampled = []
+        for rid in out.num_scheduled_tokens:
+            r = s.requests[rid]
+            sampled.append([] if r.num_computed_tokens < r.num_tokens else [engine.output_token(rid, r.num_output_tokens)])
+        kv_out = worker.finished(time.time() + 1.0)  # every transfer done by the next step
+        s.update_from_output(out, engine.model_runner_output(list(out.num_scheduled_tokens), sampled, kv_out))
+
+    def drain():
+        while s.has_requests() or worker.busy:
+            step()
+
+    meta = {"kvpilot_session_id": "s0", "kvpilot_turn": 0, "kvpilot_tool": "bash"}
+    prompt = engine.prompt_tokens("ctx", 160)
+    s.add_request(engine.make_request("t0", prompt, 4, extra_args=meta))
+    drain()
+    for i in range(4):  # they push turn 0's blocks out of the GPU; the tier keeps them
+        s.add_request(engine.make_request(f"fill{i}", engine.prompt_tokens(f"fill{i}", 160), 4))
+        drain()
+    s.add_request(engine.make_request("h", engine.prompt_tokens("h", 32), 4))
+    turn1 = prompt + engine.output_tokens("t0", 3) + engine.prompt_tokens("tool", 30)
+    s.add_request(engine.make_request("t1", turn1, 4, extra_args={**meta, "kvpilot_turn": 1, "kvpilot_tool": None}))
+    loaded0 = worker.load_blocks
+    for _ in range(20):
+        step()
+        if "t1" not in s.requests:
+            break
+    st = s.kvpilot_stats
+    assert "t1" not in s.requests and worker.load_blocks > loaded0  # turn 1 ran, its context loaded from the tier
+    assert st.idle_held_steps == 0 and st.idle_wait_s == 0.0
+    assert list(s.requests) == ["h"] and not s.running
+    threading.Timer(0.2, inputs.put_nowait, args=("req",)).start()
+    step()  # only the held request is queued: the hook waits for the engine's next input
+    assert st.idle_held_steps == 1 and 0.0 < st.idle_wait_s < 15.0
