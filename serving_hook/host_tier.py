@@ -47,6 +47,8 @@ CACHE_POLICY_NAME = "KVPilotCachePolicy"
 CACHE_POLICY_MODULE = "serving_hook.host_tier"
 #: vLLM's connector logs a warning for every store the cache policy refuses (an allocation failure to it).
 _CONNECTOR_LOGGER = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+#: Owners whose meta and last use the lever keeps before it forgets those with nothing in the tier and no request.
+MAX_OWNERS = 1 << 16
 
 
 class _BypassLogFilter(logging.Filter):
@@ -367,6 +369,8 @@ class HostTierLever(Lever):
             out.append(p)
         self._owned_prefixes = kept
         self._running = running
+        if len(metas) > MAX_OWNERS:
+            self._forget_owners(owned, running, paused, live, infos, storer)
         if self._wide:
             out += self._running_candidates({}, owned)
         elif storer is not None and storer in running:  # the storing owner (unless it has blocks in the tier)
@@ -376,6 +380,15 @@ class HostTierLever(Lever):
             state = OwnerState.PAUSED_TOOL if storer in paused else OwnerState.FINISHED
             out.append(CachedPrefix(storer, storer, state, metas[storer], (), (), last.get(storer, 0.0)))
         return out
+
+    def _forget_owners(self, owned: dict, running: dict, paused: dict, live: dict, infos: dict,
+                       storer: Optional[str]) -> None:
+        """Forget the owners with nothing in the tier, no request running, waiting or paused on a tool, that are not
+        storing now: one entry per owner that ever used the tier would grow without bound in a long-lived server."""
+        keep = [o for o in self.metas
+                if o in owned or o in running or o in paused or o in live or o in infos or o == storer]
+        self.metas = {o: self.metas[o] for o in keep}
+        self.last_used = {o: self.last_used[o] for o in keep if o in self.last_used}
 
     def _running_candidates(self, stale: dict[str, float], skip: Optional[dict] = None,
                             only: Optional[str] = None) -> list[CachedPrefix]:

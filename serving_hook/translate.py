@@ -35,6 +35,8 @@ from serving_hook.guard import Guard
 from serving_hook.identity import SessionIdentity
 
 _MAX_GROUPS = 1 << 16
+#: Sessions kept as paused on a tool; beyond it the longest-paused is taken for finished (its next turn never came).
+_MAX_PAUSED = 1 << 16
 
 
 class EngineView(Protocol):
@@ -477,7 +479,10 @@ class Translator:
         if meta.tool and rs != "abort":
             rs = "tool_call"
             if meta.session_id is not None:
-                self.sessions[meta.session_id] = meta.turn or 0
+                paused = self.sessions
+                if len(paused) >= _MAX_PAUSED and meta.session_id not in paused:
+                    del paused[next(iter(paused))]
+                paused[meta.session_id] = meta.turn or 0
         if info.running:
             self._not_running(rid, meta)
         g = self.group(meta)

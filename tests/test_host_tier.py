@@ -199,6 +199,21 @@ def test_tier_keeps_the_paused_session_that_lru_pushes_out(vllm_engine):
 
 
 @pytest.mark.slow
+def test_owners_with_nothing_in_the_tier_and_no_request_are_forgotten(vllm_engine, monkeypatch):
+    """Past ``MAX_OWNERS`` the lever forgets the owners with nothing in the tier and no live request (one entry per
+    owner that ever used the tier would grow without bound); here at every order, with the same decisions."""
+    from serving_hook import host_tier
+
+    loaded, s = _paused_session(vllm_engine, TierOrder(), host_policy=True)
+    monkeypatch.setattr(host_tier, "MAX_OWNERS", 0)
+    policy = TierOrder()
+    loaded2, s2 = _paused_session(vllm_engine, policy, host_policy=True)
+    assert loaded2 == loaded and s2.kvpilot_stats.host_bypassed == s.kvpilot_stats.host_bypassed
+    kept, every = set(s2._kvp_host.metas), set(s._kvp_host.metas)
+    assert "s0" in kept and set(s2._kvp_host.last_used) <= kept
+    assert kept < every  # without the bound, every finished filler stays
+
+
 def test_oracle_offload_runs_both_tiers_in_a_simulation(vllm_engine):
     import dataclasses
 

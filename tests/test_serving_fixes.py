@@ -164,3 +164,28 @@ def test_an_idle_held_step_waits_only_when_every_queued_request_is_held(vllm_eng
     threading.Timer(0.2, inputs.put_nowait, args=("req",)).start()
     step()  # only the held request is queued: the hook waits for the engine's next input
     assert st.idle_held_steps == 1 and 0.0 < st.idle_wait_s < 15.0
+
+
+@pytest.mark.vllm
+def test_sessions_whose_next_turn_never_comes_are_not_kept_for_ever(vllm_engine, monkeypatch):
+    """A long-lived server sees sessions end on a tool call and never return: the hook keeps the most recently
+    paused ones up to a bound, not one entry per such session for ever."""
+    from policy.interface import Policy
+    from serving_hook import translate
+    from tests.hooks import hook_scheduler
+
+    class Events(Policy):
+        name = "test-events"
+        uses_events = True
+
+    monkeypatch.setattr(translate, "_MAX_PAUSED", 50)
+    s = vllm_engine.make_scheduler(hook_scheduler(Events()), num_blocks=256)
+    runner = vllm_engine.FakeRunner()
+    for k in range(120):
+        s.add_request(vllm_engine.make_request(f"r{k}", vllm_engine.prompt_tokens(f"p{k}", 20), 1,
+                                               extra_args={"kvpilot_session_id": f"s{k}", "kvpilot_tool": "bash"}))
+        if k % 40 == 39:
+            while s.has_requests():
+                runner.step(s)
+    paused = s._kvp_translate.sessions
+    assert list(paused) == [f"s{k}" for k in range(70, 120)]
