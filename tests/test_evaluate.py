@@ -252,6 +252,9 @@ def test_cli_two_replicas(vllm_engine: Any, workload_path: Path, tmp_path: Path)
     before = run.stat().st_mtime_ns
     args = ["evaluate", "-w", str(workload_path), "-o", str(out), "--policies", "vllm-default", "--kv-fractions",
             "0.5", "--replicas", "2", "--router", "least-loaded", "--no-progress", "--resume"]
+    res = CliRunner().invoke(app, [*args[:-1], "--decode-stride", "4"])  # no --resume: the earlier run is kept
+    assert res.exit_code == 2 and "already holds" in res.output and "--resume" in res.output, res.output
+    assert run.stat().st_mtime_ns == before
     res = CliRunner().invoke(app, [*args, "--decode-stride", "4"])
     assert res.exit_code == 0, res.output
     assert run.stat().st_mtime_ns == before
@@ -430,3 +433,22 @@ def test_ray_backend_gives_the_process_pools_rows(router_grid: EvaluationResult,
     assert sum(r["error"] is not None for r in result.rows) == 6
     assert result.trajectory_s == router_grid.trajectory_s
     assert (tmp_path / "runs" / "sortedrl-kv0.5-r2-kv-aware" / "summary.json").is_file()
+
+
+def test_resume_reuses_a_run_only_of_the_same_workload_and_preset(tmp_path: Path) -> None:
+    """A finished case is read back only for the workload (its request count and source) and preset it ran."""
+    from training.evaluate import Case, finished_case
+
+    case = Case("vllm-default", 0.5, 1, None)
+    run = tmp_path / "runs" / case.name
+    run.mkdir(parents=True)
+    source = {"generator": "kvpilot workload synth", "config": {"seed": 3, "steps": [1, 2]}}
+    (run / "summary.json").write_text(json.dumps({"decode_stride": 32, "keep_cache_across_steps": False,
+                                                  "router": None, "preset": "H200-7B", "requests": 40,
+                                                  "workload_source": source, "makespan_s": 5.0}))
+    (run / "trajectories.json").write_text("[1.0, 2.0]")
+    same = ("H200-7B", 40, source)
+    assert finished_case(case, tmp_path, 32, workload=same)[1] == [1.0, 2.0]
+    for other in (("H200-32B", 40, source), ("H200-7B", 41, source),
+                  ("H200-7B", 40, {**source, "config": {"seed": 4, "steps": [1, 2]}})):
+        assert finished_case(case, tmp_path, 32, workload=other) is None

@@ -411,8 +411,9 @@ def evaluate_cmd(
                                     "changes.")
     ] = None,
     resume: Annotated[
-        bool, typer.Option("--resume", help="Reuse the cases an earlier evaluation into -o finished at this stride "
-                           "and router (same workload and preset assumed).")
+        bool, typer.Option("--resume", help="Reuse the cases an earlier evaluation into -o finished for this "
+                           "workload and preset, at this stride, router and tier; without it, -o must hold no "
+                           "earlier evaluation.")
     ] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
     model: Annotated[Optional[Path], typer.Option(
@@ -475,6 +476,11 @@ def evaluate_cmd(
                      offload_gib=tiers[0], decision_log=full_telemetry, kv_event_log=full_telemetry,
                      learned_model=model, max_groups=max_groups)
         return
+    earlier = sorted(p.name for p in (out_dir / "runs").iterdir()) if (out_dir / "runs").is_dir() else []
+    if earlier and not resume:  # run_case replaces a case's run: never an earlier evaluation's without a word
+        raise fail(f"{out_dir} already holds an evaluation ({len(earlier)} run(s) in {out_dir / 'runs'}, e.g. "
+                   f"{earlier[0]}): --resume keeps the cases it finished for this workload and preset and runs the "
+                   f"rest; or choose another -o")
     where = f"{jobs} job(s)" if backend == "process" else f"Ray at {address}" if address else \
         f"a local Ray instance of {jobs} CPU(s)"
     sizes = f"{len(set(kvs))} KV size(s)" if kvs is not None else f"{len(set(totals))} fleet KV size(s)"

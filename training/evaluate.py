@@ -336,15 +336,22 @@ def _row(row: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def finished_case(case: Case, out_dir: Path, decode_stride: int, keep_cache_across_steps: bool = False,
-                  offload_gib: float | None = None) -> tuple[dict[str, Any], list[float]] | None:
+                  offload_gib: float | None = None,
+                  workload: tuple[str, int, Any] | None = None) -> tuple[dict[str, Any], list[float]] | None:
     """A case an earlier evaluation into ``out_dir`` finished at this stride, router, cache rule and CPU offload
-    tier (summary and trajectories), or None."""
+    tier (summary and trajectories), or None.
+
+    ``workload``: ``(preset, requests, source)`` of this evaluation; a run of another preset, another number of
+    requests or another workload source (``kvpilot.source``) is not reused."""
     run_dir = Path(out_dir) / "runs" / case.name
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
         durations = json.loads((run_dir / "trajectories.json").read_text())
     except (OSError, ValueError):
         return None
+    if workload is not None and (summary.get("preset"), summary.get("requests"),
+                                 summary.get("workload_source")) != workload:
+        return None  # another workload or cost model
     if summary.get("decode_stride", 1) != decode_stride or \
             summary.get("keep_cache_across_steps") != keep_cache_across_steps:
         return None  # another stride, or another cache rule at weight sync (or a run from before it existed)
@@ -353,6 +360,11 @@ def finished_case(case: Case, out_dir: Path, decode_stride: int, keep_cache_acro
     if summary.get("offload_blocks") and offload_gib is not None and summary.get("offload_gib") != offload_gib:
         return None  # a policy with a CPU tier, run with another tier size
     return _row(case.row(), summary), [float(d) for d in durations]
+
+
+def _json_source(source: Any) -> Any:
+    """A workload's source as its ``summary.json`` reads back (tuples become lists)."""
+    return json.loads(json.dumps(source)) if source is not None else None
 
 
 def _worker_case(case: Case, out_dir: str, preset: str, sim_options: dict[str, Any] | None,
@@ -447,7 +459,8 @@ def evaluate(
         todo = []
         for case in cases:
             earlier = finished_case(case, out, decode_stride, bool(sim_options.get("keep_cache_across_steps")),
-                                    case.tier_gib if case.tier_gib is not None else sim_options.get("offload_gib")) \
+                                    case.tier_gib if case.tier_gib is not None else sim_options.get("offload_gib"),
+                                    (preset, workload.table.num_rows, _json_source(workload.source))) \
                 if resume else None
             if earlier is not None:
                 done(case, earlier)
