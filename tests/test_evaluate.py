@@ -452,3 +452,18 @@ def test_resume_reuses_a_run_only_of_the_same_workload_and_preset(tmp_path: Path
     for other in (("H200-32B", 40, source), ("H200-7B", 41, source),
                   ("H200-7B", 40, {**source, "config": {"seed": 4, "steps": [1, 2]}})):
         assert finished_case(case, tmp_path, 32, workload=other) is None
+
+
+def test_cli_learned_without_a_readable_model_fails_before_running(workload_path: Path, tmp_path: Path) -> None:
+    """``learned`` (or an ablation) with no --model, or one that is not a POLICY_DIR, exits 2 before any case runs,
+    not after a grid of failed cases."""
+    base = ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "e"), "--no-progress"]
+    res = CliRunner().invoke(app, [*base, "--policies", "vllm-default,learned-admission"])
+    assert res.exit_code == 2 and "needs --model" in res.output, res.output
+    bundle = tmp_path / "trained" / "policy"
+    bundle.mkdir(parents=True)
+    (bundle / "policy.json").write_text("{}")
+    res = CliRunner().invoke(app, [*base, "--policies", "learned", "--model", str(tmp_path / "trained")])
+    said = "".join(res.output.split())  # (the console wraps long paths)
+    assert res.exit_code == 2 and "policy.json:missing" in said and "/trained/policyisone" in said, res.output
+    assert not (tmp_path / "e").exists()

@@ -465,6 +465,7 @@ def evaluate_cmd(
         check_run(jobs, backend, address, decode_stride)
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
     _check_async_only(driver, max_groups, admission)
+    _check_learned_model(names, model)
     if driver == "async":  # in this process, case after case (each sweep runs sync and every eta x mode)
         if totals is not None:
             raise fail("--driver async takes --kv-fractions, not --kv-total")
@@ -517,6 +518,24 @@ def evaluate_cmd(
                    f"{status}{f'  x{rr:.3f} vs round-robin default' if rr is not None else ''}")
     console.print(f"{len(result.rows)} case(s), {len(failed)} failed, in {time.perf_counter() - t0:.1f} s; "
                   f"summary.md, summary.csv, summary.json and plots in {out_dir}", highlight=False)
+    if failed and len(failed) == len(result.rows):
+        raise fail("every case failed (their errors are above and in summary.json)", code=1)
+
+
+def _check_learned_model(names: list[str], model: Optional[Path]) -> None:
+    """``learned`` and its ablations need ``--model``, a POLICY_DIR: checked once, before any case runs."""
+    learned = [n for n in names if n == "learned" or n.startswith("learned-")]
+    if not learned:
+        return
+    if model is None:
+        raise fail(f"--policies {learned[0]} needs --model POLICY_DIR (written by `kvpilot train`)")
+    from policy.learned_bundle import PolicyLoadError, read_manifest
+
+    try:
+        read_manifest(model)
+    except PolicyLoadError as e:
+        hint = f" ({model / 'policy'} is one)" if (model / "policy" / "policy.json").is_file() else ""
+        raise fail(f"--model: {e}{hint}") from None
 
 
 #: The held-out evaluation's engine options of ``train`` and ``promote``; unset, each follows where the policy
