@@ -10,6 +10,7 @@ vectorised (pyarrow.compute and numpy): a million-row workload takes a few secon
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -325,17 +326,20 @@ def _check(table: str, *columns: str) -> Callable[[_Check], _Check]:
     return decorate
 
 
-def _at_least(table: str, column: str, low: float, what: str) -> None:
-    """Non-null values of ``column`` must be >= ``low``."""
+def _at_least(table: str, column: str, low: float, what: str, finite: bool = False) -> None:
+    """Non-null values of ``column`` must be >= ``low`` (and, with ``finite``, not infinite)."""
 
     def check(rows: _Rows) -> None:
         x = rows.num(column)
-        bad = ~(x >= low) & rows.valid(column)
+        ok = (x >= low) & np.isfinite(x) if finite else x >= low
+        bad = ~ok & rows.valid(column)
         row = _first(bad)
         if row is not None:
             v = x[row]
             if v != v:
                 rows.fail(column, row, f"{what} is not a number")
+            if v == math.inf:
+                rows.fail(column, row, f"{what} is infinite")
             if v < 0 <= low:
                 rows.fail(column, row, f"negative {what} ({_show(v)})")
             rows.fail(column, row, f"{what} must be at least {_show(low)}, got {_show(v)}")
@@ -439,7 +443,7 @@ for _column, _low, _what in [
     ("verify_latency_s", 0, "latency"),
     ("arrival_s", 0, "arrival time"),
 ]:
-    _at_least("workload", _column, _low, _what)
+    _at_least("workload", _column, _low, _what, finite=True)
 _at_most("workload", "output_tokens", "max_tokens", "output token count")
 _one_of("workload", "kind", REQUEST_KINDS)
 _one_of("workload", "finish_reason", FINISH_REASONS)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,20 @@ def test_the_command_line_runs_under_a_fixed_hash_seed(monkeypatch: pytest.Monke
     monkeypatch.delenv("PYTHONHASHSEED")
     cli.main()  # the real execv does not return; the stub does, and app() follows
     assert calls == [(sys.executable, [sys.executable, *sys.orig_argv[1:]], cli.HASH_SEED), "app"]
+
+
+def test_a_path_the_command_cannot_create_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    """An output path that is a file: the entry point names it and why, exit 2, and writes nothing there."""
+    cfg, wl, taken = tmp_path / "w.toml", tmp_path / "w.parquet", tmp_path / "taken"
+    cfg.write_text("steps = 1\nprompts_per_step = 1\ngroup_size = 2\n")
+    assert runner.invoke(app, ["workload", "synth", "--config", str(cfg), "-o", str(wl)]).exit_code == 0
+    taken.write_text("mine")
+    res = subprocess.run([sys.executable, "-m", "training.cli", "simulate", "-w", str(wl), "-o", str(taken / "run"),
+                          "--no-progress"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONHASHSEED": "0"}, cwd=ROOT)
+    said = "".join(res.stderr.split())  # (the console wraps long paths)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert f"{taken}/run:" in said and taken.read_text() == "mine", said
 
 
 def test_a_workload_says_what_made_it_and_a_simulation_reports_it(tmp_path: Path) -> None:

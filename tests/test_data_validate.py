@@ -260,6 +260,8 @@ BAD_WORKLOADS: list[tuple[str, Callable[[Rows], Rows], str, int, str]] = [
         "negative latency",
     ),
     ("negative_arrival", lambda r: edit(r, 5, arrival_s=-1.0), "arrival_s", 5, "negative arrival time"),
+    ("infinite_verifier", lambda r: edit(r, 3, verify_latency_s=math.inf), "verify_latency_s", 3,
+     "latency is infinite"),
 ]
 
 # (case, spec, table, change to row 1, column named, words the message must hold)

@@ -721,7 +721,11 @@ def main() -> None:
     if "PYTHONHASHSEED" not in os.environ:
         os.environ["PYTHONHASHSEED"] = HASH_SEED
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-    app()
+    try:
+        app()
+    except OSError as e:  # a path a command cannot create, read or write: which one and why, not a traceback
+        where = f"{e.filename}: " if e.filename is not None else ""
+        raise SystemExit(fail(f"{where}{e.strerror or e}").exit_code) from None
 
 
 if __name__ == "__main__":
