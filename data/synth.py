@@ -322,8 +322,8 @@ class SynthConfig:
     scoring: ScoringConfig = ScoringConfig()
 
     def __post_init__(self) -> None:
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed < 2**63:  # (the block hashes mix it in as a 64-bit integer)
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for name in ("steps", "prompts_per_step", "group_size", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

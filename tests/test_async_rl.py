@@ -184,6 +184,8 @@ def test_bad_values(make: Any, match: str) -> None:
     (["--driver", "async", "--max-groups", "0"], "max_concurrent_groups must be an integer >= 1"),
     (["--max-groups", "2"], "--max-groups needs --driver async"),
     (["--admission", "working-set"], "--admission needs --driver async"),
+    (["--staleness", "2"], "--staleness needs --driver async"),
+    (["--weight-sync", "abort"], "--weight-sync needs --driver async"),
     (["--driver", "bogus"], "unknown driver 'bogus'"),
 ])
 def test_cli_bad_async_settings_exit_2(tmp_path: Path, args: list[str], match: str) -> None:

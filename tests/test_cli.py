@@ -62,6 +62,17 @@ def test_import_of_missing_traces_names_each(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "no such file" in res.output and "a.jsonl" in res.output and "b.jsonl" in res.output
 
 
+def test_an_import_that_yields_no_request_fails_and_writes_nothing(tmp_path: Path) -> None:
+    empty, bad, out = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl", tmp_path / "t.parquet"
+    empty.write_text("")
+    bad.write_text("{not json\n")
+    res = runner.invoke(app, ["workload", "import", "--format", "mooncake", str(empty), "-o", str(out)])
+    assert res.exit_code == 2 and "norequesttoimport" in "".join(res.output.split()) and not out.exists(), res.output
+    res = runner.invoke(app, ["workload", "import", "--format", "mooncake", "--skip-bad", str(bad), "-o", str(out)])
+    said = "".join(res.output.split())  # (the console wraps long paths)
+    assert res.exit_code == 2 and "everylinewasskipped" in said and not out.exists(), res.output
+
+
 @pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is absent")
 def test_import_with_skip_bad_reports_the_skipped_line(tmp_path: Path) -> None:
     lines = (TRACES / "mooncake" / "synthetic_trace.jsonl").read_text().splitlines()[:50]

@@ -329,6 +329,10 @@ def test_bad_key_names_the_file_and_the_key(tmp_path: Path, text: str, key: str)
 def test_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="group_size"):
         SynthConfig(group_size=0)
+    for seed in (-1, 2**63):  # a seed the 64-bit block hashes cannot take is named, not an OverflowError later
+        with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*63\)"):
+            SynthConfig(seed=seed)
+    assert generate(SynthConfig(seed=2**63 - 1, steps=1, prompts_per_step=1, group_size=1)).num_rows > 0
 
 
 @pytest.mark.parametrize(

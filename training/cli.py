@@ -102,12 +102,16 @@ def workload_import(
     }
     with reported(*_INPUT_ERRORS):  # a missing trace file is a FileNotFoundError naming each
         result = readers[fmt](inputs, skip_bad=skip_bad)
-        source = {"generator": "kvpilot workload import", "format": fmt.value, "files": [p.name for p in inputs]}
-        write_workload(with_source(result.table, source), out)
     for file, line, reason in result.skipped[:20]:
         console.print(f"[yellow]skipped[/] {file}:{line}: {reason}", highlight=False)
     if result.skipped:
         console.print(f"[yellow]skipped {len(result.skipped)} bad line(s) in all[/]")
+    if result.table.num_rows == 0:  # nothing a simulation could run: say so here, not at the next command
+        raise fail(f"{', '.join(str(p) for p in inputs)}: no request to import"
+                   + (" (every line was skipped)" if result.skipped else "") + f"; {out} not written")
+    with reported(*_INPUT_ERRORS):
+        source = {"generator": "kvpilot workload import", "format": fmt.value, "files": [p.name for p in inputs]}
+        write_workload(with_source(result.table, source), out)
     if result.repaired:
         first_file, first_line, first_reason = result.repaired[0]
         console.print(
@@ -160,11 +164,14 @@ OffloadGib = Annotated[float, typer.Option(
 DriverOpt = Annotated[str, typer.Option(
     "--driver", help="sync (synchronous RL steps) or async (no step barrier: a trainer consumes batches of finished "
     "groups under a staleness bound; runs the synchronous baseline with the same trainer beside it).")]
-StalenessOpt = Annotated[str, typer.Option(
-    "--staleness", help="--driver async: staleness bound(s) eta, comma-separated integers >= 0 (e.g. 1,2,4).")]
-WeightSyncOpt = Annotated[str, typer.Option(
+#: ``--staleness`` and ``--weight-sync`` of an async run that names neither.
+DEFAULT_STALENESS, DEFAULT_WEIGHT_SYNC = "1", "keep"
+StalenessOpt = Annotated[Optional[str], typer.Option(
+    "--staleness", help="--driver async: staleness bound(s) eta, comma-separated integers >= 0 (e.g. 1,2,4); "
+    "default 1.")]
+WeightSyncOpt = Annotated[Optional[str], typer.Option(
     "--weight-sync", help="--driver async: weight-update mode(s), comma-separated: abort, recompute (keep + clear), "
-    "keep (version-salted cache, no reset).")]
+    "keep (version-salted cache, no reset); default keep.")]
 TrainBatchOpt = Annotated[Optional[int], typer.Option(
     "--train-batch", help="GRPO groups per training step (default: the workload's groups per RL step).")]
 TrainerOpt = Annotated[bool, typer.Option(
@@ -194,14 +201,17 @@ def _trainer_spec(driver: str, trainer: bool, train_batch: Optional[int]):
         return Trainer(train_batch=train_batch)
 
 
-def _check_async_only(driver: str, max_groups: Optional[int], admission: str) -> None:
-    """``--max-groups`` and ``--admission`` set the async driver's rollout controller: with another driver they are
-    an error (exit 2)."""
+def _check_async_only(driver: str, max_groups: Optional[int], admission: str, staleness: Optional[str],
+                      weight_sync: Optional[str]) -> tuple[str, str]:
+    """``--max-groups``, ``--admission``, ``--staleness`` and ``--weight-sync`` set the async driver's rollout: with
+    another driver they are an error (exit 2). The staleness bounds and weight-update modes to run."""
     if driver != "async":
-        if max_groups is not None:
-            raise fail("--max-groups needs --driver async")
-        if admission != "auto":
-            raise fail("--admission needs --driver async")
+        for flag, value in (("--max-groups", max_groups), ("--staleness", staleness),
+                            ("--weight-sync", weight_sync), ("--admission", None if admission == "auto" else 1)):
+            if value is not None:
+                raise fail(f"{flag} needs --driver async")
+    return (DEFAULT_STALENESS if staleness is None else staleness,
+            DEFAULT_WEIGHT_SYNC if weight_sync is None else weight_sync)
 
 
 def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fractions: list, replicas: list[int],
@@ -213,8 +223,8 @@ def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fraction
     from simulator.workload import load_workload
     from training.async_sweep import sweep_grid, write_sweep
 
-    etas = _number_list(staleness, int, "--staleness")
-    modes = [m.strip() for m in weight_sync.split(",") if m.strip()]
+    etas = list(dict.fromkeys(_number_list(staleness, int, "--staleness")))  # each once (a run per value)
+    modes = list(dict.fromkeys(m.strip() for m in weight_sync.split(",") if m.strip()))
     options = _policy_options(policy_options)
     with reported(*_INPUT_ERRORS):  # SimulationError is a ValueError
         prepared = load_workload(workload)
@@ -271,8 +281,8 @@ def simulate(
         "--no-session-ids sends none, as verl and AReaL do, and the hook infers sessions from the block-hash "
         "chain.")] = True,
     driver: DriverOpt = "sync",
-    staleness: StalenessOpt = "1",
-    weight_sync: WeightSyncOpt = "keep",
+    staleness: StalenessOpt = None,
+    weight_sync: WeightSyncOpt = None,
     train_batch: TrainBatchOpt = None,
     trainer: TrainerOpt = False,
     admission: AdmissionOpt = "auto",
@@ -280,7 +290,7 @@ def simulate(
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
-    _check_async_only(driver, max_groups, admission)
+    staleness, weight_sync = _check_async_only(driver, max_groups, admission, staleness, weight_sync)
     if driver == "async":
         _async_sweep(workload, out_dir, [policy], [kv_fraction], [replicas], staleness, weight_sync, admission,
                      trainer_spec, progress, as_json, policy_options=policy_options, max_groups=max_groups,
@@ -433,8 +443,8 @@ def evaluate_cmd(
         "(16,64,256) are a grid dimension for those policies; 0 turns the tier off. Default: a quarter of a DGX "
         "H200's host memory per GPU.")] = f"{DEFAULT_OFFLOAD_GIB:g}",
     driver: DriverOpt = "sync",
-    staleness: StalenessOpt = "1",
-    weight_sync: WeightSyncOpt = "keep",
+    staleness: StalenessOpt = None,
+    weight_sync: WeightSyncOpt = None,
     train_batch: TrainBatchOpt = None,
     trainer: TrainerOpt = False,
     admission: AdmissionOpt = "auto",
@@ -464,7 +474,7 @@ def evaluate_cmd(
         cases = build_cases(names, kvs, reps, router_names, kv_totals=totals, tier_gibs=tiers)
         check_run(jobs, backend, address, decode_stride)
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
-    _check_async_only(driver, max_groups, admission)
+    staleness, weight_sync = _check_async_only(driver, max_groups, admission, staleness, weight_sync)
     _check_learned_model(names, model)
     if driver == "async":  # in this process, case after case (each sweep runs sync and every eta x mode)
         if totals is not None:
