@@ -117,8 +117,14 @@ def _paths(paths: PathsLike) -> list[Path]:
 
 def _records(path: Path, skip_bad: bool, skipped: list[Issue]) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, JSON object) for each non-blank line; bad JSON raises or is skipped."""
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, text in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                _reject(path, lineno, _BadLine("<line>", "not UTF-8 text (a JSONL trace is one JSON object per line)"),
+                        skip_bad, skipped)
+                continue
             if not text.strip():
                 continue
             try:
@@ -502,7 +508,8 @@ def _domain_from_path(path: Path) -> str:
         return "math"
     if "deepcoder" in text or "code" in text:
         return "code"
-    raise ValueError(f"cannot infer the domain of {path}; pass domain=")
+    raise ValueError(f"cannot infer the domain of {path}: its path names neither math (dapo, math) nor code "
+                     f"(deepcoder, code), as PolyTrace's do; rename it so that it does (the API takes domain=)")
 
 
 def _parse_lengths(obj: dict[str, Any], cap: int) -> tuple[int, int, list[int]]:

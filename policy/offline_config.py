@@ -10,6 +10,16 @@ from policy.learned import RUNTIME_DEFAULTS
 
 __all__ = ["OfflineConfig"]
 
+_INF = float("inf")
+#: (field, lowest, highest) of each numeric hyper-parameter; a positive bound is the smallest value that works
+_RANGES: tuple[tuple[str, float, float], ...] = (
+    ("epochs", 1, _INF), ("batch_decisions", 1, _INF), ("lr", 1e-12, _INF), ("weight_decay", 0, _INF),
+    ("temperature", 1e-6, _INF), ("dr_weight", 0, _INF), ("propensity_clip", 1e-12, 1), ("imitation_weight", 0, _INF),
+    ("imitation_temperature", 1e-6, _INF), ("ridge", 0, _INF), ("reward_window_s", 1e-9, _INF),
+    ("max_decisions", 1, _INF), ("max_candidates", 1, _INF), ("holdout_fraction", 0, 0.99), ("seed", 0, 2**63 - 1),
+    ("threads", 1, 1024),
+)
+
 
 @dataclass
 class OfflineConfig:
@@ -52,10 +62,26 @@ class OfflineConfig:
     runtime: dict = field(default_factory=lambda: dict(RUNTIME_DEFAULTS))
 
     def __post_init__(self) -> None:
+        for name, low, high in _RANGES:  # each number's type and range, in the field's own name
+            v = getattr(self, name)
+            kind = int if isinstance(getattr(OfflineConfig, name), int) else float
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+                raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+            if not low <= v <= high:
+                want = (f"> 0" if 0 < low < 1e-5 else f">= {low:g}") + (f" and <= {high:g}" if high < _INF else "")
+                raise ValueError(f"{name} must be {want}, got {v!r}")
+        for name in ("shuffle_rewards", "preempt", "offload"):
+            v = getattr(self, name)
+            if not (isinstance(v, bool) or (v is None and name != "shuffle_rewards")):
+                raise ValueError(f"{name} must be true or false{' (or null: from the logs)' if name != 'shuffle_rewards' else ''}"
+                                 f", got {v!r}")
+        if not isinstance(self.runtime, dict):
+            raise ValueError(f"runtime must be an object of runtime options, got {self.runtime!r}")
+        if not isinstance(self.hidden, (list, tuple)) or not all(
+                isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in self.hidden):
+            raise ValueError(f"hidden must be a list of layer widths >= 1, got {self.hidden!r}")
         if self.objective not in ("dr", "ips"):
             raise ValueError(f"objective must be 'dr' or 'ips', got {self.objective!r}")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
         if self.oracle_rule not in ("lpt", "srpt"):
             raise ValueError(f"oracle_rule must be 'lpt' or 'srpt', got {self.oracle_rule!r}")
         self.hidden = tuple(int(h) for h in self.hidden)

@@ -71,6 +71,12 @@ def test_an_import_that_yields_no_request_fails_and_writes_nothing(tmp_path: Pat
     res = runner.invoke(app, ["workload", "import", "--format", "mooncake", "--skip-bad", str(bad), "-o", str(out)])
     said = "".join(res.output.split())  # (the console wraps long paths)
     assert res.exit_code == 2 and "everylinewasskipped" in said and not out.exists(), res.output
+    binary = tmp_path / "w.parquet"
+    binary.write_bytes(b"PAR1\xe0\x00\xff\n")
+    res = runner.invoke(app, ["workload", "import", "--format", "mooncake", str(binary), "-o", str(out)])
+    said = "".join(res.output.split())
+    assert res.exit_code == 2 and "w.parquet" in said and "line1:notUTF-8text" in said and not out.exists(), \
+        res.output
 
 
 @pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is absent")

@@ -28,7 +28,12 @@ def test_offline_config_from_json_names_what_is_wrong() -> None:
     assert OfflineConfig.from_json(None) == OfflineConfig()
     assert OfflineConfig.from_json('{"epochs": 3, "hidden": [8]}') == OfflineConfig(epochs=3, hidden=(8,))
     for text, match in (("{", "not valid JSON"), ("[1]", "must be a JSON object"),
-                        ('{"epochz": 1}', "OfflineConfig fields: hidden, epochs"), ('{"threads": 0}', "threads")):
+                        ('{"epochz": 1}', "OfflineConfig fields: hidden, epochs"), ('{"threads": 0}', "threads"),
+                        ('{"seed": "x"}', "seed must be an integer, got 'x'"),
+                        ('{"max_decisions": "lots"}', "max_decisions must be an integer"),
+                        ('{"holdout_fraction": 5}', "holdout_fraction must be >= 0 and <= 0.99, got 5"),
+                        ('{"lr": 0}', "lr must be > 0"), ('{"epochs": 2.5}', "epochs must be an integer"),
+                        ('{"preempt": 1}', "preempt must be true or false"), ('{"hidden": [32, 0]}', "hidden")):
         with pytest.raises(ValueError, match=match):
             OfflineConfig.from_json(text)
 
