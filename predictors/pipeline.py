@@ -195,7 +195,11 @@ def evaluate_bundle(bundle: Bundle, df: pd.DataFrame, steps: Sequence[int] | Non
     """Report a saved bundle on logs (all steps, or ``steps``)."""
     X = length_eval_rows(df, bundle.length.vocab)
     if steps is not None:
+        held = sorted(X["step"].unique().tolist())
         X = X[X["step"].isin(list(steps))].reset_index(drop=True)
+        if X.empty:
+            raise ValueError(f"steps {', '.join(map(str, steps))}: the logs hold no request of them "
+                             f"(their steps: {', '.join(map(str, held)) or 'none'})")
     report: dict[str, Any] = {"steps": sorted(X["step"].unique().tolist()),
                               "length": evaluate_length(bundle.length, bundle.length_baselines, X, df)}
     if bundle.reuse is not None:

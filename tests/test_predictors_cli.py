@@ -60,6 +60,8 @@ def test_train_then_eval_json(run_dir, tmp_path):
     res = runner.invoke(app, ["predictors", "eval", "--model", str(model), "--logs", str(run_dir)])
     assert res.exit_code == 0, res.output
     assert "pinball" in res.stdout and "AUC" in res.stdout and "tool_median" in res.stdout
+    res = runner.invoke(app, ["predictors", "eval", "--model", str(model), "--logs", str(run_dir), "--steps", "7-9"])
+    assert res.exit_code == 2 and "steps 7, 8, 9: the logs hold no request of them" in " ".join(res.output.split())
 
 
 def test_cli_errors_are_clean(run_dir, tmp_path):
