@@ -125,8 +125,9 @@ class Bound:
 def makespan_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, *, replicas: int = 1,
                    preset: str = "", decode_stride: int = 1, max_num_seqs: int = 256) -> Bound:
     """The lower bound of every RL step of a (validated, prepared) workload; see the module docstring."""
-    if replicas < 1 or kv_blocks < 2 or decode_stride < 1:
-        raise ValueError("replicas must be >= 1, kv_blocks >= 2 and decode_stride >= 1")
+    for name, value, low in (("replicas", replicas, 1), ("kv_blocks", kv_blocks, 2), ("decode_stride", decode_stride, 1)):
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
     t = _Terms(prepared, cost)
     step, fresh, chain = t.step, t.fresh, t.chain
     arrival = t.col("arrival_s").astype(float) if prepared.trace else None
@@ -224,7 +225,7 @@ def workload_bound(workload: PreparedWorkload, *, preset: str = "H200-7B", kv_bl
     the preset GPU's capacity."""
     cost = CostModel.preset(preset)
     if kv_blocks is not None and kv_fraction is not None:
-        raise ValueError("give at most one of kv_blocks and kv_fraction")
+        raise ValueError("give at most one of kv_blocks and kv_fraction (--kv-blocks, --kv-fraction)")
     if kv_fraction is not None:
         kv_blocks = blocks_for_fraction(workload, kv_fraction)
     elif kv_blocks is None:

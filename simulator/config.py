@@ -247,7 +247,7 @@ class SimConfig:
         except ValueError as e:
             raise SimulationError(str(e)) from None
         if self.kv_blocks is not None and self.kv_fraction is not None:
-            raise SimulationError("give at most one of kv_blocks and kv_fraction")
+            raise SimulationError("give at most one of kv_blocks and kv_fraction (--kv-blocks, --kv-fraction)")
         if self.kv_fraction is not None and not self.kv_fraction > 0:
             raise SimulationError(f"kv fraction must be > 0, got {self.kv_fraction}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -181,7 +181,7 @@ def test_bad_values(make: Any, match: str) -> None:
     (["--driver", "async", "--train-batch", "0"], "train_batch must be an integer >= 1"),
     (["--train-batch", "2"], "--train-batch needs --trainer"),
     (["--driver", "async", "--admission", "fifo"], "unknown async admission 'fifo'"),
-    (["--driver", "async", "--max-groups", "0"], "max_concurrent_groups must be an integer >= 1"),
+    (["--driver", "async", "--max-groups", "0"], "Invalid value for '--max-groups'"),
     (["--max-groups", "2"], "--max-groups needs --driver async"),
     (["--admission", "working-set"], "--admission needs --driver async"),
     (["--staleness", "2"], "--staleness needs --driver async"),

@@ -183,7 +183,7 @@ AdmissionOpt = Annotated[str, typer.Option(
     "working set fits in GPU KV plus the host tier, inside the staleness rule) or auto: working-set for the "
     "learned policy (its logged prior of session contexts), else staleness.")]
 MaxGroupsOpt = Annotated[Optional[int], typer.Option(
-    "--max-groups", help="--driver async: at most this many GRPO groups in flight, under the --admission rule "
+    "--max-groups", min=1, help="--driver async: at most this many GRPO groups in flight, under the --admission rule "
     "(default: no cap beyond it). Where memory binds it decides throughput: "
     "docs/results/2026-12-05-async-32b-twelve-batches.md.")]
 
@@ -595,7 +595,7 @@ def train(
                                       "evaluation.")] = Path("kvpilot-train"),
     test_steps: Annotated[Optional[str], typer.Option(
         "--test-steps", help="Predictors' held-out RL steps, e.g. '6-7'; default: the last quarter.")] = None,
-    trees: Annotated[int, typer.Option("--trees", help="Boosting rounds per predictor.")] = 100,
+    trees: Annotated[int, typer.Option("--trees", min=1, help="Boosting rounds per predictor.")] = 100,
     policy_config: Annotated[Optional[str], typer.Option(
         "--policy-config",
         help="JSON object of policy.offline_config.OfflineConfig fields, e.g. '{\"epochs\": 20}'.")] = None,

@@ -27,8 +27,8 @@ def train_predictors(
     test_steps: Annotated[str | None, typer.Option(
         "--test-steps", help="Held-out RL steps, e.g. '6-7' or '2'; default: the last quarter of the steps.")] = None,
     horizon_s: Annotated[float, typer.Option("--horizon", help="Reuse horizon H in seconds.")] = 10.0,
-    num_trees: Annotated[int, typer.Option("--trees", help="Boosting rounds per model.")] = 100,
-    threads: Annotated[int, typer.Option("--threads", help="LightGBM training threads.")] = 2,
+    num_trees: Annotated[int, typer.Option("--trees", min=1, help="Boosting rounds per model.")] = 100,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="LightGBM training threads.")] = 2,
     no_reuse: Annotated[bool, typer.Option("--no-reuse", help="Skip the reuse model.")] = False,
     no_session: Annotated[bool, typer.Option("--no-session", help="Skip the session models (tool latency, "
                                                                   "continuation, turns left, next use).")] = False,
