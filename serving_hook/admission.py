@@ -101,6 +101,8 @@ class AdmissionLever(Lever):
         else:
             ordered = _reordered(order, reqs, ids)
         hold = dec.hold
+        if isinstance(hold, str):  # one id, not its substrings
+            hold = (hold,)
         held = [r for r in ordered if r.request_id in hold] if hold else []
         if held:
             limit = now - self.max_hold_s

@@ -189,3 +189,24 @@ def test_sessions_whose_next_turn_never_comes_are_not_kept_for_ever(vllm_engine,
                 runner.step(s)
     paused = s._kvp_translate.sessions
     assert list(paused) == [f"s{k}" for k in range(70, 120)]
+
+
+@pytest.mark.vllm
+def test_a_hold_given_as_one_id_holds_that_request_alone(vllm_engine):
+    """``AdmissionDecision.hold`` is a collection of ids; a policy that gives one id as a string holds that request,
+    not every request whose id contains it."""
+    from policy.interface import AdmissionDecision, Policy
+    from tests.hooks import hook_scheduler
+
+    class HoldOne(Policy):
+        name = "test-hold-one"
+        uses_admission = True
+
+        def admit(self, waiting, state):
+            return AdmissionDecision(hold="r10")
+
+    s = vllm_engine.make_scheduler(hook_scheduler(HoldOne()), num_blocks=64)
+    for rid in ("r1", "r10"):
+        s.add_request(vllm_engine.make_request(rid, vllm_engine.prompt_tokens(rid, 20), 2))
+    out = s.schedule()
+    assert set(out.num_scheduled_tokens) == {"r1"} and [r.request_id for r in s.waiting] == ["r10"]
