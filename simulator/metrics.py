@@ -97,7 +97,13 @@ def summarize(
         step = np.asarray(workload.step if cache_epoch is None else cache_epoch, np.int64)
         partition = np.where(replica >= 0, replica * (int(step.max()) + 1) + step, -1)
     unlimited = unlimited_cached_tokens(tokens, include_outputs=True, order=order, partition=partition)[rows]
-    evict_extra = np.maximum(unlimited - cached, 0)
+    # Summed with its signs over each cache (replica, and step or epoch), not row by row: where the run admitted a
+    # prefix's requests in another order than the reference's (a policy's reordering of GRPO siblings), the first
+    # of them pays the prefix the reference's first would have, and the latter hits what the reference's would
+    # have paid; the two cancel. Each unique block computed once is no recompute, whichever request computed it.
+    _, cache_of = np.unique(partition[rows], return_inverse=True)
+    per_cache = np.bincount(cache_of, weights=(unlimited - cached).astype(np.float64))
+    evict_extra = int(np.maximum(per_cache, 0.0).sum())
 
     ordered = sorted(rl_steps, key=lambda s: s.step)
     makespans = [s.end_s - s.start_s for s in ordered]
@@ -119,9 +125,9 @@ def summarize(
         tokens_per_s=float(output.sum() / simulated) if simulated > 0 else 0.0,
         prefix_hit_rate=float(cached.sum() / prompt.sum()) if prompt.sum() else 0.0,
         preemptions=int(_np(requests, "preemptions").sum()),
-        recomputed_tokens=int(preempt_extra.sum() + evict_extra.sum()),
+        recomputed_tokens=int(preempt_extra.sum()) + evict_extra,
         recomputed_tokens_preemption=int(preempt_extra.sum()),
-        recomputed_tokens_eviction=int(evict_extra.sum()),
+        recomputed_tokens_eviction=evict_extra,
         trajectory_p50_s=_pct(durations, 50),
         trajectory_p99_s=_pct(durations, 99),
         group_completion_s=groups,

@@ -132,3 +132,12 @@ def test_critical_trajectory_split() -> None:
     assert s.critical_service_s == pytest.approx((6.0 + 3.0) / 2)
     assert s.critical_other_s == pytest.approx((1.5 + 1.0) / 2)
     assert "critical trajectory (the step's last): queued 1.8 s, served 4.5 s" in render_metrics(s)
+
+
+def test_siblings_run_in_another_order_are_no_recompute() -> None:
+    # r1 ran before its sibling r0 (a policy's reordering): r1 paid the shared 32 prompt tokens the reference order
+    # gives r0 to pay, and r0 hit them. That is no eviction; r2's 32 lost tokens still are.
+    req = _requests()
+    req = req.set_column(req.schema.get_field_index("cached_tokens"), "cached_tokens",
+                         pa.array([32, 0, 32, 0], pa.int32()))
+    assert summarize(_workload(), req, _steps(), TRAJECTORIES, RL_STEPS).recomputed_tokens_eviction == 32
