@@ -256,8 +256,8 @@ def simulate(
     ] = None,
     replicas: Replicas = 1,
     router: Annotated[
-        str, typer.Option("--router", help="round-robin, least-loaded, cache-aware, kv-aware, session-affinity or "
-                          "kvpilot (several replicas).")
+        str, typer.Option("--router", help="round-robin, least-loaded, cache-aware, kv-aware, session-affinity, "
+                          "fewest-sessions or kvpilot (several replicas).")
     ] = "round-robin",
     kv_blocks: KvBlocks = None,
     kv_fraction: KvFraction = None,
