@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -266,8 +266,10 @@ class RegistryPolicy(Policy):
         for flag, on in zip(_LEVERS, _learned_levers()):
             setattr(self, flag, on or getattr(self.current, flag))
         # The CPU offload tier is part of the engine (serving: ``--kv-offloading-size``; the simulator builds it
-        # for a policy that asks): the start-up model decides it, later versions run over whatever the engine has.
+        # for a policy that asks), and so is kvpilot's cache policy in it: the start-up model decides both, later
+        # versions run over whatever the engine has (a version that does not order the tier answers None: LRU).
         self.uses_offload = bool(self.current.uses_offload)
+        self.uses_host_eviction = bool(self.current.uses_host_eviction)
 
     @property
     def has_model(self) -> bool:
@@ -288,6 +290,10 @@ class RegistryPolicy(Policy):
     @property
     def lazy_candidates(self) -> bool:  # type: ignore[override]
         return self.current.lazy_candidates
+
+    @property
+    def session_contexts(self) -> Optional[Mapping[str, Mapping[str, float]]]:  # type: ignore[override]
+        return self.current.session_contexts
 
     def swap_pending(self) -> bool:
         """Take a staged version, if any, and make it current (the scheduler calls this between steps)."""
@@ -320,6 +326,12 @@ class RegistryPolicy(Policy):
     ) -> Optional[EvictionDecision]:
         p = self.current
         return p.evict(prefixes, num_blocks_needed, state) if p.uses_eviction else None
+
+    def evict_host(
+        self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int, state: EngineState
+    ) -> Optional[EvictionDecision]:
+        p = self.current
+        return p.evict_host(prefixes, num_blocks_needed, state) if p.uses_host_eviction else None
 
     def on_event(self, event: Event) -> None:
         p = self.current

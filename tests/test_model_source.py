@@ -449,6 +449,35 @@ def test_the_start_up_model_decides_the_offload_tier(store, dirs):
     assert not RegistryPolicy("models:/no-such-model@champion").uses_offload  # no model: vLLM's engine as is
 
 
+def test_the_registry_serves_every_lever_of_its_model(store, dirs):
+    """The registry runs its model as ``learned`` runs the same POLICY_DIR: the CPU tier's eviction order (kvpilot's
+    cache policy in the tier, decided by the start-up model) and the session prior of its async width rule."""
+    from policy.interface import CachedPrefix, EngineState, OwnerState, RequestMeta
+    from policy.learned import LearnedPolicy
+    from serving_hook.model_source import RegistryPolicy
+
+    register(dirs["v1"], "levers")
+    uri = "models:/levers@champion"
+    prior = {"swe": {"mean_peak": 1000.0, "sessions": 4.0}}
+
+    def load(d):
+        p = LearnedPolicy.load(d, offload=True, host_eviction=True)
+        p.session_contexts = prior
+        return p
+
+    reg, own = RegistryPolicy(uri, load), load(dirs["v1"])
+    assert reg.uses_offload and reg.uses_host_eviction and own.uses_host_eviction
+    assert reg.session_contexts == prior
+    meta = RequestMeta(session_id="s", tool="bash")
+    prefixes = [CachedPrefix(f"o{i}", f"o{i}", state, meta, (), (), float(i), tier_blocks=4)
+                for i, state in enumerate((OwnerState.PAUSED_TOOL, OwnerState.FINISHED, OwnerState.RUNNING))]
+    state = EngineState(time_s=10.0, engine_step=1, num_running=1, num_waiting=0, num_free_blocks=0,
+                        num_total_blocks=64, num_pinned_blocks=0, kv_usage=1.0, block_size=16, max_num_running=8,
+                        max_num_batched_tokens=512)
+    assert reg.evict_host(prefixes, 4, state).order == own.evict_host(prefixes, 4, state).order
+    assert not RegistryPolicy(uri).uses_host_eviction  # v1 was saved without the tier
+
+
 def test_malformed_model_uri_fails_at_start_up(monkeypatch):
     from serving_hook.config import HookConfig, HookConfigError, build_policy
 
