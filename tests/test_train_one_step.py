@@ -90,3 +90,14 @@ def test_train_from_one_rl_step(one_step_run: Path, tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "work" / "policy" / "policy.json").read_text())
     assert manifest["trained_on"]["split"] == "group" and manifest["trained_on"]["decisions_test"] > 0
     assert -1.0 <= run.data.metrics["predictors.length.kendall_tau"] <= 1.0
+
+
+@pytest.mark.vllm
+def test_train_into_a_store_mlflow_cannot_open_is_a_named_error(one_step_run: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
+    res = CliRunner().invoke(app, ["train", "--logs", str(one_step_run), "-o", str(tmp_path / "work"),
+                                   "--no-progress"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "in the MLflow store bogus://nowhere" in said, res.output

@@ -626,7 +626,10 @@ def train(
         policy_cfg = OfflineConfig.from_json(policy_config)
     params = PredictorParams(test_steps=tuple(steps) if steps else None, num_trees=trees)
     heldout, follow = _heldout(heldout_workload, heldout_seed, kv_fraction, preset, offload_gib)
-    with reported(TrainError, DataValidationError):  # a missing log is a TrainError naming it
+    from serving_hook.model_registry import RegistryError
+
+    # a missing log is a TrainError naming it; a store MLflow cannot open or write a RegistryError naming it
+    with reported(TrainError, DataValidationError, RegistryError):
         result = train_and_register(logs, out, experiment=experiment, predictor_params=params,
                                     policy_config=policy_cfg, heldout=heldout, follow_logs=follow,
                                     progress=progress, console=console)
