@@ -91,3 +91,50 @@ def test_cli_exits_2_on_a_missing_workload(tmp_path):
                                       "--no-progress"])
     assert result.exit_code == 2
     assert "none.parquet" in result.output
+
+
+def _server(metrics: str):
+    """An httpx transport standing for a vLLM server whose /metrics page is ``metrics``."""
+    import httpx
+
+    def handle(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 4096}]})
+        return httpx.Response(200, text=metrics)
+
+    return httpx.MockTransport(handle)
+
+
+def test_a_probe_that_cannot_read_the_server_is_a_replay_error():
+    """A malformed URL, or a /metrics page that is not Prometheus text: named errors, not tracebacks."""
+    import asyncio
+
+    import httpx
+
+    from training.replay import probe
+
+    async def run(url: str, metrics: str):
+        async with httpx.AsyncClient(transport=_server(metrics)) as client:
+            return await probe(client, url)
+
+    assert asyncio.run(run("http://s", METRICS)).hook == {"policy": "working-set"}
+    with pytest.raises(ReplayError, match="no Prometheus text"):
+        asyncio.run(run("http://s", "<html>hello{</html>\n"))
+    with pytest.raises(ReplayError, match=r"cannot reach the server at http://\[::1"):
+        asyncio.run(run("http://[::1", METRICS))
+
+
+def test_a_replay_whose_last_probe_failed_keeps_its_measurements():
+    """The counters after the run unknown (the last /metrics probe failed): the summary keeps everything the client
+    measured, the server's counters as None, and says why."""
+    from training.replay import _Run, _summary, render_replay
+
+    run = _Run()
+    run.completed, run.turns, run.steps, run.output_tokens = 4, 4, [2.5], 40
+    run.warnings.append("the server's counters after the replay are unknown: ...")
+    s = _summary(run, ServerInfo("m", 4096, {}, {"prefix_cache_queries": 1.0, "prefix_cache_hits": 0.0,
+                                                  "preemptions": 0.0}), None, 3.0)
+    assert s["requests"] == 4 and s["makespan_s"] == 2.5 and s["output_tokens"] == 40
+    assert s["preemptions"] is None and s["prefix_cache_hits"] is None and s["prefix_hit_rate"] is None
+    text = render_replay(s)
+    assert "hit rate unknown" in text and "preemptions         unknown" in text and "counters after" in text

@@ -130,14 +130,17 @@ async def probe(client: httpx.AsyncClient, url: str) -> ServerInfo:
     except httpx.HTTPStatusError as e:
         raise ReplayError(f"the server at {url} answered {e.response.status_code} to {e.request.url}: "
                           "is it a vLLM OpenAI server?") from None
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, httpx.InvalidURL) as e:  # (an InvalidURL is no HTTPError)
         raise ReplayError(f"cannot reach the server at {url} ({type(e).__name__}: {e})") from None
     try:
         card = models.json()["data"][0]
         model, max_len = str(card["id"]), int(card["max_model_len"])
     except (ValueError, KeyError, IndexError, TypeError):
         raise ReplayError(f"the server at {url} lists no model with a max_model_len on /v1/models") from None
-    counters, hook = parse_counters(metrics.text)
+    try:
+        counters, hook = parse_counters(metrics.text)
+    except ValueError as e:  # the Prometheus parser's error on a page that is not its text format
+        raise ReplayError(f"the server at {url} answered /metrics with no Prometheus text ({e})") from None
     return ServerInfo(model, max_len, hook, counters)
 
 
@@ -322,21 +325,26 @@ async def _replay(workload: PreparedWorkload, cfg: ReplayConfig, bar_factory: An
             if bar is not None:
                 bar.close()
         wall = time.perf_counter() - t0
-        after = (await probe(client, cfg.url)).counters
+        try:
+            after: Optional[dict[str, float]] = (await probe(client, cfg.url)).counters
+        except ReplayError as e:  # the run is measured: keep it, without the server's counters
+            after = None
+            rep.run.warnings.append(f"the server's counters after the replay are unknown: {e}")
     summary = _summary(rep.run, info, after, wall)
     if outputs:
         summary["outputs"] = rep.outputs
     return summary
 
 
-def _summary(r: _Run, info: ServerInfo, after: dict[str, float], wall: float) -> dict[str, Any]:
-    """The simulator's summary keys that a client measures, plus the server's counters over the replay."""
-    delta = {k: int(round(after[k] - info.counters[k])) for k in _COUNTERS}
+def _summary(r: _Run, info: ServerInfo, after: Optional[dict[str, float]], wall: float) -> dict[str, Any]:
+    """The simulator's summary keys that a client measures, plus the server's counters over the replay (None each
+    where ``after`` is: the last probe failed)."""
+    delta = {k: (int(round(after[k] - info.counters[k])) if after is not None else None) for k in _COUNTERS}
     if r.cached_tokens is not None and r.prompt_tokens:
         hit_rate = r.cached_tokens / r.prompt_tokens
     else:
         q = delta["prefix_cache_queries"]
-        hit_rate = delta["prefix_cache_hits"] / q if q else 0.0
+        hit_rate = delta["prefix_cache_hits"] / q if q else (None if after is None else 0.0)
     return {
         "requests": r.completed,
         "failed": len(r.failed),
@@ -375,6 +383,11 @@ def replay(workload: PreparedWorkload, cfg: ReplayConfig, bar_factory: Any = Non
     return asyncio.run(_replay(workload, cfg, bar_factory, outputs))
 
 
+def _known(v: Any, fmt: str = "") -> str:
+    """``v`` formatted, or ``unknown`` (a server counter the last probe could not read)."""
+    return "unknown" if v is None else format(v, fmt)
+
+
 def render_replay(s: Mapping[str, Any]) -> str:
     """The summary as a short table."""
     lines = [
@@ -386,8 +399,8 @@ def render_replay(s: Mapping[str, Any]) -> str:
         f"TTFT p50/p99        {s['ttft_p50_s'] * 1e3:.0f} / {s['ttft_p99_s'] * 1e3:.0f} ms",
         f"TPOT p50/p99        {s['tpot_p50_s'] * 1e3:.1f} / {s['tpot_p99_s'] * 1e3:.1f} ms",
         f"output tokens       {s['output_tokens']} ({s['tokens_per_s']:.0f}/s)",
-        f"prefix cache        hit rate {s['prefix_hit_rate']:.3f}; /metrics: {s['prefix_cache_hits']} hits of "
-        f"{s['prefix_cache_queries']} queried tokens",
-        f"preemptions         {s['preemptions']}",
+        f"prefix cache        hit rate {_known(s['prefix_hit_rate'], '.3f')}; /metrics: "
+        f"{_known(s['prefix_cache_hits'])} hits of {_known(s['prefix_cache_queries'])} queried tokens",
+        f"preemptions         {_known(s['preemptions'])}",
     ]
     return "\n".join(lines + [f"warning: {w}" for w in s["warnings"]] + [f"failed: {f}" for f in s["failures"]])
