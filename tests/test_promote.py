@@ -100,6 +100,26 @@ def test_passes_gate_tolerances() -> None:
 
 
 @pytest.mark.usefixtures("mlflow_store")
+def test_a_version_no_server_can_load_is_not_promoted(policies: tuple[Path, Path], tmp_path: Path) -> None:
+    """The first version and --force skip the gate's simulation; the version must still load as a server loads it."""
+    import shutil
+
+    from training import registry
+    from training.promote import PromotionError, promote
+
+    broken = shutil.copytree(policies[0], tmp_path / "broken")
+    pt = broken / "policy.pt"
+    pt.write_bytes(pt.read_bytes()[:100])  # a truncated model file
+    champion = registry.get_champion()
+    before = str(champion.version) if champion is not None else None
+    v = _register(broken)
+    with pytest.raises(PromotionError, match=f"version {v} cannot be served"):
+        promote(v, force=True)
+    after = registry.get_champion()
+    assert (str(after.version) if after is not None else None) == before
+
+
+@pytest.mark.usefixtures("mlflow_store")
 def test_unknown_version_is_a_clear_error() -> None:
     from training.cli import app
 

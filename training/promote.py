@@ -89,10 +89,12 @@ def promote(
         heldout = dataclasses.replace(heldout, **taken)
     champion = registry.get_champion()
     before = str(champion.version) if champion is not None else None
-    if before is None:
-        return _move(version, None, "first version: it becomes champion without a comparison")
     if before == version:
         return GateResult(version, before, False, f"version {version} is already the champion")
+    if before is None or force:  # no gate simulation loads it: load it here, as every server would
+        _check_serves(version)
+    if before is None:
+        return _move(version, None, "first version: it becomes champion without a comparison")
     if force:
         return _move(version, before, f"--force: the gate was skipped (champion was version {before})")
     with tempfile.TemporaryDirectory(prefix="kvpilot-promote-") as tmp:
@@ -122,6 +124,21 @@ def trained_engine(version: str) -> dict[str, Any]:
         if v is not None:  # (MLflow keeps params as text)
             out[k] = v if k == "preset" else None if v == "None" else float(v)
     return out
+
+
+def _check_serves(version: str) -> None:
+    """``version`` downloads and loads as the serving hook loads it, else :class:`PromotionError` (the champion
+    unchanged): a champion no server can load would put every server on vLLM's own decisions."""
+    from serving_hook.model_source import learned_loader
+    from training import registry
+
+    with tempfile.TemporaryDirectory(prefix="kvpilot-promote-") as tmp:
+        try:
+            policy_dir, _ = registry.fetch_policy_dir(f"models:/{registry.MODEL_NAME}/{version}", Path(tmp) / "v")
+            learned_loader(policy_dir)
+        except Exception as e:  # noqa: BLE001 - a download, schema or load failure: each named
+            raise PromotionError(f"version {version} cannot be served ({type(e).__name__}: {e}); the champion is "
+                                 "unchanged") from None
 
 
 def _move(version: str, before: str | None, reason: str) -> GateResult:
