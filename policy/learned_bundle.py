@@ -5,6 +5,7 @@ and ``predictors/`` (a ``kvpilot train predictors`` model directory); its writer
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,11 +39,16 @@ class PolicyLoadError(ValueError):
 
 def write_bundle(policy_dir: str | Path, scorer_state: Mapping[str, Any], predictors_dir: Optional[Path],
                  config: Mapping[str, Any], trained_on: Mapping[str, Any]) -> Path:
-    """Write POLICY_DIR: ``policy.json``, ``policy.pt`` and ``predictors/`` (copied from ``predictors_dir``)."""
+    """Write POLICY_DIR: ``policy.json``, ``policy.pt`` and ``predictors/`` (copied from ``predictors_dir``).
+
+    Over an existing POLICY_DIR the old manifest goes first and the new one is written last, so a write cut short
+    leaves a folder that refuses to load, never the old manifest over new weights."""
     import torch
 
     out = Path(policy_dir)
     out.mkdir(parents=True, exist_ok=True)
+    manifest = out / "policy.json"
+    manifest.unlink(missing_ok=True)
     torch.save({k: torch.as_tensor(np.asarray(v)) if not hasattr(v, "detach") else v
                 for k, v in scorer_state.items()}, out / "policy.pt")
     pred_out = out / "predictors"
@@ -51,7 +57,9 @@ def write_bundle(policy_dir: str | Path, scorer_state: Mapping[str, Any], predic
             shutil.rmtree(pred_out)
         shutil.copytree(predictors_dir, pred_out)
     m = manifest_for(config, trained_on)
-    (out / "policy.json").write_text(json.dumps(m, indent=2, default=float))
+    tmp = out / ".policy.json.partial"
+    tmp.write_text(json.dumps(m, indent=2, default=float))
+    os.replace(tmp, manifest)
     return out
 
 

@@ -255,6 +255,29 @@ def policy_dir(tmp_path: Path, predictors_dir: Path) -> Path:
     return pol.save(tmp_path / "pol")
 
 
+def test_a_save_cut_short_over_a_policy_dir_leaves_one_that_refuses_to_load(policy_dir: Path, predictors_dir: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saving over an existing POLICY_DIR: a write cut short after the new weights never loads as the old manifest
+    over them."""
+    import shutil
+
+    from policy.learned_bundle import PolicyLoadError
+
+    pol = LearnedPolicy.load(policy_dir)
+    pol.predictors_dir = predictors_dir  # (copied into the folder again: the step that fails below)
+
+    def cut(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(shutil, "copytree", cut)
+    with pytest.raises(OSError, match="disk full"):
+        pol.save(policy_dir)
+    with pytest.raises(PolicyLoadError, match="policy.json: missing"):
+        LearnedPolicy.load(policy_dir)
+    monkeypatch.undo()
+    assert LearnedPolicy.load(pol.save(policy_dir)).epsilon == 0.2  # a full save restores it
+
+
 def test_save_load_round_trip(policy_dir: Path) -> None:
     m = json.loads((policy_dir / "policy.json").read_text())
     assert m["format"] == "kvpilot-policy" and m["format_version"] == 1 and m["policy"] == "learned"
