@@ -101,3 +101,18 @@ def test_train_into_a_store_mlflow_cannot_open_is_a_named_error(one_step_run: Pa
                                    "--no-progress"])
     said = " ".join(res.output.split())
     assert res.exit_code == 2 and "in the MLflow store bogus://nowhere" in said, res.output
+
+
+@pytest.mark.vllm
+def test_a_second_training_into_the_same_folder_is_refused(one_step_run: Path, tmp_path: Path) -> None:
+    """A training holds its -o folder: a second one there would delete the first one's POLICY_DIR mid-run."""
+    import fcntl
+
+    from training.train import TrainError, train_and_register
+
+    work = tmp_path / "work"
+    work.mkdir()
+    with open(work / ".kvpilot-train.lock", "w") as held:  # the first training, still running
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(TrainError, match="is in use by another `kvpilot train`"):
+            train_and_register([one_step_run], work, progress=False)

@@ -17,12 +17,14 @@ boosters, torch policy, feature schema and telemetry schema version).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import shutil
 import tempfile
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,12 +234,9 @@ def train_and_register(
 
     ``policy_config`` is a :class:`policy.offline_config.OfflineConfig`; None (here and for the other parameter
     objects): the defaults. ``follow_logs``: the held-out engine settings (:data:`ENGINE_FIELDS`) taken from the
-    logs where they all agree (:func:`logs_engine`), in place of ``heldout``'s."""
-    import mlflow
-
-    from predictors.logs import existing_logs, load_logs
-    from predictors.pipeline import render_report, train_bundle
-    from training import registry
+    logs where they all agree (:func:`logs_engine`), in place of ``heldout``'s. One training at a time per
+    ``work_dir`` (:class:`TrainError` for a second)."""
+    from predictors.logs import existing_logs
 
     console = console or Console(stderr=True)
     try:
@@ -248,6 +247,30 @@ def train_and_register(
         raise TrainError("no logs given (--logs DIR, repeatable)")
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
+    with _only_user(work_dir):
+        return _train(log_dirs, work_dir, experiment, predictor_params, policy_config, heldout, follow_logs,
+                      progress, console)
+
+
+@contextlib.contextmanager
+def _only_user(work_dir: Path) -> Iterator[None]:
+    """Hold ``work_dir`` for one training: a second one into it would delete this one's POLICY_DIR mid-run."""
+    with open(work_dir / ".kvpilot-train.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TrainError(f"{work_dir} is in use by another `kvpilot train`; give this one another -o") from None
+        yield
+
+
+def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_params: Any, policy_config: Any,
+           heldout: Any, follow_logs: Collection[str], progress: bool, console: Console) -> TrainResult:
+    import mlflow
+
+    from predictors.logs import load_logs
+    from predictors.pipeline import render_report, train_bundle
+    from training import registry
+
     policy_dir = work_dir / "policy"
     if policy_dir.exists():
         shutil.rmtree(policy_dir)  # an earlier training's output in the same work folder
