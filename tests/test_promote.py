@@ -120,6 +120,26 @@ def test_a_version_no_server_can_load_is_not_promoted(policies: tuple[Path, Path
 
 
 @pytest.mark.usefixtures("mlflow_store")
+def test_a_champion_moved_by_another_promotion_during_the_gate_is_not_overwritten(
+        policies: tuple[Path, Path], heldout: HeldoutParams, monkeypatch: pytest.MonkeyPatch) -> None:
+    from training import promote as promote_mod
+    from training import registry
+
+    va, vb, vc = (_register(policies[0]) for _ in range(3))
+    registry.set_champion(va)
+
+    def gate_while_another_promotes(candidate, champion, *args, **kwargs):
+        registry.set_champion(vc)  # another `kvpilot promote` finished meanwhile
+        return [{"policy": promote_mod.policy_name(v), "makespan_s": 1.0, "recomputed_tokens": 0}
+                for v in (candidate, champion)]
+
+    monkeypatch.setattr(promote_mod, "compare", gate_while_another_promotes)
+    with pytest.raises(promote_mod.PromotionError, match=f"moved from version {va} to version {vc}"):
+        promote_mod.promote(vb, heldout=heldout, progress=False)
+    assert _champion() == vc
+
+
+@pytest.mark.usefixtures("mlflow_store")
 def test_unknown_version_is_a_clear_error() -> None:
     from training.cli import app
 

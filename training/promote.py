@@ -142,11 +142,23 @@ def _check_serves(version: str) -> None:
 
 
 def _move(version: str, before: str | None, reason: str) -> GateResult:
+    """Make ``version`` the champion, if the champion is still ``before`` (another promotion may have moved it while
+    this one's gate ran: then :class:`PromotionError`, nothing changed)."""
     from training import registry
 
+    now = registry.get_champion()
+    now = str(now.version) if now is not None else None
+    if now != before:
+        raise PromotionError(f"the champion moved from {_label(before)} to {_label(now)} while the gate for version "
+                             f"{version} ran (another promotion); run `kvpilot promote --version {version}` again "
+                             "to compare it with the new champion")
     registry.set_champion(version)
     registry.client().set_model_version_tag(registry.MODEL_NAME, version, "promotion", reason)
     return GateResult(version, before, True, reason)
+
+
+def _label(version: str | None) -> str:
+    return f"version {version}" if version is not None else "none"
 
 
 def policy_name(version: str) -> str:
