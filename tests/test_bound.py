@@ -107,8 +107,12 @@ def test_more_kv_or_more_replicas_never_raise_the_bound() -> None:
     two = makespan_bound(workload, COST, small, replicas=2)
     assert two.total_s <= tight.total_s
     assert all(s.chain_s == t.chain_s for s, t in zip(two.steps, tight.steps))
-    with pytest.raises(ValueError, match="replicas must be >= 1"):
+    with pytest.raises(ValueError, match="replicas must be >= 1, got 0"):
         makespan_bound(workload, COST, small, replicas=0)
+    with pytest.raises(ValueError, match="kv_blocks must be >= 2, got 1"):  # the setting that is wrong, alone
+        makespan_bound(workload, COST, 1)
+    with pytest.raises(ValueError, match="decode_stride must be >= 1, got 0"):
+        makespan_bound(workload, COST, small, decode_stride=0)
 
 
 def test_cli_prints_the_bound_per_step_and_refuses_a_cache_too_small(tmp_path) -> None:

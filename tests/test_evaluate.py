@@ -467,3 +467,11 @@ def test_cli_learned_without_a_readable_model_fails_before_running(workload_path
     said = "".join(res.output.split())  # (the console wraps long paths)
     assert res.exit_code == 2 and "policy.json:missing" in said and "/trained/policyisone" in said, res.output
     assert not (tmp_path / "e").exists()
+
+
+def test_cli_a_grid_whose_every_case_failed_exits_1(workload_path: Path, tmp_path: Path) -> None:
+    """A KV size below the largest request fails every case: the command says so and exits 1, not 0."""
+    res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "e"), "--policies",
+                                   "vllm-default", "--kv-fractions", "0.01", "--no-progress"])
+    assert res.exit_code == 1 and "every case failed" in " ".join(res.output.split()), res.output
+    assert json.loads((tmp_path / "e" / "summary.json").read_text())[0]["error"]  # the rows are kept
