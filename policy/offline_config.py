@@ -70,11 +70,12 @@ class OfflineConfig:
             if not low <= v <= high:
                 want = (f"> 0" if 0 < low < 1e-5 else f">= {low:g}") + (f" and <= {high:g}" if high < _INF else "")
                 raise ValueError(f"{name} must be {want}, got {v!r}")
-        for name in ("shuffle_rewards", "preempt", "offload"):
+        if not isinstance(self.shuffle_rewards, bool):
+            raise ValueError(f"shuffle_rewards must be true or false, got {self.shuffle_rewards!r}")
+        for name in ("preempt", "offload"):
             v = getattr(self, name)
-            if not (isinstance(v, bool) or (v is None and name != "shuffle_rewards")):
-                raise ValueError(f"{name} must be true or false{' (or null: from the logs)' if name != 'shuffle_rewards' else ''}"
-                                 f", got {v!r}")
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be true or false, or null (from the logs), got {v!r}")
         if not isinstance(self.runtime, dict):
             raise ValueError(f"runtime must be an object of runtime options, got {self.runtime!r}")
         if not isinstance(self.hidden, (list, tuple)) or not all(

@@ -171,7 +171,8 @@ class KVPilotCachePolicy(LRUCachePolicy):
         t0 = _perf()
         try:
             return self._evict_in_order(lever, n, protected)
-        except Exception as e:  # never into vLLM's store planning: LRU for this eviction (nothing was evicted yet)
+        except Exception as e:  # never into vLLM's store planning: LRU for this eviction (an order it cannot read
+            # raises while picking, before anything is evicted)
             lever.guard.internal_error("evict_host", e)
             return super().evict(n, protected)
         finally:  # the hook's time inside vLLM's schedule() (its store planning), as the GPU eviction lever's

@@ -206,9 +206,9 @@ def _check_async_only(driver: str, max_groups: Optional[int], admission: str, st
     """``--max-groups``, ``--admission``, ``--staleness`` and ``--weight-sync`` set the async driver's rollout: with
     another driver they are an error (exit 2). The staleness bounds and weight-update modes to run."""
     if driver != "async":
-        for flag, value in (("--max-groups", max_groups), ("--staleness", staleness),
-                            ("--weight-sync", weight_sync), ("--admission", None if admission == "auto" else 1)):
-            if value is not None:
+        for flag, given in (("--max-groups", max_groups is not None), ("--staleness", staleness is not None),
+                            ("--weight-sync", weight_sync is not None), ("--admission", admission != "auto")):
+            if given:
                 raise fail(f"{flag} needs --driver async")
     return (DEFAULT_STALENESS if staleness is None else staleness,
             DEFAULT_WEIGHT_SYNC if weight_sync is None else weight_sync)
@@ -475,7 +475,7 @@ def evaluate_cmd(
         check_run(jobs, backend, address, decode_stride)
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
     staleness, weight_sync = _check_async_only(driver, max_groups, admission, staleness, weight_sync)
-    _check_learned_model(names, model)
+    learned = _check_learned_model(names, model)
     if driver == "async":  # in this process, case after case (each sweep runs sync and every eta x mode)
         if totals is not None:
             raise fail("--driver async takes --kv-fractions, not --kv-total")
@@ -508,8 +508,7 @@ def evaluate_cmd(
                           sim_options={"keep_cache_across_steps": keep_cache,
                                        **({"trainer": trainer_spec} if trainer_spec is not None else {})},
                           offload_gibs=tiers,
-                          policy_options={n: {"model": str(model)} for n in names if n == "learned" or n.startswith("learned-")}
-                          if model is not None else None)
+                          policy_options={n: {"model": str(model)} for n in learned} if model is not None else None)
     failed = [r for r in result.rows if r.get("error")]
     for r in result.rows:
         ratio, whole = r.get("makespan_ratio_vs_default"), r.get("simulated_ratio_vs_default")
@@ -532,11 +531,11 @@ def evaluate_cmd(
         raise fail("every case failed (their errors are above and in summary.json)", code=1)
 
 
-def _check_learned_model(names: list[str], model: Optional[Path]) -> None:
-    """``learned`` and its ablations need ``--model``, a POLICY_DIR: checked once, before any case runs."""
+def _check_learned_model(names: list[str], model: Optional[Path]) -> list[str]:
+    """``learned`` and its ablations (returned) need ``--model``, a POLICY_DIR: checked once, before any case runs."""
     learned = [n for n in names if n == "learned" or n.startswith("learned-")]
     if not learned:
-        return
+        return learned
     if model is None:
         raise fail(f"--policies {learned[0]} needs --model POLICY_DIR (written by `kvpilot train`)")
     from policy.learned_bundle import PolicyLoadError, read_manifest
@@ -546,6 +545,7 @@ def _check_learned_model(names: list[str], model: Optional[Path]) -> None:
     except PolicyLoadError as e:
         hint = f" ({model / 'policy'} is one)" if (model / "policy" / "policy.json").is_file() else ""
         raise fail(f"--model: {e}{hint}") from None
+    return learned
 
 
 #: The held-out evaluation's engine options of ``train`` and ``promote``; unset, each follows where the policy
