@@ -231,6 +231,10 @@ class CandidateView(Sequence[CandidateRequest]):
     def request_ids(self) -> Sequence[str]:
         """The candidates' request ids, in order."""
 
+    def take(self, positions: Sequence[int]) -> list[CandidateRequest]:
+        """The candidates at ``positions`` (a view may build them in one pass)."""
+        return [self[i] for i in positions]
+
 
 @dataclass(frozen=True, slots=True)
 class PolicyState:

@@ -25,6 +25,9 @@ from policy.learned_table import FeatureTable
 __all__ = ["StepPhase", "candidate_raw", "Sampler", "STATE_KIND", "STATE_VERSION"]
 
 
+_ARRIVED, _FINISHED = EventKind.ARRIVED, EventKind.FINISHED  # (plain names: an Enum attribute costs ~0.1 µs)
+
+
 class StepPhase:
     """How much of each RL step is done: finished / arrived requests of that step (from events)."""
 
@@ -33,9 +36,10 @@ class StepPhase:
         self.finished: dict[Optional[int], int] = defaultdict(int)
 
     def observe(self, event: Event) -> None:
-        if event.kind is EventKind.ARRIVED:
+        kind = event.kind
+        if kind is _ARRIVED:
             self.arrived[event.meta.step] += 1
-        elif event.kind is EventKind.FINISHED:
+        elif kind is _FINISHED:
             self.finished[event.meta.step] += 1
 
     def phase(self, step: Optional[int]) -> float:
@@ -138,7 +142,7 @@ class Sampler(Policy):
             self._observe(event)
         if self._observe_reuse is not None:
             self._observe_reuse(event)
-        if event.kind is EventKind.FINISHED and self.lengths is not None:
+        if event.kind is _FINISHED and self.lengths is not None:
             self.lengths.forget(event.request_id)
 
     def export_state(self) -> PolicyState:

@@ -30,6 +30,8 @@ from predictors.model_io import DEFAULT_TREES, load_boosters, read_manifest, tra
 
 KIND = "length"
 QUANTILES = (0.5, 0.9)
+# (plain names: an Enum class attribute costs ~0.1 µs to read, per event)
+_ARRIVED, _TOOL_STARTED, _FINISHED = EventKind.ARRIVED, EventKind.TOOL_CALL_STARTED, EventKind.FINISHED
 DEFAULT_PARAMS: dict[str, Any] = {
     "learning_rate": 0.08, "num_leaves": 31, "min_data_in_leaf": 20, "feature_fraction": 0.9,
     "bagging_fraction": 0.8, "bagging_freq": 1, "lambda_l2": 1.0, "max_bin": 127, "verbose": -1, "seed": 0,
@@ -147,13 +149,14 @@ class LengthModel(CompiledScoring):
 
     def observe(self, event: Event) -> None:
         m = event.meta
-        if event.kind is EventKind.ARRIVED:
+        kind = event.kind
+        if kind is _ARRIVED:
             if m.session_id is not None and (m.turn or 0) == 0:
                 self._first_prompt.setdefault(m.session_id, event.num_prompt_tokens)
-        elif event.kind is EventKind.TOOL_CALL_STARTED:
+        elif kind is _TOOL_STARTED:
             if m.session_id is not None and m.tool is not None:
                 self._last_tool[m.session_id] = m.tool
-        elif event.kind is EventKind.FINISHED:
+        elif kind is _FINISHED:
             self._cache.pop(event.request_id, None)
             if event.finish_reason == "abort":
                 return

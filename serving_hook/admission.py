@@ -33,6 +33,8 @@ from serving_hook.translate import EngineView, Translator
 #: doubling from the first to the last (a new request then waits at most this long to be seen).
 IDLE_WAIT_FIRST_S = 0.002
 IDLE_WAIT_MAX_S = 0.05
+#: Orders up to this long are placed by a scan of the queue's ids per request, longer ones through a dict.
+_SCANNED = 16
 
 
 def _keeps_order(order: Any, reqs: list, ids: Optional[tuple] = None) -> bool:
@@ -49,20 +51,33 @@ def _keeps_order(order: Any, reqs: list, ids: Optional[tuple] = None) -> bool:
 def _reordered(order: Any, reqs: list, ids: Optional[tuple]) -> list:
     """``reqs`` in ``order`` (request ids; unknown and repeated ones skipped), then the rest in their own order.
 
-    ``ids``: the requests' ids as a tuple, when known (then no request is read: positions only)."""
+    ``ids``: the requests' ids as a tuple, when known (then no request is read: positions only). An order lists
+    as many requests as vLLM can admit in the step, usually a few of hundreds: each is found by a scan in C and
+    the rest are copied in slices between them."""
     if ids is None:
         ids = tuple([r.request_id for r in reqs])
-    pos = {rid: i for i, rid in enumerate(ids)}
-    picked: list[int] = []
-    seen: set = set()
-    for rid in order:
-        i = pos.get(rid)
-        if i is not None and i not in seen:
-            seen.add(i)
-            picked.append(i)
+    if len(order) <= _SCANNED:
+        picked: list[int] = []
+        for rid in order:
+            if rid in ids:
+                i = ids.index(rid)
+                if i not in picked:
+                    picked.append(i)
+    else:
+        pos = {rid: i for i, rid in enumerate(ids)}
+        seen: set = set()
+        picked = []
+        for rid in order:
+            i = pos.get(rid)
+            if i is not None and i not in seen:
+                seen.add(i)
+                picked.append(i)
     ordered = [reqs[i] for i in picked]
-    if len(ordered) < len(reqs):
-        ordered.extend([r for i, r in enumerate(reqs) if i not in seen])
+    start = 0
+    for i in sorted(picked):
+        ordered += reqs[start:i]
+        start = i + 1
+    ordered += reqs[start:]
     return ordered
 
 
@@ -117,12 +132,15 @@ class AdmissionLever(Lever):
             idx = next((i for i, c in enumerate(cands) if c.request_id == first), -1)
             action = f"hold:{len(held)}" if held else None
             self.rows.request_decision("admit", now, cands, dec.predictions, idx, dec.propensity, action)
-        changed = ordered is not reqs and any(a is not b for a, b in zip(ordered, reqs))
+        changed = ordered is not reqs and ordered != reqs  # (vLLM's requests compare by identity)
         if not changed and not held:
             return [], None
-        heldset = {id(r) for r in held}
         waiting.clear()
-        waiting.extend(r for r in ordered if id(r) not in heldset)
+        if held:
+            heldset = {id(r) for r in held}
+            waiting.extend(r for r in ordered if id(r) not in heldset)
+        else:
+            waiting.extend(ordered)
         st = self.stats
         if changed:
             st.admission_reorders += 1

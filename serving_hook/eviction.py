@@ -238,6 +238,7 @@ class CachedPrefixIndex:
 
 #: Blocks an eviction plan moves at first (or the allocation's need, if larger); each later extension doubles it.
 PLAN_FIRST_BLOCKS = 64
+_PAUSED, _RUNNING = OwnerState.PAUSED_TOOL, OwnerState.RUNNING  # (plain names: an Enum attribute costs ~0.1 µs)
 
 
 class EvictionPlan:
@@ -403,8 +404,8 @@ class EvictionLever(Lever):
         for pid, f, n in found:
             meta = f.meta
             state = f.owner_state
-            if state is OwnerState.PAUSED_TOOL and sessions.get(meta.session_id) != (meta.turn or 0):
-                state = OwnerState.RUNNING  # the session's next turn has arrived
+            if state is _PAUSED and sessions.get(meta.session_id) != (meta.turn or 0):
+                state = _RUNNING  # the session's next turn has arrived
             g = groups.get(meta.group_id) if meta.group_id is not None else None
             pending = max(0, (meta.group_size or 0) - g[0]) if g is not None and meta.group_size else 0
             prev = last.get(pid)

@@ -154,6 +154,16 @@ class LazyCandidates(CandidateView):
             self._all = self._tr.candidates(self._reqs, self._now)
         return iter(self._all)
 
+    def take(self, positions: Sequence[int]) -> list[CandidateRequest]:
+        """The candidates at ``positions`` (non-negative), those not read yet built in one pass."""
+        if self._all is not None:
+            return [self._all[i] for i in positions]
+        one = self._one
+        new = [i for i in positions if i not in one]
+        if new:
+            one.update(zip(new, self._tr.candidates([self._reqs[i] for i in new], self._now)))
+        return [one[i] for i in positions]
+
 
 class Translator:
     """The hook's per-request bookkeeping, and the plain records built from it."""

@@ -85,6 +85,12 @@ def test_reorder_puts_the_order_first_and_keeps_every_request_once():
         got = _reordered(["r4", "gone", "r1", "r4"], reqs, known)
         assert [r.request_id for r in got] == ["r4", "r1", "r0", "r2", "r3", "r5"]
         assert all(a is b for a, b in zip(got, [reqs[4], reqs[1], reqs[0]]))
+    # an order longer than those placed by scans (a dict of the queue's positions instead): the same rule
+    many = [SimpleNamespace(request_id=f"r{i}") for i in range(40)]
+    order = [f"r{i}" for i in range(39, 0, -2)] + ["gone", "r39", "r2"]
+    want = [f"r{i}" for i in range(39, 0, -2)] + ["r2"] + [f"r{i}" for i in range(0, 40, 2) if i != 2]
+    for known in (tuple(r.request_id for r in many), None):
+        assert [r.request_id for r in _reordered(order, many, known)] == want
 
 
 def test_held_request_waits_and_comes_back(vllm_engine):
