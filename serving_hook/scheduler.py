@@ -374,32 +374,37 @@ class KVPilotMixin:
     def _kvp_allocate_slots(self, request: Any, *args: Any, **kwargs: Any):
         """``kv_cache_manager.allocate_slots``, wrapped: when it fails, release pins, then choose the victim.
 
-        See :mod:`serving_hook.preemption` (and :mod:`serving_hook.retention` for the pins).
+        See :mod:`serving_hook.preemption` (and :mod:`serving_hook.retention` for the pins). Only the hook's own
+        work is guarded: an error raised by vLLM's allocation, the first or a retry after a pin's release, is
+        vLLM's and reaches its caller as it would without the hook.
         """
         blocks = self._kvp_orig_allocate(request, *args, **kwargs)
         if blocks is not None:
             return blocks
         t0 = _perf()
-        try:
-            ret = self._kvp_retention
-            if request.status == VRS.RUNNING:
-                # vLLM preempts next: release pins first (pressure), then ask the policy.
-                while blocks is None and ret is not None and ret.release_one():
-                    blocks = self._kvp_orig_allocate(request, *args, **kwargs)
-                if (
-                    blocks is None
-                    and self._kvp_preemption is not None
-                    and not (self.connector is not None and self.connector.has_pending_block_frees())
-                ):
-                    self._kvp_preemption.choose_victim(request)
-            elif ret is not None and not self.running:
-                # Liveness: nothing runs and the next waiting request does not fit.
-                while blocks is None and ret.release_one():
-                    blocks = self._kvp_orig_allocate(request, *args, **kwargs)
-        except Exception as e:
-            self._kvp_guard.internal_error("allocate", e)
+        ret = self._kvp_retention
+        running = request.status == VRS.RUNNING
+        # running: vLLM preempts next, so release pins first (pressure); waiting while nothing runs (liveness):
+        # the next waiting request does not fit
+        if ret is not None and (running or not self.running):
+            while blocks is None and self._kvp_release_pin(ret):
+                blocks = self._kvp_orig_allocate(request, *args, **kwargs)
+        if (running and blocks is None and self._kvp_preemption is not None
+                and not (self.connector is not None and self.connector.has_pending_block_frees())):
+            try:
+                self._kvp_preemption.choose_victim(request)
+            except Exception as e:
+                self._kvp_guard.internal_error("allocate", e)
         self._kvp_guard.inner_s += _perf() - t0
         return blocks
+
+    def _kvp_release_pin(self, ret: Any) -> bool:
+        """Release one pinned block (the retention lever); False when none is left or the lever failed."""
+        try:
+            return bool(ret.release_one())
+        except Exception as e:
+            self._kvp_guard.internal_error("allocate", e)
+            return False
 
     # ====================================================== step bookkeeping
     def _kvp_idle_wait(self, held: list, now: float) -> float:

@@ -210,3 +210,42 @@ def test_a_hold_given_as_one_id_holds_that_request_alone(vllm_engine):
         s.add_request(vllm_engine.make_request(rid, vllm_engine.prompt_tokens(rid, 20), 2))
     out = s.schedule()
     assert set(out.num_scheduled_tokens) == {"r1"} and [r.request_id for r in s.waiting] == ["r10"]
+
+
+def test_vllms_own_allocation_error_reaches_its_caller(vllm_engine):
+    """The hook guards its own work in ``allocate_slots`` only: an error raised by vLLM's allocation on the hook's
+    retry after releasing a pin reaches vLLM's caller, as it would without the hook (it was swallowed, and the
+    step went on after a failed allocation); an error of the hook's pin release is contained and counted."""
+    from types import SimpleNamespace
+
+    from policy.interface import Policy
+    from tests.hooks import hook_scheduler
+
+    class Pins(Policy):
+        name = "test-pins"
+        uses_retention = True
+
+    s = vllm_engine.make_scheduler(hook_scheduler(Pins()), num_blocks=64)
+    s.add_request(vllm_engine.make_request("r1", vllm_engine.prompt_tokens("r1", 20), 2))
+    request = s.waiting.peek_request()
+    calls = []
+
+    def vllm_allocate(req, *args, **kwargs):
+        calls.append(req.request_id)
+        if len(calls) > 1:
+            raise RuntimeError("vLLM's own failure")
+        return None  # the first attempt does not fit
+
+    s._kvp_orig_allocate = vllm_allocate
+    s._kvp_retention = SimpleNamespace(release_one=lambda: True)  # a pin to release: the hook retries
+    with pytest.raises(RuntimeError, match="vLLM's own failure"):
+        s._kvp_allocate_slots(request, 20)
+    assert calls == ["r1", "r1"]
+
+    def broken():
+        raise ValueError("the hook's failure")
+
+    calls.clear()
+    s._kvp_retention = SimpleNamespace(release_one=broken)
+    assert s._kvp_allocate_slots(request, 20) is None  # vLLM's answer to the first attempt
+    assert calls == ["r1"] and s.kvpilot_stats.fallbacks.get("hook:allocate", 0) == 1
