@@ -106,6 +106,31 @@ def test_policy_order_decides_and_a_store_listed_first_is_skipped():
     assert cp.owner[b"a0"] == "d" and b"a0" not in cp.owned.get("a", {})
 
 
+def test_only_the_warning_right_after_a_skipped_store_is_dropped():
+    """vLLM warns of every store a full tier refuses; kvpilot's filter drops the one after a store it skipped. A
+    skip whose warning never came (the connector's level off) must not hide the next real refusal."""
+    import logging
+
+    from serving_hook.host_tier import _FILTER, _BypassLogFilter, KVPilotCachePolicy
+
+    def warning() -> logging.LogRecord:
+        return logging.LogRecord("vllm", logging.WARNING, __file__, 1, "Request %s: cannot store chunks", ("x",), None)
+
+    cp = KVPilotCachePolicy(4)
+    cp.kvpilot_lever = FakeLever(["c"])
+    _fill(cp, [("a/0", _keys("a", 2)), ("c/0", _keys("c", 2))])
+    cp.on_store_miss([b"c9"], _ctx("c/1"))
+    try:
+        assert cp.evict(1, set()) is None  # the storer first: skipped
+        assert not _FILTER.filter(warning())  # its warning: dropped
+        assert cp.evict(1, set()) is None and _BypassLogFilter.pending == 1  # skipped again; no warning this time
+        cp.kvpilot_lever = FakeLever([])
+        assert cp.evict(1, set(cp.chunks)) is None  # every chunk protected: vLLM's own refusal
+        assert _FILTER.filter(warning())  # shown
+    finally:
+        _BypassLogFilter.pending = 0
+
+
 def test_a_bad_order_never_reaches_vllms_store_planning():
     """An owner listed twice is evicted once; an order with an id that cannot be looked up falls back to LRU for
     that eviction (counted as the hook's error), where it would raise inside vLLM's ``schedule()``."""
