@@ -10,9 +10,12 @@ itself (:mod:`serving_hook.model_source`). MLflow is imported only when a functi
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -71,15 +74,49 @@ def configure(experiment: Optional[str] = None, cwd: Optional[Path] = None) -> s
 
     uri = tracking_uri(cwd)
     mlflow.set_tracking_uri(uri)  # the registry follows it (unless MLFLOW_REGISTRY_URI says otherwise)
-    if experiment:
-        root = artifact_root(cwd)
+    db = _sqlite_file(uri)
+    if db is None and not experiment:
+        return uri
+    with _creation_lock(db):
         try:
-            if mlflow.get_experiment_by_name(experiment) is None and root is not None:
-                mlflow.create_experiment(experiment, artifact_location=(root / experiment).as_uri())
-            mlflow.set_experiment(experiment)
+            if db is not None:  # open both stores now, under the lock: the first opening creates the schema
+                mlflow.search_experiments(max_results=1)
+                client().search_registered_models(max_results=1)
+            if experiment:
+                root = artifact_root(cwd)
+                if mlflow.get_experiment_by_name(experiment) is None and root is not None:
+                    mlflow.create_experiment(experiment, artifact_location=(root / experiment).as_uri())
+                mlflow.set_experiment(experiment)
         except Exception as e:
-            raise RegistryError(f"cannot open experiment {experiment!r} in the MLflow store {uri}: {e}") from e
+            what = f"experiment {experiment!r} in " if experiment else ""
+            raise RegistryError(f"cannot open {what}the MLflow store {uri}: {e}") from e
     return uri
+
+
+def _sqlite_file(uri: str) -> Optional[Path]:
+    """The file of an SQLite store URI (``sqlite:///path``), else None (a server, an in-memory database)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+@contextmanager
+def _creation_lock(db: Optional[Path]) -> Iterator[None]:
+    """An exclusive lock beside an SQLite store's file (``<db>.lock``) while a process opens it (nothing for
+    other stores). MLflow's first opening creates the schema by migrations, and two processes that open a new
+    store at once (two trainings, a server polling the store a training creates) broke each other's ("Online
+    migration expected to match one row"); so did two creating the same experiment."""
+    if db is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def client() -> "MlflowClient":

@@ -134,3 +134,21 @@ def test_unreachable_store_is_a_registry_error(store, monkeypatch):
             reg.resolve_version(reg.DEFAULT_MODEL_URI)
     finally:
         mlflow.set_tracking_uri(store[1])
+
+
+def test_processes_that_create_one_store_at_once_all_open_it(tmp_path):
+    """Three processes opening a new embedded store at once (trainings started together, a server polling the
+    store a training creates): each creates or finds the schema and the experiment. Without the lock beside the
+    file, MLflow's schema migrations of one broke another's ("Online migration expected to match one row")."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from serving_hook.model_registry import configure; configure('race'); "
+            "import mlflow; assert mlflow.get_experiment_by_name('race') is not None; print('opened')")
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    assert all(rc == 0 and out.strip() == "opened" for out, _, rc in results), [err[-500:] for _, err, _ in results]
