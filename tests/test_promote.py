@@ -145,3 +145,32 @@ def test_unknown_version_is_a_clear_error() -> None:
 
     res = CliRunner().invoke(app, ["promote", "--version", "999", "--no-progress"])
     assert res.exit_code == 2 and "no version 999" in res.output
+
+
+def test_a_store_that_does_not_answer_is_named_unreachable_within_seconds(monkeypatch) -> None:
+    """A registry server that refuses connections: exit 2 naming the store as unreadable (it said "no version"),
+    after kvpilot's few retries (MLflow's own defaults retried for four minutes)."""
+    import socket
+    import time
+
+    import mlflow
+
+    from training.cli import app
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+        monkeypatch.delenv(k, raising=False)
+    before = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    try:
+        t = time.monotonic()
+        res = CliRunner().invoke(app, ["promote", "--version", "1", "--no-progress"])
+        took = time.monotonic() - t
+    finally:
+        mlflow.set_tracking_uri(before or "")
+    assert res.exit_code == 2 and "could not be read" in res.output and "no version" not in res.output, res.output
+    assert took < 60, took

@@ -82,8 +82,10 @@ def promote(
     try:
         client.get_model_version(registry.MODEL_NAME, version)
     except Exception as e:  # noqa: BLE001 - MLflow raises its own exception types for a missing version
-        raise PromotionError(f"no version {version} of the registered model {registry.MODEL_NAME!r} in "
-                             f"{registry.tracking_uri()}: {e}") from None
+        if registry.is_not_found(e):
+            raise PromotionError(f"no version {version} of the registered model {registry.MODEL_NAME!r} in "
+                                 f"{registry.tracking_uri()}: {e}") from None
+        raise PromotionError(f"the registry at {registry.tracking_uri()} could not be read ({e})") from None
     if follow_training:
         taken = {k: v for k, v in trained_engine(version).items() if k in follow_training}
         heldout = dataclasses.replace(heldout, **taken)
