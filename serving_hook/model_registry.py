@@ -11,14 +11,17 @@ itself (:mod:`serving_hook.model_source`). MLflow is imported only when a functi
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
+from urllib.parse import unquote
 
 if TYPE_CHECKING:  # mlflow takes seconds to import: only when used
     from mlflow.entities.model_registry import ModelVersion
@@ -31,6 +34,7 @@ POLICY_ARTIFACT = "policy_dir"
 DB_FILE = "mlruns.db"
 ARTIFACT_DIR = "mlartifacts"
 
+logger = logging.getLogger("kvpilot.registry")
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
 
@@ -72,49 +76,89 @@ def configure(experiment: Optional[str] = None, cwd: Optional[Path] = None) -> s
 
     uri = tracking_uri(cwd)
     mlflow.set_tracking_uri(uri)  # the registry follows it (unless MLFLOW_REGISTRY_URI says otherwise)
-    db = _sqlite_file(uri)
-    if db is None and not experiment:
-        return uri
-    with _creation_lock(db):
-        try:
-            if db is not None:  # open both stores now, under the lock: the first opening creates the schema
-                mlflow.search_experiments(max_results=1)
-                client().search_registered_models(max_results=1)
-            if experiment:
-                root = artifact_root(cwd)
+    _open_store(uri)
+    if experiment:
+        root = artifact_root(cwd)
+        with _creation_lock(_sqlite_file(uri)):  # (two processes creating one experiment broke each other too)
+            try:
                 if mlflow.get_experiment_by_name(experiment) is None and root is not None:
                     mlflow.create_experiment(experiment, artifact_location=(root / experiment).as_uri())
                 mlflow.set_experiment(experiment)
-        except Exception as e:
-            what = f"experiment {experiment!r} in " if experiment else ""
-            raise RegistryError(f"cannot open {what}the MLflow store {uri}: {e}") from e
+            except Exception as e:
+                raise RegistryError(f"cannot open experiment {experiment!r} in the MLflow store {uri}: {e}") from e
     return uri
 
 
+#: The SQLite stores this process has opened (:func:`_open_store`).
+_OPENED: set[str] = set()
+#: How long a process waits for another to finish opening an SQLite store before it goes on without the lock.
+LOCK_WAIT_S = 60.0
+_SQLITE = re.compile(r"^sqlite(\+\w+)?:///")
+
+
+def _open_store(uri: str) -> None:
+    """Open an SQLite store's tracking and registry tables once per process, under :func:`_creation_lock`: MLflow
+    creates the schema at a store's first opening, by migrations, and two processes that opened a new store at
+    once (two trainings, a server polling the store a training creates) broke each other's ("Online migration
+    expected to match one row"). Nothing for other stores."""
+    db = _sqlite_file(uri)
+    if db is None or uri in _OPENED:
+        return
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    with _creation_lock(db):
+        try:
+            mlflow.search_experiments(max_results=1)
+            MlflowClient().search_registered_models(max_results=1)
+        except Exception as e:
+            raise RegistryUnreachable(f"cannot open the MLflow store {uri}: {e}") from e
+    _OPENED.add(uri)
+
+
 def _sqlite_file(uri: str) -> Optional[Path]:
-    """The file of an SQLite store URI (``sqlite:///path``), else None (a server, an in-memory database)."""
-    if not uri.startswith("sqlite:///"):
+    """The file of an SQLite store URI (``sqlite:///path``, ``sqlite+DRIVER:///path``), else None (a server, an
+    in-memory database)."""
+    m = _SQLITE.match(uri)
+    if m is None:
         return None
-    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    path = unquote(uri[m.end():].split("?", 1)[0])
     return Path(path) if path and path != ":memory:" else None
 
 
 @contextmanager
 def _creation_lock(db: Optional[Path]) -> Iterator[None]:
-    """An exclusive lock beside an SQLite store's file (``<db>.lock``) while a process opens it (nothing for
-    other stores). MLflow's first opening creates the schema by migrations, and two processes that open a new
-    store at once (two trainings, a server polling the store a training creates) broke each other's ("Online
-    migration expected to match one row"); so did two creating the same experiment."""
-    if db is None:
+    """An exclusive lock on ``<db>.lock`` beside an SQLite store's file while the caller opens or changes it;
+    nothing for other stores, nor where the lock file cannot be written (a read-only place, where no store can be
+    created either). A holder that keeps it past :data:`LOCK_WAIT_S` (a stopped process) is not waited for."""
+    f = None
+    if db is not None:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+            f = open(f"{db}.lock", "a")
+        except OSError:
+            f = None
+    if f is None:
         yield
         return
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{db}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with f:
+        locked = False
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while not locked:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning("kvpilot: %s.lock is held past %.0f s; opening the store without it", db,
+                                   LOCK_WAIT_S)
+                    break
+                time.sleep(0.05)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 #: MLflow's settings that kvpilot sets unless the environment does: no usage telemetry (MLflow's only network
@@ -141,6 +185,8 @@ def client() -> "MlflowClient":
 
     if not mlflow.is_tracking_uri_set():
         configure()
+    else:
+        _open_store(mlflow.get_tracking_uri())
     return MlflowClient()
 
 

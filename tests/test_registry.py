@@ -152,3 +152,25 @@ def test_processes_that_create_one_store_at_once_all_open_it(tmp_path):
                               stderr=subprocess.PIPE, text=True) for _ in range(3)]
     results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
     assert all(rc == 0 and out.strip() == "opened" for out, _, rc in results), [err[-500:] for _, err, _ in results]
+
+
+def test_a_store_whose_lock_is_held_too_long_is_opened_without_it(tmp_path, monkeypatch, caplog):
+    """A process that holds the lock beside an SQLite store and never lets go (stopped) does not block the others
+    for ever: they open the store without it after ``LOCK_WAIT_S``, with a warning."""
+    import fcntl
+    import logging
+
+    from serving_hook import model_registry as mr
+
+    db = tmp_path / "held" / "mlruns.db"
+    db.parent.mkdir()
+    monkeypatch.setattr(mr, "LOCK_WAIT_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="kvpilot.registry")
+    with open(f"{db}.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with mr._creation_lock(db):
+            entered = True
+    assert entered and any("held past" in r.getMessage() for r in caplog.records)
+    # a URI with a driver or an escaped path names the file SQLAlchemy opens
+    assert mr._sqlite_file("sqlite+pysqlite:///a%20b/x.db?mode=ro") == Path("a b/x.db")
+    assert mr._sqlite_file("http://mlflow:5000") is None and mr._sqlite_file("sqlite:///:memory:") is None
