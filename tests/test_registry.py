@@ -174,3 +174,17 @@ def test_a_store_whose_lock_is_held_too_long_is_opened_without_it(tmp_path, monk
     # a URI with a driver or an escaped path names the file SQLAlchemy opens
     assert mr._sqlite_file("sqlite+pysqlite:///a%20b/x.db?mode=ro") == Path("a b/x.db")
     assert mr._sqlite_file("http://mlflow:5000") is None and mr._sqlite_file("sqlite:///:memory:") is None
+
+
+def test_importing_the_registry_prints_nothing():
+    """Every `kvpilot train` and `promote` imports the pyfunc class; MLflow used to log a note and warn about its
+    ``predict`` type hints each time (three lines of noise before any output)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run([sys.executable, "-c", "import training.registry"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    noise = [ln for ln in (res.stdout + res.stderr).splitlines() if "mlflow" in ln.lower() or "type hint" in ln]
+    assert res.returncode == 0 and not noise, noise

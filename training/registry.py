@@ -31,8 +31,9 @@ from serving_hook.model_registry import (
     tracking_uri,
 )
 
+import pandas as pd  # (mlflow.pyfunc, imported below, imports it anyway)
+
 if TYPE_CHECKING:  # mlflow takes seconds to import: only when used
-    import pandas as pd
     from mlflow.entities import Run
     from mlflow.entities.model_registry import ModelVersion
 
@@ -77,9 +78,10 @@ class KVPilotModel(_PythonModel):  # type: ignore[misc,valid-type]
     def load_context(self, context: Any) -> None:
         self.policy_dir = Path(context.artifacts[POLICY_ARTIFACT])
 
-    def predict(self, context: Any, model_input: Any, params: Optional[dict[str, Any]] = None) -> "pd.DataFrame":
-        import pandas as pd
-
+    def predict(self, context: Any, model_input: pd.DataFrame,
+                params: Optional[dict[str, Any]] = None) -> pd.DataFrame:
+        # (a hint MLflow resolves to a DataFrame infers no schema, silently: any other type logged a note and a
+        # warning at every import of this module, in every train and promote)
         if self.policy_dir is None:
             self.load_context(context)
         m = read_manifest(self.policy_dir)
