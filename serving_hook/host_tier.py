@@ -346,28 +346,22 @@ class HostTierLever(Lever):
         made, kept = self._owned_prefixes, {}
         for owner, keys in owned.items():
             meta = running.get(owner)
-            if meta is not None:  # (most owners: the tier holds the running sessions' stores)
-                t = last.get(owner, 0.0)
-                p = made.get(owner)
-                if (p is None or p.meta is not meta or p.owner_state is not _RUNNING or p.last_used_s != t
-                        or p.tier_blocks != len(keys) or p.queue_position is not None):
-                    p = CachedPrefix(owner, owner, _RUNNING, meta, (), (), t, tier_blocks=len(keys))
-                kept[owner] = p
-                continue
-            # waiting (its session's live request is queued), paused on a tool, or finished
             pos = None
-            rid = live.get(owner, owner)
-            info = infos.get(rid)
-            if info is not None and not info.running:
-                if pos_of is None:
-                    pos_of = {r.request_id: i for i, r in enumerate(self.sched.waiting)}
-                pos = pos_of.get(rid)
-            # the meta of the owner's last request that used the tier (a waiting owner's too: its next use is
-            # the queued request's, which a hindsight look-up by request must not skip as the owner's own)
-            meta = metas.get(owner) or (info.meta if pos is not None else None)
-            if meta is None:
-                continue
-            state = _WAITING if pos is not None else _PAUSED if owner in paused else _FINISHED
+            if meta is not None:
+                state = _RUNNING
+            else:  # waiting (its session's live request is queued), paused on a tool, or finished
+                rid = live.get(owner, owner)
+                info = infos.get(rid)
+                if info is not None and not info.running:
+                    if pos_of is None:
+                        pos_of = {r.request_id: i for i, r in enumerate(self.sched.waiting)}
+                    pos = pos_of.get(rid)
+                # the meta of the owner's last request that used the tier (a waiting owner's too: its next use is
+                # the queued request's, which a hindsight look-up by request must not skip as the owner's own)
+                meta = metas.get(owner) or (info.meta if pos is not None else None)
+                if meta is None:
+                    continue
+                state = _WAITING if pos is not None else _PAUSED if owner in paused else _FINISHED
             # kept from step to step while the same (most owners: few change in a step)
             t, n = last.get(owner, 0.0), len(keys)
             p = made.get(owner)
