@@ -177,7 +177,7 @@ class KVPilotCachePolicy(LRUCachePolicy):
         except Exception as e:  # never into vLLM's store planning: LRU for this eviction (an order it cannot read
             # raises while picking, before anything is evicted)
             lever.guard.internal_error("evict_host", e)
-            return super().evict(n, protected)
+            return self._evict_lru(n, protected)
         finally:  # the hook's time inside vLLM's schedule() (its store planning), as the GPU eviction lever's
             lever.guard.inner_s += _perf() - t0
 
@@ -188,7 +188,7 @@ class KVPilotCachePolicy(LRUCachePolicy):
         _BypassLogFilter.pending = 0  # a skip whose warning never came (its level off) must not hide a real one
         order = lever.order(self, n, self.storer)
         if order is None:
-            return super().evict(n, protected)
+            return self._evict_lru(n, protected)
         storer = self.storer
         evictable, owned = self._evictable, self.owned
         picked: list = []
@@ -210,7 +210,7 @@ class KVPilotCachePolicy(LRUCachePolicy):
                 break
         rest: list = []
         if len(picked) < n:
-            got = super().evict(n - len(picked), protected.union(picked))
+            got = self._evict_lru(n - len(picked), protected.union(picked))
             if got is None:
                 return None
             rest = got
@@ -221,11 +221,18 @@ class KVPilotCachePolicy(LRUCachePolicy):
             out.append((k, chunks.pop(k)))
             del ranks[k]
             self._forget(k)
-        for k, _ in rest:
-            self._forget(k)
         self._maybe_compact_heap()
         lever.stats.host_evicted_listed += len(picked)
         return out + rest
+
+
+    def _evict_lru(self, n: int, protected: set) -> Optional[list]:
+        """vLLM's LRU eviction of ``n`` chunks; their owners forget them (an owner's tier blocks stay true)."""
+        got = super().evict(n, protected)
+        if got:
+            for k, _ in got:
+                self._forget(k)
+        return got
 
 
 class HostTierLever(Lever):

@@ -131,6 +131,23 @@ def test_only_the_warning_right_after_a_skipped_store_is_dropped():
         _BypassLogFilter.pending = 0
 
 
+def test_chunks_that_lru_evicts_leave_their_owners():
+    """Where the policy gives no order (or an order that falls short, or one that raises), vLLM's LRU evicts; the
+    chunks it takes leave their owners too, so an owner's tier blocks (``CachedPrefix.tier_blocks``) stay true."""
+    from serving_hook.host_tier import KVPilotCachePolicy
+
+    stores = [("a/0", _keys("a", 3)), ("b/0", _keys("b", 2)), ("c/0", _keys("c", 3))]
+    for order in (None, ["b"], [["a"]]):
+        cp = KVPilotCachePolicy(8)
+        cp.kvpilot_lever = lever = FakeLever(order)
+        lever.guard.internal_error = lambda where, e: None
+        _fill(cp, stores)
+        gone = {k for k, _ in cp.evict(4, set())}
+        assert len(gone) == 4
+        assert not gone & set(cp.owner), order
+        assert {k for keys in cp.owned.values() for k in keys} == set(cp.chunks) == set(cp.owner), order
+
+
 def test_a_bad_order_never_reaches_vllms_store_planning():
     """An owner listed twice is evicted once; an order with an id that cannot be looked up falls back to LRU for
     that eviction (counted as the hook's error), where it would raise inside vLLM's ``schedule()``."""
