@@ -130,6 +130,8 @@ class Simulation:
         tel_dir = out_dir / "telemetry"
         if tel_dir.exists() and any(tel_dir.iterdir()):
             raise SimulationError(f"{tel_dir} already holds telemetry; choose an empty output directory")
+        if (out_dir / "summary.json").exists():  # another run's or tool's: this run would replace it
+            raise SimulationError(f"{out_dir / 'summary.json'} already exists; choose an empty output directory")
         meta = {"decisions": {"kvpilot.feature_names": json.dumps({k: list(v) for k, v in FEATURE_NAMES.items()})}}
         left_out = {t for t, on in (("decisions", config.decision_log), ("kv_events", config.kv_event_log)) if not on}
         tables = [t for t in TELEMETRY_TABLES if t not in left_out] if left_out else None

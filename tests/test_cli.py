@@ -138,6 +138,25 @@ def test_a_path_the_command_cannot_create_is_an_error_not_a_traceback(tmp_path: 
     assert f"{taken}/run:" in said and taken.read_text() == "mine", said
 
 
+def test_a_simulation_replaces_no_earlier_output(tmp_path: Path) -> None:
+    """`simulate -o DIR` where DIR holds a run's telemetry or any summary.json: exit 2, naming it, nothing changed."""
+    cfg, wl = tmp_path / "w.toml", tmp_path / "w.parquet"
+    cfg.write_text("steps = 1\nprompts_per_step = 1\ngroup_size = 2\n")
+    assert runner.invoke(app, ["workload", "synth", "--config", str(cfg), "-o", str(wl)]).exit_code == 0
+    run = ["simulate", "-w", str(wl), "--no-progress", "--decode-stride", "32", "-o"]
+    assert runner.invoke(app, [*run, str(tmp_path / "a")]).exit_code == 0
+    first = (tmp_path / "a" / "summary.json").read_text()
+    res = runner.invoke(app, [*run, str(tmp_path / "a")])
+    assert res.exit_code == 2 and "already holds telemetry" in res.output, res.output
+    other = tmp_path / "b"
+    other.mkdir()
+    (other / "summary.json").write_text("[]")  # e.g. an evaluation's
+    res = runner.invoke(app, [*run, str(other)])
+    assert res.exit_code == 2 and "summary.json already exists" in " ".join(res.output.split()), res.output
+    assert (other / "summary.json").read_text() == "[]" and not (other / "telemetry").exists()
+    assert (tmp_path / "a" / "summary.json").read_text() == first
+
+
 def test_a_workload_says_what_made_it_and_a_simulation_reports_it(tmp_path: Path) -> None:
     """`workload synth` records its whole generator config in the file, `workload import` its format and files;
     `workload stats` and a simulation's summary report it, and a directory of parts made differently keeps each
