@@ -104,6 +104,49 @@ def test_train_into_a_store_mlflow_cannot_open_is_a_named_error(one_step_run: Pa
 
 
 @pytest.mark.vllm
+def test_a_failed_training_leaves_the_earlier_policy_in_place(one_step_run: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    earlier = tmp_path / "work" / "policy"
+    earlier.mkdir(parents=True)
+    (earlier / "policy.json").write_text('{"earlier": true}')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")  # fails after the training has started
+    res = CliRunner().invoke(app, ["train", "--logs", str(one_step_run), "-o", str(tmp_path / "work"),
+                                   "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert sorted(p.name for p in (tmp_path / "work").iterdir() if not p.name.startswith(".")) == ["policy"]
+    assert (earlier / "policy.json").read_text() == '{"earlier": true}'
+
+
+def test_a_new_policy_replaces_the_earlier_one_when_it_is_written(tmp_path: Path) -> None:
+    """Success replaces it (and says so); a training killed mid-run leaves the earlier one set aside, and the next
+    training takes that one as the earlier one (the killed run's partial output goes)."""
+    import io
+
+    from rich.console import Console
+
+    from training.train import replacing
+
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "policy.json").write_text("earlier")
+    said = io.StringIO()
+    with replacing(policy, Console(file=said)):
+        assert not policy.exists()
+        policy.mkdir()
+        (policy / "policy.json").write_text("new")
+    assert (policy / "policy.json").read_text() == "new" and not (tmp_path / "policy.earlier").exists()
+    assert "replaced the earlier policy" in said.getvalue()
+    (tmp_path / "policy.earlier").mkdir()  # a killed training: the earlier one set aside, a partial one written
+    (tmp_path / "policy.earlier" / "policy.json").write_text("complete")
+    (policy / "policy.json").write_text("partial")
+    with pytest.raises(RuntimeError), replacing(policy, Console(file=io.StringIO())):
+        assert not policy.exists()
+        raise RuntimeError("fails too")
+    assert (policy / "policy.json").read_text() == "complete" and not (tmp_path / "policy.earlier").exists()
+
+
+@pytest.mark.vllm
 def test_a_second_training_into_the_same_folder_is_refused(one_step_run: Path, tmp_path: Path) -> None:
     """A training holds its -o folder: a second one there would delete the first one's POLICY_DIR mid-run."""
     import fcntl

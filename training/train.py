@@ -247,9 +247,33 @@ def train_and_register(
         raise TrainError("no logs given (--logs DIR, repeatable)")
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    with _only_user(work_dir):
+    with _only_user(work_dir), replacing(work_dir / "policy", console):
         return _train(log_dirs, work_dir, experiment, predictor_params, policy_config, heldout, follow_logs,
                       progress, console)
+
+
+@contextlib.contextmanager
+def replacing(policy_dir: Path, console: Console) -> Iterator[None]:
+    """Write a new POLICY_DIR at ``policy_dir``; an earlier one there is replaced only when the block succeeds.
+
+    The earlier one waits beside it (``<name>.earlier``) and comes back if the block fails; a training killed
+    mid-run leaves it there, and the next training takes it as the earlier one (its partial output goes)."""
+    earlier = policy_dir.with_name(policy_dir.name + ".earlier")
+    if earlier.exists():
+        shutil.rmtree(policy_dir, ignore_errors=True)
+    elif policy_dir.exists():
+        policy_dir.rename(earlier)
+    try:
+        yield
+    except BaseException:
+        if earlier.exists():
+            shutil.rmtree(policy_dir, ignore_errors=True)
+            earlier.rename(policy_dir)
+        raise
+    if earlier.exists():
+        shutil.rmtree(earlier)
+        console.print(f"replaced the earlier policy in {policy_dir} (a version registered from it keeps its own "
+                      "copy)", highlight=False)
 
 
 @contextlib.contextmanager
@@ -272,8 +296,6 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
     from training import registry
 
     policy_dir = work_dir / "policy"
-    if policy_dir.exists():
-        shutil.rmtree(policy_dir)  # an earlier training's output in the same work folder
     from policy.learned_bundle import read_manifest
     from policy.offline import SPLITS, train_policy
     from policy.offline_config import OfflineConfig
