@@ -355,14 +355,23 @@ class KVPilotMixin:
     def reset_prefix_cache(self, *args: Any, **kwargs: Any):
         if self._kvp_passthrough:
             return super().reset_prefix_cache(*args, **kwargs)
-        if self._kvp_retention is not None:
-            # vLLM refuses to reset while any block is held (block_pool.reset_prefix_cache).
-            self._kvp_retention.release_all()
-        if self._kvp_eviction is not None:
-            self._kvp_eviction.index.clear()
+        retention = self._kvp_retention
+        # vLLM refuses to reset while any block is held (block_pool.reset_prefix_cache): the pins go only where
+        # that leaves the reset to succeed (running requests preempted, or pins the only holders); where a request
+        # still holds blocks, vLLM refuses anyway and the pinned sessions keep their prefixes.
+        force = bool(args[0]) if args else bool(kwargs.get("reset_running_requests", False))
+        if retention is not None and (force or self._kvp_only_pins_hold_blocks()):
+            retention.release_all()
         if self._kvp_host is not None:
             self._kvp_host.forget_step()
-        return super().reset_prefix_cache(*args, **kwargs)
+        ok = super().reset_prefix_cache(*args, **kwargs)
+        if ok and self._kvp_eviction is not None:
+            self._kvp_eviction.index.clear()
+        return ok
+
+    def _kvp_only_pins_hold_blocks(self) -> bool:
+        pool = self.kv_cache_manager.block_pool
+        return pool.num_gpu_blocks - pool.get_num_free_blocks() - 1 == self.kvpilot_pinned_blocks  # (1: null)
 
     def shutdown(self) -> None:
         try:

@@ -340,6 +340,33 @@ def test_reset_prefix_cache_releases_pins(vllm_engine):
     assert s.kvpilot_pinned_blocks == 0
 
 
+def test_a_reset_vllm_refuses_keeps_the_pins_and_the_eviction_index(vllm_engine):
+    """While a request runs, vLLM refuses the prefix-cache reset (the cache stays): the pinned sessions keep their
+    prefixes and the eviction lever its index; once nothing but pins holds blocks, the reset releases them."""
+    engine = vllm_engine
+
+    class RetainAndIndex(RetainPolicy):
+        uses_eviction = True  # the eviction lever keeps its index of cached prefixes (the order is vLLM's)
+
+    policy = RetainAndIndex("agent", RetentionAction.PROTECT, ttl_s=100.0)
+    s = engine.make_scheduler(_hook(policy, max_pinned_fraction=1.0), num_blocks=24, max_num_seqs=4)
+    runner = engine.FakeRunner()
+    ctx = engine.prompt_tokens("agent-ctx", 64)
+    s.add_request(engine.make_request("P", ctx, 2, extra_args={"kvpilot_session_id": "agent"}))
+    _run_until_done(s, runner)
+    runner.step(s)
+    s.add_request(engine.make_request("B", engine.prompt_tokens("busy", 32), 50))
+    runner.step(s)
+    assert s.kvpilot_pinned_blocks == 4 and s.running
+    indexed = len(s._kvp_eviction.index)
+    assert indexed > 0
+    assert not s.reset_prefix_cache()
+    assert s.kvpilot_pinned_blocks == 4 and len(s._kvp_eviction.index) == indexed
+    assert _cached_tokens(engine, s, ctx + [1]) == 64
+    assert s.reset_prefix_cache(reset_running_requests=True)
+    assert s.kvpilot_pinned_blocks == 0 and len(s._kvp_eviction.index) == 0
+
+
 class ReleaseOnNextFree(RetainPolicy):
     """Protect the agent's prefix; release it the next time retain() is asked."""
 
