@@ -146,12 +146,16 @@ class Guard:
         if self._first(f"{what}:{kind}"):
             logger.warning(
                 "kvpilot: policy %s %s in %s (%s); this step falls back to vLLM's behaviour. "
-                "Logged once; further failures are only counted.",
+                "Logged once per served policy; further failures are only counted.",
                 self.policy.name,
                 "raised" if kind == "exception" else "overran its time budget",
                 what,
                 detail if kind != "exception" else repr(detail),
             )
+
+    def new_policy(self) -> None:
+        """Another policy decides from now on (a hot swap): its failures are logged once again."""
+        self._logged = {k for k in self._logged if k.startswith("hook:")}
 
     def internal_error(self, where: str, e: BaseException) -> None:
         """The hook itself failed in ``where``: fall back, count, log once (with the traceback)."""

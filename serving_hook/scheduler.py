@@ -477,6 +477,7 @@ class KVPilotMixin:
             old = reg.current
             if reg.swap_pending():
                 st.model_swaps += 1
+                guard.new_policy()
                 carried = carry_state(old, reg.current)  # the sessions' phase, clocks, rows: see Policy.export_state
                 if carried is not None:
                     st.state_carried += carried

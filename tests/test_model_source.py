@@ -268,6 +268,36 @@ def test_bad_new_champion_keeps_the_last_good_model(store, dirs, vllm_engine, tm
     assert set(decisions["policy_version"]) == {f"{name}/1"}
 
 
+def test_a_new_version_that_fails_like_the_last_one_is_logged_again(store, dirs, vllm_engine, tmp_path, caplog):
+    """Failures are logged once per served version: a promoted version that raises where its predecessor did is
+    named in the log, not only counted."""
+    from policy.learned import LearnedPolicy
+
+    class Raising(LearnedPolicy):
+        def admit(self, waiting, state):
+            raise RuntimeError("no admission today")
+
+    def loader(policy_dir):
+        policy = LearnedPolicy.load(policy_dir, mode="serve")
+        policy.__class__ = Raising
+        return policy
+
+    name = "raising"
+    register(dirs["v1"], name)
+    sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel", loader=loader)
+
+    def promote(step: int) -> None:
+        if step == 12:
+            register(dirs["v2"], name)
+            assert sched.kvpilot_policy.source.poll_now()
+
+    with caplog.at_level(logging.WARNING, logger="kvpilot.hook"):
+        drive(vllm_engine, sched, on_step=promote)
+    assert sched.kvpilot_stats.model_swaps == 1
+    assert warnings_about(caplog, "raised in admit") == 2
+    assert sched.kvpilot_stats.fallbacks["admit:exception"] > 2
+
+
 def test_unreachable_registry_during_polls_keeps_serving(store, dirs, vllm_engine, tmp_path, caplog, monkeypatch):
     """Polls on the background thread against a dead registry: the model stays, the thread lives, and once the
     registry is back a new champion swaps in between steps."""
