@@ -200,6 +200,8 @@ class ModelRef:
 
     @classmethod
     def parse(cls, uri: str) -> "ModelRef":
+        if not isinstance(uri, str):
+            raise RegistryError(f"model URI {uri!r}: expected a string, models:/NAME@ALIAS or models:/NAME/VERSION")
         m = _URI.match(uri.strip())
         if m is None:
             raise RegistryError(f"model URI {uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")

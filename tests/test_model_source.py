@@ -514,6 +514,8 @@ def test_malformed_model_uri_fails_at_start_up(monkeypatch):
     monkeypatch.setenv("KVPILOT_MODEL_URI", "kvpilot:champion")
     with pytest.raises(HookConfigError, match="KVPILOT_MODEL_URI.*kvpilot:champion"):
         build_policy(HookConfig(policy="registry"))
+    with pytest.raises(HookConfigError, match="option uri.*5: expected a string"):  # a JSON number, not a URI
+        build_policy(HookConfig(policy="registry", policy_options={"uri": 5}))
 
 
 def test_poll_interval_from_the_environment():
