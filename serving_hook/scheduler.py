@@ -513,15 +513,16 @@ class KVPilotMixin:
     def kvpilot_close(self) -> None:
         """Flush and stop the telemetry writer (idempotent); a shared writer is only detached.
 
-        Also stops the registry policy's poll thread.
+        Then stops the registry policy's poll thread: a poll inside a slow registry call may hold that for
+        seconds, which must not come out of the engine's shutdown grace before the telemetry is flushed.
         """
-        if self._kvp_registry is not None:
-            self._kvp_registry.source.stop()
         w = self.kvpilot_telemetry
         if w is not None:
             self.kvpilot_telemetry = None
             if w is not self.kvpilot_shared_writer:
                 w.close()
+        if self._kvp_registry is not None:
+            self._kvp_registry.source.stop()
 
     @property
     def kvpilot_pinned_blocks(self) -> int:

@@ -298,6 +298,19 @@ def test_a_new_version_that_fails_like_the_last_one_is_logged_again(store, dirs,
     assert sched.kvpilot_stats.fallbacks["admit:exception"] > 2
 
 
+def test_closing_flushes_the_telemetry_before_waiting_on_the_poll_thread(store, dirs, vllm_engine, tmp_path):
+    """A poll stuck in a slow registry call holds the thread's stop for seconds: the telemetry is written first."""
+    register(dirs["v1"], "close")
+    sched = registry_scheduler(vllm_engine, "models:/close@champion", tmp_path / "tel")
+    drive(vllm_engine, sched, n=6)
+    source = sched.kvpilot_policy.source
+    flushed_at_stop = []
+    stop = source.stop
+    source.stop = lambda: (flushed_at_stop.append((tmp_path / "tel" / "steps").is_dir()), stop())
+    sched.kvpilot_close()
+    assert flushed_at_stop == [True]
+
+
 def test_unreachable_registry_during_polls_keeps_serving(store, dirs, vllm_engine, tmp_path, caplog, monkeypatch):
     """Polls on the background thread against a dead registry: the model stays, the thread lives, and once the
     registry is back a new champion swaps in between steps."""
