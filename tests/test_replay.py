@@ -43,11 +43,14 @@ def test_counters_sum_over_engines_and_find_the_hook():
     assert parse_counters(METRICS.split("# TYPE vllm:prefix")[0].replace("kvpilot", "other"))[1] is None
 
 
-@pytest.mark.parametrize("kwargs, match", [({"concurrency": 0}, "--concurrency"), ({"time_scale": -1.0}, "--time-scale"),
-                                           ({"time_scale": float("nan")}, "--time-scale")])
+@pytest.mark.parametrize("kwargs, match", [
+    ({"concurrency": 0}, "--concurrency"), ({"time_scale": -1.0}, "--time-scale"),
+    ({"time_scale": float("nan")}, "--time-scale"), ({"timeout_s": 0.0}, "--timeout"),
+    ({"timeout_s": float("nan")}, "--timeout"), ({"url": "http://127.0.0.1:99999"}, "--url .*range"),
+    ({"url": "localhost:8000"}, r"--url .*http\(s\)://HOST"), ({"url": "http://[::1"}, "--url")])
 def test_config_refuses_bad_values(kwargs, match):
     with pytest.raises(ReplayError, match=match):
-        ReplayConfig("http://x", **kwargs)
+        ReplayConfig(**{"url": "http://x", **kwargs})
 
 
 def test_a_request_longer_than_the_model_is_named(workload):

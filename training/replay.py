@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -66,6 +67,15 @@ class ReplayConfig:
             raise ReplayError(f"--concurrency must be >= 1, got {self.concurrency}")
         if not math.isfinite(self.time_scale) or self.time_scale < 0:
             raise ReplayError(f"--time-scale must be >= 0, got {self.time_scale}")
+        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ReplayError(f"--timeout must be a number of seconds > 0, got {self.timeout_s}")
+        try:
+            parts = urlsplit(self.url)
+            parts.port  # noqa: B018 - raises for a port out of range
+        except ValueError as e:
+            raise ReplayError(f"--url {self.url}: {e}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ReplayError(f"--url {self.url}: expected http(s)://HOST[:PORT], the vLLM server's address")
 
 
 @dataclass
