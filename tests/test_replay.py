@@ -87,6 +87,39 @@ def test_prompts_carry_what_the_stream_generated(workload):
     assert all(v is not None for v in body["vllm_xargs"].values())
 
 
+def test_requests_a_failure_leaves_unsent_are_counted(workload):
+    """A failed turn loses its trajectory: the later turns and scoring requests never sent are counted (and the
+    progress bar reaches its total), so every row is a completed, failed or unsent request."""
+    import asyncio
+
+    import httpx
+
+    from training.replay import _summary, render_replay
+
+    class Bar:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+
+    async def run():
+        transport = httpx.MockTransport(lambda request: httpx.Response(500, text="down"))
+        async with httpx.AsyncClient(transport=transport) as client:
+            rep = _Replayer(workload, ReplayConfig("http://x", time_scale=0.0), client,
+                            ServerInfo("m", 4096, None, {}), bar)
+            await rep.all_steps()
+            return rep.run
+
+    bar = Bar()
+    r = asyncio.run(run())
+    assert r.completed == 0 and len(r.failed) == len(workload.sessions)  # each trajectory's first turn
+    assert r.not_sent == workload.num_rows - len(workload.sessions) > 0
+    assert bar.n == workload.num_rows
+    s = _summary(r, ServerInfo("m", 4096, None, {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0,
+                                                "preemptions": 0.0}), None, 1.0)
+    assert s["not_sent"] == r.not_sent and f"{r.not_sent} never sent" in render_replay(s)
+
+
 def test_cli_exits_2_on_a_missing_workload(tmp_path):
     from training.cli import app
 

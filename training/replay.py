@@ -100,6 +100,7 @@ class _Run:
     completed: int = 0
     turns: int = 0
     failed: list[str] = field(default_factory=list)
+    not_sent: int = 0  # the later turns and scoring requests of trajectories a failed request lost
     trajectories: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
     resets: int = 0
@@ -277,8 +278,12 @@ class _Replayer:
         """A session's turns with their tool calls between, then its verifier beside its scoring requests."""
         w = self.w
         for i, row in enumerate(turns):
-            if not await self.request(row):
-                return  # the trajectory is lost; its later turns are never sent
+            if not await self.request(row):  # the trajectory is lost; its later requests are never sent
+                lost = len(turns) - i - 1 + len(scoring)
+                self.run.not_sent += lost
+                if self.bar is not None and lost:
+                    self.bar.update(lost)
+                return
             if i + 1 < len(turns):
                 await self.wait(w.tool_latency_s[row])
         await asyncio.gather(self.wait(w.verify_latency_s[turns[-1]]), *(self.scoring(s) for s in scoring))
@@ -358,6 +363,7 @@ def _summary(r: _Run, info: ServerInfo, after: Optional[dict[str, float]], wall:
     return {
         "requests": r.completed,
         "failed": len(r.failed),
+        "not_sent": r.not_sent,
         "failures": r.failed[:10],
         "turns": r.turns,
         "trajectories": len(r.trajectories),
@@ -401,8 +407,9 @@ def _known(v: Any, fmt: str = "") -> str:
 def render_replay(s: Mapping[str, Any]) -> str:
     """The summary as a short table."""
     lines = [
-        f"requests            {s['requests']} ({s['failed']} failed), {s['turns']} turns, {s['trajectories']} "
-        "trajectories",
+        f"requests            {s['requests']} ({s['failed']} failed"
+        + (f", {s['not_sent']} never sent: the rest of the trajectories they lost" if s["not_sent"] else "")
+        + f"), {s['turns']} turns, {s['trajectories']} trajectories",
         f"makespan            {s['makespan_s']:.2f} s mean over {len(s['makespan_per_step_s'])} step(s): "
         + ", ".join(f"{m:.2f}" for m in s["makespan_per_step_s"]),
         f"trajectory p50/p99  {s['trajectory_p50_s']:.2f} / {s['trajectory_p99_s']:.2f} s",
