@@ -34,6 +34,8 @@ class HookStats:
     steps: int = 0
     fallback_steps: int = 0
     fallbacks: dict = field(default_factory=dict)  # "method:kind" -> count
+    #: steps whose events after their last decision (scheduled, finished) overran the budget: nothing fell back
+    late_event_overruns: int = 0
     policy_calls: int = 0
     preemptions: int = 0
     policy_victims: int = 0  # preemptions whose victim the policy moved
@@ -78,13 +80,15 @@ class Guard:
         self.budget_left = budget_s
         self.step_no = 0
         self.fallback = False  # this step falls back to vLLM's behaviour (no further policy decision)
+        self.decided = False  # vLLM's schedule() has returned: the step takes no further decision
+        self._late = False  # this step's late event overrun is counted
         self.inner_s = 0.0  # the hook's time inside vLLM's schedule() this step (allocate wrapper, eviction)
         self._logged: set[str] = set()
 
     def begin_step(self) -> None:
         """A new engine step: next number, full budget, no fallback yet."""
         self.step_no += 1
-        self.fallback = False
+        self.fallback = self.decided = self._late = False
         self.budget_left = self.budget_s
 
     def decide(self, what: str, fn: Callable[..., Any], kind: type[D], *args: Any) -> Optional[D]:
@@ -124,8 +128,18 @@ class Guard:
             return
         # Events cannot be discarded, but their time counts against the step's budget.
         self.budget_left -= _perf() - t
-        if self.budget_left < 0 and not self.fallback:
-            self.fail("on_event", "overrun", f"step budget {self.budget_s * 1e3:.2f} ms")
+        if self.budget_left < 0 and not self.fallback and not self._late:
+            if not self.decided:
+                self.fail("on_event", "overrun", f"step budget {self.budget_s * 1e3:.2f} ms")
+                return
+            # after the step's last decision nothing is left to fall back: counted, and logged once
+            self._late = True
+            self.stats.late_event_overruns += 1
+            if "on_event:late" not in self._logged:
+                self._logged.add("on_event:late")
+                logger.warning("kvpilot: policy %s's events after the step's decisions overran its time budget "
+                               "(step budget %.2f ms); the step's decisions stand. Logged once; further overruns "
+                               "are counted (late_event_overruns).", self.policy.name, self.budget_s * 1e3)
 
     def skip(self, key: str) -> None:
         """Fall back for this step without a failure to log (counted under ``key``)."""

@@ -231,6 +231,7 @@ class KVPilotMixin:
             out = super().schedule(*args, **kwargs)
         finally:
             t2 = _perf()
+            guard.decided = True
             if held:
                 admission.restore(held, desired)
         idle = quiet = False  # idle: every waiting request held and nothing ran; quiet: and nothing new to log

@@ -136,6 +136,34 @@ def test_sleeping_policy_is_discarded(vllm_engine, stock, caplog):
     assert len(msgs) == len({k for k in st.fallbacks if k.endswith(":overrun")})
 
 
+class SlowAfterDecisions(Policy):
+    """Decides in time; its events after the step's decisions (scheduled, finished) overrun the budget."""
+
+    name = "test-slow-events"
+    uses_admission = True
+    uses_events = True
+    decision_budget_s = 0.002
+
+    def admit(self, waiting, state):
+        return AdmissionDecision(order=[c.request_id for c in reversed(waiting)])
+
+    def on_event(self, event):
+        if event.kind.value in ("scheduled", "finished"):
+            time.sleep(0.003)
+
+
+def test_events_after_the_decisions_overrun_without_undoing_them(vllm_engine, caplog):
+    """The step's decisions stand: an overrun by the events that follow them is counted and logged once, and the
+    step is no fallback (nothing was left to fall back)."""
+    caplog.set_level(logging.WARNING, logger="kvpilot.hook")
+    _, _, s = _run(vllm_engine, _hook(SlowAfterDecisions))
+    st = s.kvpilot_stats
+    assert st.late_event_overruns > 0 and st.admission_reorders > 0
+    assert st.fallback_steps == 0 and not st.fallbacks
+    msgs = [r.getMessage() for r in caplog.records if "after the step's decisions overran" in r.getMessage()]
+    assert len(msgs) == 1, msgs
+
+
 def test_budget_from_config_applies(vllm_engine, stock):
     """KVPILOT_DECISION_BUDGET_MS bounds a policy that does not set its own budget."""
 
