@@ -18,6 +18,8 @@ and with ``host_eviction`` the tier keeps what the reuse predictor (``reuse_pred
 its place in the admission order, its tool's pause, :mod:`policy.session_reuse`). GPU eviction stays vLLM's
 LRU unless ``gpu_eviction`` orders it by the same predictor, and retention stays vLLM's: with hindsight next
 uses they won nothing over LRU where memory binds (docs/results/2026-12-04-memory-binds-admission.md).
+Under asynchronous RL (requests that carry weight versions) the oldest GRPO group goes first and the youngest
+group's contexts leave first (``group_age``, :mod:`policy.group_age`).
 
 **Precedence.** A preempted request goes back first, as in vLLM's own queue
 (``resume_preempted``, on by default: ranked by score, a preempted turn of a
@@ -106,7 +108,14 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # ``reuse_predictor``) is furthest leaves first. With hindsight next uses this lever won nothing over LRU where
     # memory binds (SRPT with every cache lever 3,378.7 s, with the host-tier order alone 3,369.8 s,
     # docs/results/2026-12-04-memory-binds-admission.md); the ``learned-gpu-evict`` ablation row measures it.
+    # "async": on only where the requests carry weight versions (asynchronous RL), where the youngest group's
+    # contexts leave first (``group_age``); vLLM's LRU elsewhere. ``kvpilot train`` sets it from async logs.
     "gpu_eviction": False,
+    # Under asynchronous RL (requests that carry ``kvpilot_weight_version``): the oldest GRPO group's requests are
+    # admitted first, and the youngest group's cached contexts leave the CPU tier (and, with ``gpu_eviction``, GPU
+    # memory) first (policy/group_age.py). Measured at H200-32B, GPU capacity, 64 GiB tier, keep, eta 2:
+    # docs/results/2026-12-05-async-32b-oldest-group-first.md. Without weight versions nothing changes.
+    "group_age": True,
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
     # exploring policy's "shortest" component, deterministic) or "scorer" (the learned MLP's admission head).
     # Measured with the same trained policy on held-out agentic steps (same document), shortest-first ran 0.83x
@@ -115,6 +124,9 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # In ``log`` mode the admission order is the scorer's Plackett-Luce sample either way (it explores).
     "admission": "shortest",
 }
+#: ``group_age``: a group's rank in start order weighs this much in the admission key (more than any predicted
+#: remaining output) and this many seconds of predicted next use in the eviction order.
+AGE_KEY, AGE_S = 1e12, 1e6
 #: The admission orders of :data:`RUNTIME_DEFAULTS`'s ``admission``.
 ADMISSION_ORDERS = ("scorer", "shortest")
 #: The reuse predictors of :data:`RUNTIME_DEFAULTS`'s ``reuse_predictor``.
@@ -158,13 +170,16 @@ class LearnedPolicy(Sampler):
         preempt: bool = RUNTIME_DEFAULTS["preempt"],
         offload: bool = RUNTIME_DEFAULTS["offload"],
         host_eviction: bool = RUNTIME_DEFAULTS["host_eviction"],
-        gpu_eviction: bool = RUNTIME_DEFAULTS["gpu_eviction"],
+        gpu_eviction: bool | str = RUNTIME_DEFAULTS["gpu_eviction"],
+        group_age: bool = RUNTIME_DEFAULTS["group_age"],
         manifest: Optional[dict] = None,
         predictors_dir: Optional[Path] = None,
         reuse: Any = None,
     ) -> None:
         if mode not in ("serve", "log"):
             raise ValueError(f"option mode must be 'serve' or 'log', got {mode!r}")
+        if gpu_eviction not in (False, True, "async"):
+            raise ValueError(f"option gpu_eviction must be true, false or \"async\", got {gpu_eviction!r}")
         super().__init__(predictor, max_wait_steps, max_wait_s, seed, resume_preempted)
         self.uses_preemption = bool(preempt)  # False: vLLM chooses the victims
         self.uses_offload = bool(offload)
@@ -178,8 +193,8 @@ class LearnedPolicy(Sampler):
         self.runtime = {"temperature": temperature, "epsilon": epsilon, "max_wait_steps": max_wait_steps,
                         "max_wait_s": max_wait_s, "resume_preempted": bool(resume_preempted),
                         "rescore_tol": rescore_tol, "preempt": bool(preempt), "offload": bool(offload),
-                        "host_eviction": bool(host_eviction), "gpu_eviction": bool(gpu_eviction),
-                        "admission": admission,
+                        "host_eviction": bool(host_eviction), "gpu_eviction": gpu_eviction,
+                        "group_age": bool(group_age), "admission": admission,
                         "reuse_predictor": reuse_predictor}
         if admission not in ADMISSION_ORDERS:
             raise ValueError(f"option admission must be one of {', '.join(ADMISSION_ORDERS)}, got {admission!r}")
@@ -187,6 +202,8 @@ class LearnedPolicy(Sampler):
             raise ValueError(f"option reuse_predictor must be one of {', '.join(REUSE_PREDICTORS)}, "
                              f"got {reuse_predictor!r}")
         self.admission = admission
+        self.gpu_async = gpu_eviction == "async"  # GPU eviction ordered only under asynchronous RL
+        self.group_age = bool(group_age)
         self.mode = mode
         self.temperature = check_positive("temperature", temperature)
         self.epsilon = float(epsilon)
@@ -213,16 +230,27 @@ class LearnedPolicy(Sampler):
     # ------------------------------------------------------------------------- eviction
     def evict(self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int,
               state: EngineState) -> Optional[EvictionDecision]:
-        """GPU eviction (``gpu_eviction``): the cached prefix with the furthest predicted next use first."""
-        if not prefixes:
+        """GPU eviction (``gpu_eviction``): the cached prefix with the furthest predicted next use first (under
+        asynchronous RL with ``group_age``, the youngest group's first); ``"async"``: vLLM's LRU where the requests
+        carry no weight versions."""
+        if self.gpu_async and not self.table.aged:
             return None
-        return EvictionDecision(order=furthest_first(prefixes, self.reuse.next_use_s(prefixes, state.time_s)))
+        return self._furthest_first(prefixes, state)
 
     def evict_host(self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int,
                    state: EngineState) -> Optional[EvictionDecision]:
         """The CPU tier's owners in the same order (the reuse predictor's Belady; a store whose owner comes first is
         skipped)."""
-        return self.evict(prefixes, num_blocks_needed, state)
+        return self._furthest_first(prefixes, state)
+
+    def _furthest_first(self, prefixes: Sequence[CachedPrefix], state: EngineState) -> Optional[EvictionDecision]:
+        if not prefixes:
+            return None
+        next_use = self.reuse.next_use_s(prefixes, state.time_s)
+        if self.group_age and self.table.aged:  # a younger group's context leaves before an older group's
+            rank = self.table.ages.rank
+            next_use = [t + rank(p.meta) * AGE_S for t, p in zip(next_use, prefixes)]
+        return EvictionDecision(order=furthest_first(prefixes, next_use))
 
     # --------------------------------------------------------------------------- scoring
     def scores(self, cands: Sequence[CandidateRequest], state: EngineState, head: int,
@@ -281,8 +309,11 @@ class LearnedPolicy(Sampler):
             return None
         if self.admission == "shortest" and self.mode == "serve":  # log mode explores around the scorer either way
             rem, idx = self._remaining(waiting, state)
-            return AdmissionDecision(order=self._order(self.table.first(idx, state),
-                                                       -rem - np.arange(len(waiting)) * 1e-9, waiting, state))
+            keys = -rem - np.arange(len(waiting)) * 1e-9
+            if self.group_age and self.table.aged:  # the oldest group first, then shortest (policy.group_age)
+                age = self.table.age[idx]
+                keys -= (age - age.min()) * AGE_KEY
+            return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
         s, idx = self.scores(waiting, state, ADMIT)
         first = self.table.first(idx, state)
         if self.mode == "serve":

@@ -36,6 +36,7 @@ from typing import Optional
 
 import numpy as np
 
+from policy.group_age import GroupAges
 from policy.interface import CandidateRequest, CandidateView, EngineState, Event, EventKind
 from policy.learned_features import (
     FEATURES,
@@ -70,6 +71,8 @@ class TableState:
     since: np.ndarray
     steps: dict[Optional[int], int]
     tracking: bool
+    age: np.ndarray
+    ages: GroupAges
 
 
 def engine_raw(state: EngineState) -> tuple[float, float, int, int]:
@@ -121,6 +124,9 @@ class FeatureTable:
         self.preempted = np.zeros(cap, dtype=bool)  # waiting again after a preemption
         self.preds = np.full((cap, 2), math.nan)  # length p50, p90
         self.step = np.zeros(cap, dtype=np.int64)  # index into self.steps
+        self.age = np.zeros(cap)  # its group's rank in start order under asynchronous RL, else 0 (policy.group_age)
+        self.ages: GroupAges = getattr(self, "ages", None) or GroupAges()  # (kept when the table starts afresh)
+        self.aged = False  # some row has a group age: the requests carry weight versions (asynchronous RL)
         self.since = np.full((cap, 2), math.nan)  # (engine step, time) it (re-)entered the queue
         self.dirty = np.zeros(cap, dtype=bool)
         self.light = np.zeros(cap, dtype=bool)  # filled by :meth:`remaining`: ``x`` not computed
@@ -137,7 +143,7 @@ class FeatureTable:
 
     def _grow(self) -> None:
         cap = len(self.x)
-        for name in ("x", "lr", "arrival", "running", "preempted", "preds", "step", "since", "dirty", "light"):
+        for name in ("x", "lr", "arrival", "running", "preempted", "preds", "step", "age", "since", "dirty", "light"):
             a = getattr(self, name)
             b = np.full((2 * cap,) + a.shape[1:], math.nan) if name in ("preds", "since") else \
                 np.zeros((2 * cap,) + a.shape[1:], dtype=a.dtype)
@@ -194,10 +200,13 @@ class FeatureTable:
             if not self.free:
                 self._grow()
             r = idx[i] = rows[c.request_id] = self.free.pop()
-            gid = c.meta.group_id
+            meta = c.meta
+            gid = meta.group_id
             self.group[c.request_id] = gid
             if gid is not None:
                 self.members.setdefault(gid, set()).add(c.request_id)
+            age = self.age[r] = self.ages.rank(meta)
+            self.aged |= age > 0
             self.dirty[r] = True
             self.light[r] = False
             self.since[r] = math.nan
@@ -341,7 +350,7 @@ class FeatureTable:
     def export_state(self) -> TableState:
         """The event-derived part, for a successor's table (this table is not used afterwards)."""
         return TableState(self.rows, self.members, self.group, self.free, self.arrival, self.running, self.step,
-                          self.since, self.steps, self.tracking)
+                          self.since, self.steps, self.tracking, self.age, self.ages)
 
     def import_state(self, st: TableState) -> None:
         """Take a predecessor's rows over; their features are recomputed (this table's predictor) when next offered."""
@@ -352,6 +361,7 @@ class FeatureTable:
         self.rows, self.members, self.group, self.free = st.rows, st.members, st.group, st.free
         self.arrival, self.running, self.step, self.since = st.arrival, st.running, st.step, st.since
         self.steps, self.tracking = st.steps, st.tracking
+        self.age, self.ages, self.aged = st.age, st.ages, bool(st.age.any())
         self.dirty[:] = True
 
     # ------------------------------------------------------------------ precedence

@@ -78,10 +78,13 @@ def heldout_mask(data: Decisions, split: str, holdout_fraction: float, n_logs: i
 
 
 def logged_levers(log_dirs: Sequence[Path], data: "Decisions") -> dict[str, bool]:
-    """Which levers the logs exercised: ``preempt`` (preemption decisions to learn from) and ``offload`` (a CPU
-    offload tier: some ``steps`` row stored blocks to it)."""
+    """Which levers the logs exercised: ``preempt`` (preemption decisions to learn from), ``offload`` (a CPU
+    offload tier: some ``steps`` row stored blocks to it) and ``async`` (some log is a simulation under
+    asynchronous RL: its ``summary.json`` says ``driver`` async)."""
     from data.io import read_telemetry
 
+    levers = {"preempt": bool(np.any(data.kind == KINDS["preempt"])),
+              "async": any(_driver(log) == "async" for log in log_dirs)}
     tier = False
     for log in log_dirs:
         try:
@@ -91,7 +94,17 @@ def logged_levers(log_dirs: Sequence[Path], data: "Decisions") -> dict[str, bool
         if steps.num_rows and sum(v or 0 for v in steps.column("offload_stored_blocks").to_pylist()) > 0:
             tier = True
             break
-    return {"preempt": bool(np.any(data.kind == KINDS["preempt"])), "offload": tier}
+    return {**levers, "offload": tier}
+
+
+def _driver(log: Path) -> str | None:
+    """The simulation driver of a log (its ``summary.json``'s ``driver``), None where it has none."""
+    path = decision_telemetry(log).parent / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary.get("driver") if isinstance(summary, dict) else None
 
 
 def logged_session_contexts(log_dirs: Sequence[Path]) -> dict[str, dict[str, float]]:
@@ -149,6 +162,8 @@ def train_policy(
     runtime = {**RUNTIME_DEFAULTS, **config.runtime, "temperature": config.temperature,
                "preempt": levers["preempt"] if config.preempt is None else config.preempt,
                "offload": levers["offload"] if config.offload is None else config.offload}
+    if levers["async"] and "gpu_eviction" not in config.runtime:  # the GPU's evictions by group age too
+        runtime["gpu_eviction"] = "async"
     cfg["preempt"], cfg["offload"] = runtime["preempt"], runtime["offload"]
     cfg["runtime"] = runtime
     trained_on = {"logs": [str(p) for p in log_dirs], "predictors": str(predictors_dir), "split": split,

@@ -3,6 +3,7 @@ preempted and the starved."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -209,6 +210,64 @@ def test_a_preempted_request_goes_back_first_then_the_starved() -> None:
     off.admit(waiting, _state(1, 0.0))
     off.on_event(Event(EventKind.PREEMPTED, 1.0, "r1", waiting[1].meta))
     assert off.admit([waiting[0], preempted(waiting[1]), waiting[2]], _state(2, 1.0)).order[0] == "r2"
+
+
+def _async_cand(i: int, group: str, version: int | None) -> CandidateRequest:
+    c = _cand(i)
+    return dataclasses.replace(c, meta=dataclasses.replace(c.meta, group_id=group, weight_version=version))
+
+
+def test_under_async_rl_the_oldest_group_is_admitted_first_and_its_contexts_kept() -> None:
+    """Where requests carry weight versions (asynchronous RL), the group that started first goes first (shortest
+    within it), and the youngest group's cached contexts leave first, on the CPU tier and, with ``gpu_eviction``
+    "async", on the GPU; without weight versions the order is shortest first and the GPU stays vLLM's LRU."""
+    from policy.interface import CachedPrefix, OwnerState
+
+    lengths = {f"r{i}": 100.0 * (i + 1) for i in range(6)}
+    pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), offload=True,
+                        gpu_eviction="async", reuse=StubNextUse({"old": 10.0, "young": 500.0, "mid": 50.0}))
+    assert pol.uses_eviction and pol.uses_host_eviction
+    sync_lengths = FixedLengths({f"r{i}": 100.0 * (i + 1) for i in range(6)})
+    sync_pol = LearnedPolicy(_state_dict(remaining_weight=1.0), sync_lengths, offload=True, gpu_eviction="async",
+                             reuse=StubNextUse({"old": 10.0}))
+    sync = [_async_cand(i, g, None) for i, g in ((4, "g-a"), (0, "g-b"), (2, "g-a"))]
+    assert list(sync_pol.admit(sync, _state()).order) == ["r0", "r2", "r4"]  # no weight versions: shortest first
+
+    def cached(pid: str, group: str) -> CachedPrefix:
+        return CachedPrefix(prefix_id=pid, owner_request_id=pid, owner_state=OwnerState.PAUSED_TOOL,
+                            meta=RequestMeta(group_id=group, weight_version=None), block_ids=(1,), block_hashes=(1,),
+                            last_used_s=0.0)
+
+    # "async": vLLM's LRU without weight versions
+    assert sync_pol.evict([cached("old", "g-a")], 1, _state()) is None
+    assert pol.evict([cached("old", "g-a")], 1, _state()) is None  # (nor any request seen yet)
+    first = [_async_cand(5, "g-old", 0), _async_cand(3, "g-old", 0)]  # the first group seen
+    pol.admit(first, _state(2))
+    later = [_async_cand(1, "g-mid", 0), _async_cand(0, "g-young", 1), _async_cand(5, "g-old", 0),
+             _async_cand(3, "g-old", 0)]  # (groups are first seen in the order they start)
+    assert list(pol.admit(later, _state(3)).order) == ["r3", "r5", "r1", "r0"]
+    prefixes = []
+    for pid, group in (("old", "g-old"), ("young", "g-young"), ("mid", "g-mid")):
+        p = cached(pid, group)
+        prefixes.append(dataclasses.replace(p, meta=dataclasses.replace(p.meta, weight_version=0)))
+    # the youngest group's first, whatever the predicted next uses
+    assert list(pol.evict_host(prefixes, 1, _state(3)).order) == ["young", "mid", "old"]
+    pol.reuse = StubNextUse({"old": 900.0, "young": 1.0, "mid": 50.0})
+    assert list(pol.evict(prefixes, 1, _state(3)).order) == ["young", "mid", "old"]
+    off = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), group_age=False)
+    assert list(off.admit(later, _state(3)).order) == ["r0", "r1", "r3", "r5"]
+    with pytest.raises(ValueError, match='gpu_eviction must be true, false or "async"'):
+        LearnedPolicy(_state_dict(), FixedLengths(lengths), gpu_eviction="yes")
+
+
+class StubNextUse:
+    """A reuse predictor answering each prefix's next use from a table."""
+
+    def __init__(self, next_use: dict[str, float]) -> None:
+        self.next_use = next_use
+
+    def next_use_s(self, prefixes, now):
+        return [self.next_use[p.prefix_id] for p in prefixes]
 
 
 def test_shortest_admission_orders_by_predicted_remaining_whatever_the_scores() -> None:

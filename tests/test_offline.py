@@ -38,6 +38,27 @@ def test_offline_config_from_json_names_what_is_wrong() -> None:
             OfflineConfig.from_json(text)
 
 
+def test_logs_of_asynchronous_rl_turn_the_gpu_order_by_group_age_on(tmp_path: Path) -> None:
+    """A log whose summary says the async driver ran it is found (``async``); one without a summary, or a
+    synchronous one, is not."""
+    from types import SimpleNamespace
+
+    from policy.offline import logged_levers
+
+    def log(name: str, summary: str | None) -> Path:
+        d = tmp_path / name
+        for table in ("requests", "decisions"):
+            (d / "telemetry" / table).mkdir(parents=True)
+        if summary is not None:
+            (d / "summary.json").write_text(summary)
+        return d
+
+    data = SimpleNamespace(kind=np.zeros(3, dtype=np.int64))
+    sync, bare, broken = log("sync", '{"driver": "sync"}'), log("bare", None), log("broken", "{not json")
+    assert not logged_levers([sync, bare, broken], data)["async"]
+    assert logged_levers([sync, log("async", '{"driver": "async"}')], data)["async"]
+
+
 def test_train_policy_writes_a_policy_dir(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811
     from policy.learned import LearnedPolicy
     from policy.offline import train_policy
