@@ -162,9 +162,11 @@ def train_policy(
     runtime = {**RUNTIME_DEFAULTS, **config.runtime, "temperature": config.temperature,
                "preempt": levers["preempt"] if config.preempt is None else config.preempt,
                "offload": levers["offload"] if config.offload is None else config.offload}
-    if levers["async"] and "gpu_eviction" not in config.runtime:  # the GPU's evictions by group age too
+    if config.gpu_eviction is not None:
+        runtime["gpu_eviction"] = config.gpu_eviction
+    elif levers["async"]:  # the GPU's evictions by group age too, under asynchronous RL only
         runtime["gpu_eviction"] = "async"
-    cfg["preempt"], cfg["offload"] = runtime["preempt"], runtime["offload"]
+    cfg["preempt"], cfg["offload"], cfg["gpu_eviction"] = runtime["preempt"], runtime["offload"], runtime["gpu_eviction"]
     cfg["runtime"] = runtime
     trained_on = {"logs": [str(p) for p in log_dirs], "predictors": str(predictors_dir), "split": split,
                   "decisions_train": int(len(train)), "decisions_test": int(len(test)),

@@ -59,6 +59,10 @@ class OfflineConfig:
     #: None (default): when the logs were taken over one (their ``steps`` stored blocks to it), so the plain recipe
     #: (``simulate --policy logging``, whose exploring policy uses the tier, then ``train``) serves over the tier.
     offload: Optional[bool] = None
+    #: the trained policy's GPU eviction order (``policy.json``'s runtime option ``gpu_eviction``). None (default):
+    #: "async" where some log comes from the async driver (the youngest group's contexts leave first, under
+    #: asynchronous RL only), else the runtime's (vLLM's LRU).
+    gpu_eviction: Optional[bool | str] = None
     runtime: dict = field(default_factory=lambda: dict(RUNTIME_DEFAULTS))
 
     def __post_init__(self) -> None:
@@ -76,6 +80,9 @@ class OfflineConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be true or false, or null (from the logs), got {v!r}")
+        if self.gpu_eviction not in (None, False, True, "async"):
+            raise ValueError(f"gpu_eviction must be true, false, \"async\" or null (from the logs), "
+                             f"got {self.gpu_eviction!r}")
         if not isinstance(self.runtime, dict):
             raise ValueError(f"runtime must be an object of runtime options, got {self.runtime!r}")
         if not isinstance(self.hidden, (list, tuple)) or not all(

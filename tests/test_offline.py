@@ -22,6 +22,8 @@ def test_offline_config_rejects_bad_values() -> None:
         OfflineConfig(oracle_rule="random")
     with pytest.raises(ValueError, match="threads"):
         OfflineConfig(threads=0)
+    with pytest.raises(ValueError, match="gpu_eviction must be true, false"):
+        OfflineConfig(gpu_eviction="yes")
 
 
 def test_offline_config_from_json_names_what_is_wrong() -> None:
