@@ -38,3 +38,11 @@ class GroupAges:
             r = self._rank[gid] = self._next
             self._next += 1
         return r
+
+    def known(self, meta: RequestMeta) -> int:
+        """:meth:`rank` without ranking a group not seen yet: such a group counts as the youngest."""
+        gid = meta.group_id
+        if gid is None or meta.weight_version is None:
+            return 0
+        r = self._rank.get(gid)
+        return self._next if r is None else r

@@ -124,9 +124,9 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # In ``log`` mode the admission order is the scorer's Plackett-Luce sample either way (it explores).
     "admission": "shortest",
 }
-#: ``group_age``: a group's rank in start order weighs this much in the admission key (more than any predicted
-#: remaining output) and this many seconds of predicted next use in the eviction order.
-AGE_KEY, AGE_S = 1e12, 1e6
+#: ``group_age``: a group's rank in start order weighs this many seconds of predicted next use in the eviction
+#: order (a context never used again, ``inf``, still leaves first).
+AGE_S = 1e6
 #: The admission orders of :data:`RUNTIME_DEFAULTS`'s ``admission``.
 ADMISSION_ORDERS = ("scorer", "shortest")
 #: The reuse predictors of :data:`RUNTIME_DEFAULTS`'s ``reuse_predictor``.
@@ -178,7 +178,7 @@ class LearnedPolicy(Sampler):
     ) -> None:
         if mode not in ("serve", "log"):
             raise ValueError(f"option mode must be 'serve' or 'log', got {mode!r}")
-        if gpu_eviction not in (False, True, "async"):
+        if not (isinstance(gpu_eviction, bool) or gpu_eviction == "async"):
             raise ValueError(f"option gpu_eviction must be true, false or \"async\", got {gpu_eviction!r}")
         super().__init__(predictor, max_wait_steps, max_wait_s, seed, resume_preempted)
         self.uses_preemption = bool(preempt)  # False: vLLM chooses the victims
@@ -248,7 +248,7 @@ class LearnedPolicy(Sampler):
             return None
         next_use = self.reuse.next_use_s(prefixes, state.time_s)
         if self.group_age and self.table.aged:  # a younger group's context leaves before an older group's
-            rank = self.table.ages.rank
+            rank = self.table.ages.known
             next_use = [t + rank(p.meta) * AGE_S for t, p in zip(next_use, prefixes)]
         return EvictionDecision(order=furthest_first(prefixes, next_use))
 
@@ -300,6 +300,16 @@ class LearnedPolicy(Sampler):
         """Predictions to return with a decision: in ``log`` mode only (serving logs no features)."""
         return self._predicted(cands, idx) if self.mode == "log" else None
 
+    def _by_age(self, idx: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Admission keys (higher first) that put the oldest group first (policy.group_age), then ``keys``, then the
+        queue's order: each candidate's place in that lexicographic order, negated. A request with no weight
+        version (rank 0) counts as the oldest."""
+        n = len(keys)
+        ranked = np.lexsort((np.arange(n), -keys, self.table.age[idx]))
+        out = np.empty(n)
+        out[ranked] = -np.arange(n, dtype=np.float64)
+        return out
+
     def _probs(self, s: np.ndarray) -> np.ndarray:
         n = len(s)
         return (1.0 - self.epsilon) * _softmax(s / self.temperature) + self.epsilon / n
@@ -309,15 +319,14 @@ class LearnedPolicy(Sampler):
             return None
         if self.admission == "shortest" and self.mode == "serve":  # log mode explores around the scorer either way
             rem, idx = self._remaining(waiting, state)
-            keys = -rem - np.arange(len(waiting)) * 1e-9
-            if self.group_age and self.table.aged:  # the oldest group first, then shortest (policy.group_age)
-                age = self.table.age[idx]
-                keys -= (age - age.min()) * AGE_KEY
+            keys = self._by_age(idx, -rem) if self.group_age and self.table.aged else \
+                -rem - np.arange(len(waiting)) * 1e-9
             return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
         s, idx = self.scores(waiting, state, ADMIT)
         first = self.table.first(idx, state)
         if self.mode == "serve":
-            return AdmissionDecision(order=self._order(first, s, waiting, state))
+            keys = self._by_age(idx, s) if self.group_age and self.table.aged else s
+            return AdmissionDecision(order=self._order(first, keys, waiting, state))
         predictions = self._logged(waiting, idx)
         if first:
             return AdmissionDecision(order=self._order(first, s, waiting, state), propensity=1.0,

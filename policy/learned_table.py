@@ -53,6 +53,7 @@ from policy.learned_features import (
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
 _PREEMPTIONS = R["preemptions"]
 _SCHEDULED, _PREEMPTED, _FINISHED = EventKind.SCHEDULED, EventKind.PREEMPTED, EventKind.FINISHED  # (plain names: cheaper)
+_ARRIVED = EventKind.ARRIVED
 #: Rows beyond which a table that receives no FINISHED events starts afresh.
 MAX_ROWS = 1 << 17
 
@@ -126,7 +127,7 @@ class FeatureTable:
         self.step = np.zeros(cap, dtype=np.int64)  # index into self.steps
         self.age = np.zeros(cap)  # its group's rank in start order under asynchronous RL, else 0 (policy.group_age)
         self.ages: GroupAges = getattr(self, "ages", None) or GroupAges()  # (kept when the table starts afresh)
-        self.aged = False  # some row has a group age: the requests carry weight versions (asynchronous RL)
+        self.aged_rows = 0  # rows with a group age: their requests carry weight versions (asynchronous RL)
         self.since = np.full((cap, 2), math.nan)  # (engine step, time) it (re-)entered the queue
         self.dirty = np.zeros(cap, dtype=bool)
         self.light = np.zeros(cap, dtype=bool)  # filled by :meth:`remaining`: ``x`` not computed
@@ -140,6 +141,11 @@ class FeatureTable:
         self._none = self._preempted = np.empty(0, dtype=np.int64)  # positions of the last input's preempted rows
         self._rem: Optional[tuple[np.ndarray, np.ndarray]] = None  # :meth:`remaining`'s last rows and answer
         self.youngest = -math.inf
+
+    @property
+    def aged(self) -> bool:
+        """Some live row has a group age: its request carries a weight version (asynchronous RL)."""
+        return self.aged_rows > 0
 
     def _grow(self) -> None:
         cap = len(self.x)
@@ -156,6 +162,10 @@ class FeatureTable:
         """Mark the rows an event changes: the request's own, and its group's (counters, length prediction)."""
         self.tracking = True
         kind = event.kind
+        if kind is _ARRIVED:  # a group's age counts from its first arrival (admitted or not, offered or not)
+            if event.meta.weight_version is not None:
+                self.ages.rank(event.meta)
+            return
         if kind is not _SCHEDULED and kind is not _PREEMPTED and kind is not _FINISHED:
             return
         rid = event.request_id
@@ -177,6 +187,9 @@ class FeatureTable:
 
     def _drop(self, rid: str, row: int) -> None:
         del self.rows[rid]
+        if self.age[row]:
+            self.age[row] = 0.0
+            self.aged_rows -= 1
         gid = self.group.pop(rid)
         if gid is not None:
             m = self.members[gid]
@@ -206,7 +219,7 @@ class FeatureTable:
             if gid is not None:
                 self.members.setdefault(gid, set()).add(c.request_id)
             age = self.age[r] = self.ages.rank(meta)
-            self.aged |= age > 0
+            self.aged_rows += age > 0
             self.dirty[r] = True
             self.light[r] = False
             self.since[r] = math.nan
@@ -361,7 +374,8 @@ class FeatureTable:
         self.rows, self.members, self.group, self.free = st.rows, st.members, st.group, st.free
         self.arrival, self.running, self.step, self.since = st.arrival, st.running, st.step, st.since
         self.steps, self.tracking = st.steps, st.tracking
-        self.age, self.ages, self.aged = st.age, st.ages, bool(st.age.any())
+        self.age, self.ages = st.age, st.ages
+        self.aged_rows = int(np.count_nonzero(st.age))  # (freed rows' ages are zeroed)
         self.dirty[:] = True
 
     # ------------------------------------------------------------------ precedence

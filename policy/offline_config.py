@@ -80,7 +80,7 @@ class OfflineConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be true or false, or null (from the logs), got {v!r}")
-        if self.gpu_eviction not in (None, False, True, "async"):
+        if not (self.gpu_eviction is None or isinstance(self.gpu_eviction, bool) or self.gpu_eviction == "async"):
             raise ValueError(f"gpu_eviction must be true, false, \"async\" or null (from the logs), "
                              f"got {self.gpu_eviction!r}")
         if not isinstance(self.runtime, dict):

@@ -260,6 +260,28 @@ def test_under_async_rl_the_oldest_group_is_admitted_first_and_its_contexts_kept
         LearnedPolicy(_state_dict(), FixedLengths(lengths), gpu_eviction="yes")
 
 
+def test_a_groups_age_counts_from_its_arrival_and_ends_with_its_rows() -> None:
+    """A group is ranked when its first request arrives (the ARRIVED event), offered or not; siblings with the same
+    prediction keep the queue's order; once every versioned request has finished, ``gpu_eviction`` "async" is
+    vLLM's LRU again."""
+    from policy.interface import CachedPrefix, OwnerState
+
+    lengths = {f"r{i}": 100.0 for i in range(6)}
+    pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), gpu_eviction="async",
+                        reuse=StubNextUse({"p": 10.0}))
+    early = _async_cand(4, "g-early", 0)
+    pol.on_event(Event(EventKind.ARRIVED, 0.0, "r4", early.meta))  # arrived, never offered (e.g. a fallback step)
+    later = [_async_cand(i, "g-late", 0) for i in (2, 0, 1)] + [early]
+    assert list(pol.admit(later, _state(1)).order) == ["r4", "r2", "r0", "r1"]  # equal predictions: queue order
+    cached = CachedPrefix(prefix_id="p", owner_request_id="p", owner_state=OwnerState.PAUSED_TOOL,
+                          meta=RequestMeta(group_id="g-late", weight_version=0), block_ids=(1,), block_hashes=(1,),
+                          last_used_s=0.0)
+    assert pol.evict([cached], 1, _state(1)) is not None  # versioned rows live: ordered
+    for c in later:
+        pol.on_event(Event(EventKind.FINISHED, 1.0, c.request_id, c.meta, finish_reason="stop"))
+    assert not pol.table.aged and pol.evict([cached], 1, _state(2)) is None  # none left: vLLM's LRU
+
+
 class StubNextUse:
     """A reuse predictor answering each prefix's next use from a table."""
 
