@@ -27,15 +27,12 @@ class GroupAges:
 
     def rank(self, meta: RequestMeta) -> int:
         """The rank of the request's group in start order; 0 where it carries no weight version or no group."""
-        gid = meta.group_id
-        if gid is None or meta.weight_version is None:
-            return 0
-        r = self._rank.get(gid)
-        if r is None:
+        r = self.known(meta)
+        if r == self._next:  # a group not seen yet: ranked now
             if len(self._rank) >= MAX_GROUPS:
                 for old in list(self._rank)[: MAX_GROUPS // 2]:
                     del self._rank[old]
-            r = self._rank[gid] = self._next
+            self._rank[meta.group_id] = r
             self._next += 1
         return r
 
@@ -44,5 +41,4 @@ class GroupAges:
         gid = meta.group_id
         if gid is None or meta.weight_version is None:
             return 0
-        r = self._rank.get(gid)
-        return self._next if r is None else r
+        return self._rank.get(gid, self._next)

@@ -99,7 +99,7 @@ def logged_levers(log_dirs: Sequence[Path], data: "Decisions") -> dict[str, bool
 
 def _driver(log: Path) -> str | None:
     """The simulation driver of a log (its ``summary.json``'s ``driver``), None where it has none."""
-    path = decision_telemetry(log).parent / "summary.json"
+    path = Path(log) / "summary.json"  # (where training.train.logs_engine reads the logs' engine)
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
