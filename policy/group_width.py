@@ -11,6 +11,13 @@ from KV use, which stays near full whenever memory binds. kvpilot sizes it from 
 * :func:`working_set_admits` starts the next group only while the predicted working set of the sessions in
   flight (each at the larger of its context now and its predicted peak) plus the next group's fits in the
   replicas' GPU KV plus their host tier. One group is always allowed, so the rollout never stalls.
+* :func:`working_set_holds` then keeps the width right while the groups run: a predicted peak is a domain's
+  mean, and a group of long sessions outgrows it. A session's next turn waits while the sessions in flight of
+  its own group and every older one do not fit in GPU KV plus the host tier, the oldest group's turns never.
+  vLLM's CPU tier writes every block the GPU computes through to host memory, so a running context takes its
+  room twice (on the GPU and its host copy, up to the tier's size) and a paused one once. Without the hold the
+  youngest group's turns evict the older groups' paused contexts, which return and are recomputed while the
+  trainer waits for exactly those older groups. A held turn goes as soon as a session's end makes room.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["SessionContexts", "fit_session_contexts", "working_set_admits"]
+__all__ = ["SessionContexts", "fit_session_contexts", "working_set_admits", "working_set_holds"]
 
 #: How many ended sessions the logged prior weighs as (online updates move it from there).
 PRIOR_WEIGHT = 8.0
@@ -79,3 +86,11 @@ def working_set_admits(in_flight_tokens: float, next_tokens: float, capacity_tok
     """Whether the next group may start: its predicted working set and that of the groups in flight fit in
     ``capacity_tokens`` (GPU KV plus host tier), or no group is in flight."""
     return groups_in_flight == 0 or in_flight_tokens + next_tokens <= capacity_tokens
+
+
+def working_set_holds(contexts: float, running: float, gpu_kv_tokens: int, tier_tokens: int, oldest: bool) -> bool:
+    """Whether a session's next turn waits: the sessions in flight of its group and every older group, with
+    ``contexts`` tokens of context now, ``running`` of them in sessions on the engine (the turn to send
+    included), do not fit in ``gpu_kv_tokens`` plus ``tier_tokens`` (a running context's host copy counts too,
+    up to the tier's size), and its group is not the oldest in flight."""
+    return not oldest and contexts + min(running, tier_tokens) > gpu_kv_tokens + tier_tokens

@@ -21,7 +21,10 @@ Admission (:class:`simulator.config.AsyncRL`):
   while the predicted peak contexts of the sessions in flight and of its own fit in the fleet's GPU KV plus its
   host tier (one group always may). A session's peak is predicted by domain from the policy's logged prior
   (:attr:`policy.interface.Policy.session_contexts`), refined by each session that ends; one in flight counts
-  at least its context now (the prompt of its latest turn). It is checked whenever a session ends.
+  at least its context now (the prompt of its latest turn). It is checked whenever a session ends. While the
+  groups run, a session's next turn is held while the contexts now of the sessions in flight of its group and
+  every older group, a running one's host copy counted too, do not fit in GPU KV plus the tier (the oldest
+  group's never is; :func:`policy.group_width.working_set_holds`); it goes when a session's end makes room.
 * ``auto`` (the default): ``working-set`` for a policy with a logged prior, else ``staleness``.
 
 The trainer takes the ``B`` finished groups of the lowest start version (then finish order), but never a batch
@@ -51,7 +54,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from policy.group_width import SessionContexts, working_set_admits
+from policy.group_width import SessionContexts, working_set_admits, working_set_holds
 from simulator import engine
 from simulator.clock import RELEASE, SYNC_END, TRAIN_END, EventClock
 from simulator.config import AsyncRL, SimulationError, Trainer
@@ -125,6 +128,10 @@ class AsyncDriver(StepDriver):
         self.contexts = SessionContexts(session_contexts, fallback=max(w.largest_request, 1))
         self.capacity_tokens = total_tokens + tier_tokens
         self.in_flight: dict[Trajectory, None] = {}  # in start order, so that sums are reproducible
+        self.gpu_tokens, self.tier_tokens = total_tokens, tier_tokens
+        self.held: list[tuple[int, Trajectory, float]] = []  # working-set: turns held (row, trajectory, since)
+        self.held_turns = 0
+        self.held_s = 0.0
 
     # ------------------------------------------------------------------ ids
     def request_id(self, row: int) -> str:
@@ -139,8 +146,46 @@ class AsyncDriver(StepDriver):
 
     def submit(self, row: int, t: float) -> None:
         traj = self.traj_of_row[row]
+        if self.spec.admission == "working-set" and self.workload.kind[row] == "rollout" and self._holds(traj):
+            self.held.append((row, traj, t))
+            self.held_turns += 1
+            return
+        self._send(row, traj, t)
+
+    def _send(self, row: int, traj: Trajectory, t: float) -> None:
         self.cache_epoch[row] = traj.version if self.spec.weight_sync == "keep" else self._epoch
         super().submit(row, t)
+
+    def _context(self, traj: Trajectory) -> int:
+        """A session's context now: the prompt of its latest turn (sent, held or on its tool)."""
+        return self.workload.prompt_tokens[traj.turns[max(traj.next_turn - 1, 0)]]
+
+    def _holds(self, traj: Trajectory) -> bool:
+        """working-set: whether ``traj``'s next turn waits (:func:`policy.group_width.working_set_holds`)."""
+        g = self.group_of[traj.session]
+        tokens, running, oldest = 0, 0, None
+        for x in self.in_flight:  # in start order: groups start in index order
+            gx = self.group_of[x.session]
+            if oldest is None:
+                oldest = gx
+            if gx.index <= g.index:
+                c = self._context(x)
+                tokens += c
+                if x.live or x is traj:
+                    running += c
+        return working_set_holds(tokens, running, self.gpu_tokens, self.tier_tokens, g is oldest)
+
+    def _release(self, t: float) -> None:
+        """working-set: send the held turns that now fit, oldest group first."""
+        held, self.held = sorted(self.held, key=lambda h: (self.group_of[h[1].session].index, h[2])), []
+        for row, traj, since in held:
+            if traj.done or traj.aborted:
+                continue
+            if self._holds(traj):
+                self.held.append((row, traj, since))
+            else:
+                self.held_s += t - since
+                self._send(row, traj, t)
 
     def _extra_args(self, row: int) -> dict[str, Any]:
         return {**super()._extra_args(row), "kvpilot_weight_version": self.traj_of_row[row].version}
@@ -211,6 +256,8 @@ class AsyncDriver(StepDriver):
                                   max(w.prompt_tokens[r] + w.output_tokens[r] for r in traj.turns))
         g = self.group_of[traj.session]
         g.left -= 1
+        if self.held:
+            self._release(t)
         if g.left:
             if working_set:
                 self.admit(t)

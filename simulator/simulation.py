@@ -218,6 +218,7 @@ class Simulation:
             train_batch_groups=d.batch, weight_updates=d.updates, cache_reset_retries=self.fleet.cache_reset_retries,
             reprefill_tokens=d.reprefill_tokens,
             reprefill_tokens_per_update=d.reprefill_tokens / d.updates if d.updates else 0.0,
+            held_turns=d.held_turns, held_turn_s=d.held_s,
             kv_tokens_by_version_age={a: v / d.updates for a, v in sorted(d.kv_by_age.items())} if d.updates else {})
 
     def throughput_bound(self, trajectories_per_s: float) -> ThroughputBoundSummary:

@@ -52,6 +52,28 @@ def _uniform(steps: int, groups: int, group: int, prompt: int = 64, output: int 
     return pa.Table.from_pylist(rows, schema=WORKLOAD.schema)
 
 
+def _growing(groups: int = 2, group: int = 2, turns: int = 4) -> pa.Table:
+    """One RL step of multi-turn sessions: each turn writes 32 tokens and its 1 s tool appends 32, so a session's
+    context grows from 64 tokens by 64 a turn."""
+    rows = []
+    for g in range(groups):
+        gid = f"s0g{g}"
+        for i in range(group):
+            sid = f"{gid}-{i}"
+            for k in range(turns):
+                prompt = 64 * (k + 1)
+                last = k == turns - 1
+                rows.append({"request_id": f"{sid}-t{k}", "kind": "rollout", "step": 0, "prompt_id": gid,
+                             "group_id": gid, "group_size": group, "sample_index": i, "session_id": sid,
+                             "turn": k, "domain": "math", "paradigm": "search_tool", "prompt_tokens": prompt,
+                             "output_tokens": 32, "max_tokens": 32, "finish_reason": "stop" if last else "tool_call",
+                             "block_size": 16,
+                             "block_hashes": [100_000 * (g + 1) + 1_000 * i + b for b in range(prompt // 16)],
+                             "tool": None if last else "python", "tool_latency_s": None if last else 1.0,
+                             "tool_tokens": None if last else 32, "arrival_s": None, "verify_latency_s": None})
+    return pa.Table.from_pylist(rows, schema=WORKLOAD.schema)
+
+
 def _short_and_long(steps: int = 6) -> pa.Table:
     """Per step a group of short requests and a group of long ones."""
     rows = [r | ({"output_tokens": 200, "max_tokens": 200} if r["group_id"].endswith("g1") else {})
@@ -321,3 +343,39 @@ def test_working_set_admission_fits_the_predicted_working_set_in_memory(vllm_eng
     assert _overlap(run("vllm-default", "working-set", kv_fraction=4.0)[0])
     spans, resolved = run(lambda: _WithPrior(10.0), "auto", **tight)
     assert _overlap(spans) and resolved == "working-set"  # the first two groups' prompts (4 x 64) fit
+
+
+def test_working_set_holds_the_younger_groups_turns_while_the_older_contexts_do_not_fit(vllm_engine: Any,
+                                                                                        tmp_path: Path) -> None:
+    """A prior that predicts small sessions starts two groups of growing sessions together in 512 tokens of KV.
+    As their contexts outgrow it, working-set holds the younger group's next turns (never the older group's) until
+    a session's end makes room: the older group then ends sooner, with less recomputed, than under AReaL's rule,
+    which starts the same two groups and holds nothing. With ample KV nothing is held."""
+    import pyarrow.parquet as pq
+
+    w = prepare_workload(_growing())
+
+    def run(admission: str, **kv: Any) -> tuple[Any, list[list[float]], dict[str, float]]:
+        out = tmp_path / f"{admission}-{len(list(tmp_path.iterdir()))}"
+        sim = Simulation(w, lambda: _WithPrior(10.0), driver="async", progress=False, trainer=Trainer(),
+                         async_rl=AsyncRL(2, "keep", admission), out_dir=out, **kv)
+        result = sim.run()
+        r = pq.read_table(out / "telemetry" / "requests").sort_by([("session_id", "ascending"), ("turn", "ascending")])
+        held: dict[str, float] = {}  # per group: the seconds its turns arrived after their tool had returned
+        rows = r.to_pylist()
+        for prev, req in zip(rows, rows[1:]):
+            if req["session_id"] == prev["session_id"]:
+                g = req["group_id"]
+                held[g] = held.get(g, 0.0) + req["arrival_s"] - (prev["finish_s"] + 1.0)
+        return result.summary, _group_spans(result), held
+
+    tight = {"kv_blocks": 33}  # 32 blocks of 16 tokens: two growing groups' contexts outgrow it at their third turn
+    held, spans, waits = run("working-set", **tight)
+    free, free_spans, free_waits = run("staleness", **tight)
+    assert held.driver.held_turns > 0 and free.driver.held_turns == 0
+    assert held.driver.held_turn_s > 0 and waits["s0g1"] == pytest.approx(held.driver.held_turn_s)  # younger only
+    assert waits["s0g0"] == pytest.approx(0.0, abs=1e-6) and max(free_waits.values()) == pytest.approx(0.0, abs=1e-6)
+    assert spans[0][0] == spans[1][0] == free_spans[0][0] == free_spans[1][0]  # both groups started at once
+    assert spans[0][1] < free_spans[0][1]  # the older group ends sooner
+    assert held.metrics.recomputed_tokens < free.metrics.recomputed_tokens
+    assert run("working-set", kv_fraction=4.0)[0].driver.held_turns == 0
