@@ -24,7 +24,9 @@ Admission (:class:`simulator.config.AsyncRL`):
   at least its context now (the prompt of its latest turn). It is checked whenever a session ends. While the
   groups run, a session's next turn is held while the contexts now of the sessions in flight of its group and
   every older group, a running one's host copy counted too, do not fit in GPU KV plus the tier (the oldest
-  group's never is; :func:`policy.group_width.working_set_holds`); it goes when a session's end makes room.
+  group's never is; :func:`policy.group_width.working_set_holds`). Held turns go in order, oldest group first,
+  when a session's end makes room; no turn passes an older group's held turn, and no group starts while a turn
+  is held. GPU KV and the tier are summed over the replicas.
 * ``auto`` (the default): ``working-set`` for a policy with a logged prior, else ``staleness``.
 
 The trainer takes the ``B`` finished groups of the lowest start version (then finish order), but never a batch
@@ -146,7 +148,7 @@ class AsyncDriver(StepDriver):
 
     def submit(self, row: int, t: float) -> None:
         traj = self.traj_of_row[row]
-        if self.spec.admission == "working-set" and self.workload.kind[row] == "rollout" and self._holds(traj):
+        if self.spec.admission == "working-set" and self.workload.kind[row] == "rollout" and self._waits(traj):
             self.held.append((row, traj, t))
             self.held_turns += 1
             return
@@ -175,17 +177,23 @@ class AsyncDriver(StepDriver):
                     running += c
         return working_set_holds(tokens, running, self.gpu_tokens, self.tier_tokens, g is oldest)
 
+    def _waits(self, traj: Trajectory) -> bool:
+        """working-set: whether ``traj``'s next turn is held: a turn of its group or an older one is, or it does
+        not fit (:meth:`_holds`). No turn passes an older group's held turn."""
+        index = self.group_of[traj.session].index
+        return any(self.group_of[h[1].session].index <= index for h in self.held) or self._holds(traj)
+
     def _release(self, t: float) -> None:
-        """working-set: send the held turns that now fit, oldest group first."""
-        held, self.held = sorted(self.held, key=lambda h: (self.group_of[h[1].session].index, h[2])), []
-        for row, traj, since in held:
-            if traj.done or traj.aborted:
-                continue
+        """working-set: send the held turns in order (oldest group first, then the time they were held) until one
+        does not fit; it and the turns after it stay held."""
+        held = sorted(self.held, key=lambda h: (self.group_of[h[1].session].index, h[2]))
+        for i, (row, traj, since) in enumerate(held):
             if self._holds(traj):
-                self.held.append((row, traj, since))
-            else:
-                self.held_s += t - since
-                self._send(row, traj, t)
+                self.held = held[i:]
+                return
+            self.held_s += t - since
+            self._send(row, traj, t)
+        self.held = []
 
     def _extra_args(self, row: int) -> dict[str, Any]:
         return {**super()._extra_args(row), "kvpilot_weight_version": self.traj_of_row[row].version}
@@ -225,7 +233,7 @@ class AsyncDriver(StepDriver):
         working_set = self.spec.admission == "working-set"
         while cap > 0 and self.next_group < len(self.groups):
             g = self.groups[self.next_group]
-            if working_set and not self._fits(g):
+            if working_set and (self.held or not self._fits(g)):  # no group starts while turns wait for room
                 break
             self.next_group += 1
             self.running_groups += 1

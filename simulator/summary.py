@@ -170,7 +170,8 @@ class AsyncDriverStats:
     cache_reset_retries: int
     reprefill_tokens: int  # prompt and output tokens prefilled again after a weight update
     reprefill_tokens_per_update: float
-    #: working-set: rollout turns held while older groups' contexts did not fit, and the seconds they waited.
+    #: working-set: rollout turns held while their own and older groups' sessions did not fit, and the seconds
+    #: they waited.
     held_turns: int
     held_turn_s: float
     #: Per version age at a weight update: the KV tokens held, a mean over updates.

@@ -52,16 +52,16 @@ def _uniform(steps: int, groups: int, group: int, prompt: int = 64, output: int 
     return pa.Table.from_pylist(rows, schema=WORKLOAD.schema)
 
 
-def _growing(groups: int = 2, group: int = 2, turns: int = 4) -> pa.Table:
+def _growing(groups: int = 2, group: int = 2, turns: int = 4, first: tuple[int, ...] = ()) -> pa.Table:
     """One RL step of multi-turn sessions: each turn writes 32 tokens and its 1 s tool appends 32, so a session's
-    context grows from 64 tokens by 64 a turn."""
+    context grows by 64 a turn, from ``first[g]`` tokens in group g (default 64)."""
     rows = []
     for g in range(groups):
         gid = f"s0g{g}"
         for i in range(group):
             sid = f"{gid}-{i}"
             for k in range(turns):
-                prompt = 64 * (k + 1)
+                prompt = (first[g] if g < len(first) else 64) + 64 * k
                 last = k == turns - 1
                 rows.append({"request_id": f"{sid}-t{k}", "kind": "rollout", "step": 0, "prompt_id": gid,
                              "group_id": gid, "group_size": group, "sample_index": i, "session_id": sid,
@@ -379,3 +379,37 @@ def test_working_set_holds_the_younger_groups_turns_while_the_older_contexts_do_
     assert spans[0][1] < free_spans[0][1]  # the older group ends sooner
     assert held.metrics.recomputed_tokens < free.metrics.recomputed_tokens
     assert run("working-set", kv_fraction=4.0)[0].driver.held_turns == 0
+
+
+def test_no_turn_passes_an_older_groups_held_turn(vllm_engine: Any, tmp_path: Path) -> None:
+    """Three groups start together: the middle one's sessions are long, the youngest one's short. A short turn of the
+    youngest group would fit where the middle group's long one does not; it waits behind it all the same, since the
+    trainer needs the older group first."""
+    import pyarrow.parquet as pq
+
+    from policy.baselines.offload_tier import VllmOffloadPolicy
+
+    class OffloadWithPrior(VllmOffloadPolicy):
+        session_contexts = {"math": {"mean_peak": 10.0, "sessions": 64.0}}
+
+    w = prepare_workload(_growing(groups=3, turns=4, first=(16, 608, 16)))
+    # 1,024 tokens of GPU KV, 1,024 of tier: the long group's second session waits at once (two running contexts
+    # and their host copies), where the short group's turns, started beside it, would fit
+    sim = Simulation(w, OffloadWithPrior, driver="async", progress=False, trainer=Trainer(),
+                     async_rl=AsyncRL(2, "keep", "working-set"), out_dir=tmp_path / "o", kv_blocks=65,
+                     offload_gib=64 * 16 * 57_344 / 2**30)
+    assert sim.offload_blocks == 64
+    summary = sim.run().summary
+    rows = pq.read_table(tmp_path / "o" / "telemetry" / "requests").sort_by(
+        [("session_id", "ascending"), ("turn", "ascending")]).to_pylist()
+    start = {}  # a group's start: its first arrival
+    for r in rows:
+        start[r["group_id"]] = min(start.get(r["group_id"], math.inf), r["arrival_s"])
+    ready = [start[r["group_id"]] if r["turn"] == 0 else prev["finish_s"] + 1.0  # its tool returned
+             for prev, r in zip([None, *rows], rows)]
+    held = [(r["group_id"], t, r["arrival_s"]) for r, t in zip(rows, ready) if r["arrival_s"] > t + 1e-6]
+    assert summary.driver.held_turns > 0 and any(g == "s0g1" for g, _, _ in held)
+    for g, since, sent in held:
+        passed = [r for r in rows if r["group_id"] > g and since < r["arrival_s"] < sent]
+        assert not passed, f"{[r['request_id'] for r in passed]} arrived while {g}'s turn was held"
+
