@@ -24,9 +24,9 @@ Admission (:class:`simulator.config.AsyncRL`):
   at least its context now (the prompt of its latest turn). It is checked whenever a session ends. While the
   groups run, a session's next turn is held while the contexts now of the sessions in flight of its group and
   every older group, a running one's host copy counted too, do not fit in GPU KV plus the tier (the oldest
-  group's never is; :func:`policy.group_width.working_set_holds`). Held turns go in order, oldest group first,
-  when a session's end makes room; no turn passes an older group's held turn, and no group starts while a turn
-  is held. GPU KV and the tier are summed over the replicas.
+  group's never is; :func:`policy.group_width.working_set_holds`). When a session's end makes room, the held
+  turns that fit go, oldest group first; a younger group's turn that fits goes even while an older group's does
+  not (backfill). GPU KV and the tier are summed over the replicas.
 * ``auto`` (the default): ``working-set`` for a policy with a logged prior, else ``staleness``.
 
 The trainer takes the ``B`` finished groups of the lowest start version (then finish order), but never a batch
@@ -148,7 +148,7 @@ class AsyncDriver(StepDriver):
 
     def submit(self, row: int, t: float) -> None:
         traj = self.traj_of_row[row]
-        if self.spec.admission == "working-set" and self.workload.kind[row] == "rollout" and self._waits(traj):
+        if self.spec.admission == "working-set" and self.workload.kind[row] == "rollout" and self._holds(traj):
             self.held.append((row, traj, t))
             self.held_turns += 1
             return
@@ -177,23 +177,16 @@ class AsyncDriver(StepDriver):
                     running += c
         return working_set_holds(tokens, running, self.gpu_tokens, self.tier_tokens, g is oldest)
 
-    def _waits(self, traj: Trajectory) -> bool:
-        """working-set: whether ``traj``'s next turn is held: a turn of its group or an older one is, or it does
-        not fit (:meth:`_holds`). No turn passes an older group's held turn."""
-        index = self.group_of[traj.session].index
-        return any(self.group_of[h[1].session].index <= index for h in self.held) or self._holds(traj)
-
     def _release(self, t: float) -> None:
-        """working-set: send the held turns in order (oldest group first, then the time they were held) until one
-        does not fit; it and the turns after it stay held."""
-        held = sorted(self.held, key=lambda h: (self.group_of[h[1].session].index, h[2]))
-        for i, (row, traj, since) in enumerate(held):
+        """working-set: send the held turns that now fit, oldest group first (then the time they were held). A turn
+        that fits goes even while an older group's does not (backfill: holding it behind measured slower)."""
+        held, self.held = sorted(self.held, key=lambda h: (self.group_of[h[1].session].index, h[2])), []
+        for row, traj, since in held:
             if self._holds(traj):
-                self.held = held[i:]
-                return
-            self.held_s += t - since
-            self._send(row, traj, t)
-        self.held = []
+                self.held.append((row, traj, since))
+            else:
+                self.held_s += t - since
+                self._send(row, traj, t)
 
     def _extra_args(self, row: int) -> dict[str, Any]:
         return {**super()._extra_args(row), "kvpilot_weight_version": self.traj_of_row[row].version}
@@ -233,7 +226,7 @@ class AsyncDriver(StepDriver):
         working_set = self.spec.admission == "working-set"
         while cap > 0 and self.next_group < len(self.groups):
             g = self.groups[self.next_group]
-            if working_set and (self.held or not self._fits(g)):  # no group starts while turns wait for room
+            if working_set and not self._fits(g):
                 break
             self.next_group += 1
             self.running_groups += 1
