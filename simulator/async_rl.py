@@ -128,9 +128,8 @@ class AsyncDriver(StepDriver):
         self.kv_limit = max(1, total_tokens // group_need)  # kv-pressure: groups in flight
         # working-set: the sessions in flight, their predicted peak contexts, and the memory they must fit in
         self.contexts = SessionContexts(session_contexts, fallback=max(w.largest_request, 1))
-        self.capacity_tokens = total_tokens + tier_tokens
-        self.in_flight: dict[Trajectory, None] = {}  # in start order, so that sums are reproducible
         self.gpu_tokens, self.tier_tokens = total_tokens, tier_tokens
+        self.in_flight: dict[Trajectory, None] = {}  # in start order, so that sums are reproducible
         self.held: list[tuple[int, Trajectory, float]] = []  # working-set: turns held (row, trajectory, since)
         self.held_turns = 0
         self.held_s = 0.0
@@ -210,15 +209,13 @@ class AsyncDriver(StepDriver):
 
     def _session_need(self, traj: Trajectory) -> float:
         """working-set: the tokens a session in flight is predicted to hold at its peak."""
-        w = self.workload
-        row = traj.turns[max(traj.next_turn - 1, 0)]
-        return max(w.prompt_tokens[row], self.contexts.predict(w.domain[row]))
+        return max(self._context(traj), self.contexts.predict(self.workload.domain[traj.turns[0]]))
 
     def _fits(self, g: Group) -> bool:
         """working-set: whether group ``g``'s predicted working set fits beside that of the sessions in flight."""
         need = self._session_need
         return working_set_admits(sum(need(x) for x in self.in_flight), sum(need(x) for x in g.trajs),
-                                  self.capacity_tokens, self.running_groups)
+                                  self.gpu_tokens + self.tier_tokens, self.running_groups)
 
     def admit(self, t: float) -> None:
         """Start groups while the capacity allows, in workload order."""
