@@ -288,6 +288,7 @@ def sessions_build(engine, cls, running, tier_share=4.0, host_policy=False, turn
     # and few steps decide: timed from step 20, turns of 120-360 tokens measured half the steady state's cost)
     for _ in range(WARM_STEPS + turn_tokens[1] + SESSION_PAUSE_STEPS):
         step(False)
+    step.scheduler = s  # (the scheduler the driver steps, for callers that time its parts)
     return step
 
 

@@ -92,6 +92,30 @@ def top_ids(keys: list, limit: int) -> list[str]:
     return [k[-1] for k in keys]
 
 
+def to_front(seq: Any, picked: Sequence[int]) -> Any:
+    """``seq`` (a list or a tuple) with the items at places ``picked`` first, in that order, then the rest in their
+    own: what an admission order does to a queue. The rest is copied in slices between the picked places."""
+    out = type(seq)(seq[i] for i in picked)
+    start = 0
+    for i in sorted(picked):
+        out += seq[start:i]
+        start = i + 1
+    return out + seq[start:]
+
+
+def shifted(last: Sequence[Any], now: Sequence[Any], within: int = 16) -> int:
+    """How many items left the head of ``last`` when ``now`` is what stayed of it followed by new items (``last[k:]``
+    then a tail); -1 otherwise, or where more than ``within`` left. Items compare by identity first (C slices)."""
+    n = len(last)
+    if not n or not now:
+        return -1
+    head = now[0]
+    for k in range(min(n, within)):
+        if last[k] is head:
+            return k if now[:n - k] == last[k:] else -1
+    return -1
+
+
 def _as_time(x: Any) -> float:
     try:
         f = float(x)

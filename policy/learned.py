@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from policy.common import check_positive, furthest_first
+from policy.common import admission_limit, check_positive, furthest_first
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
@@ -318,6 +318,10 @@ class LearnedPolicy(Sampler):
         if not waiting:
             return None
         if self.admission == "shortest" and self.mode == "serve":  # log mode explores around the scorer either way
+            top = self.table.shortest(waiting, state, admission_limit(state, len(waiting)), self.group_age)
+            if top is not None:  # nobody goes first, no group age: the order in one pass
+                ids = self.table.request_ids
+                return AdmissionDecision(order=[ids[i] for i in top])
             rem, idx = self._remaining(waiting, state)
             keys = self._by_age(idx, -rem) if self.group_age and self.table.aged else \
                 -rem - np.arange(len(waiting)) * 1e-9

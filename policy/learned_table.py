@@ -36,6 +36,7 @@ from typing import Optional
 
 import numpy as np
 
+from policy.common import shifted, to_front
 from policy.group_age import GroupAges
 from policy.interface import CandidateRequest, CandidateView, EngineState, Event, EventKind
 from policy.learned_features import (
@@ -49,6 +50,7 @@ from policy.learned_features import (
     set_features,
     step_features,
 )
+from policy.shortest_first import MAX_TAKE, compiled_shortest_first
 
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
 _PREEMPTIONS = R["preemptions"]
@@ -111,6 +113,7 @@ class FeatureTable:
         self.max_wait_s = math.inf if max_wait_s is None else float(max_wait_s)
         self.resume_preempted = bool(resume_preempted)
         self.tracking = False  # set by the first event: from then on, rows change only on events
+        self._shortest_first = compiled_shortest_first()  # (None without numba: shortest() answers None)
         self._alloc(capacity)
 
     def _alloc(self, cap: int) -> None:
@@ -135,6 +138,8 @@ class FeatureTable:
         self.steps: dict[Optional[int], int] = {}  # RL step -> index
         self._ids: Optional[tuple] = None  # the last call's candidates' ids, and their rows
         self._idx = np.empty(0, dtype=np.int64)
+        #: the queue's ids and rows as the last :meth:`shortest` order leaves them (its requests first)
+        self._base: Optional[tuple[tuple, np.ndarray]] = None
         self.request_ids: tuple = ()  # the last call's candidates' ids
         self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
         self._clock_idx: Optional[np.ndarray] = None  # the rows whose oldest queue entry is cached
@@ -200,16 +205,30 @@ class FeatureTable:
 
     # ------------------------------------------------------------------ rows
     def _rows(self, cands: Sequence[CandidateRequest], ids: tuple) -> np.ndarray:
-        """Each candidate's row (new rows are allocated, marked dirty); ``ids``: the candidates' request ids."""
+        """Each candidate's row (new rows are allocated, marked dirty); ``ids``: the candidates' request ids.
+
+        Where the queue is the one the last :meth:`shortest` order left (``_base``) less requests that left its
+        head, plus arrivals at its end (the usual change), only the arrivals are looked up."""
         if len(self.rows) + len(ids) > MAX_ROWS:
             self._alloc(len(self.x))
+        base = self._base
+        k = shifted(base[0], ids) if base is not None else -1
+        start = len(base[0]) - k if k >= 0 else 0
+        new = self._looked_up(cands, ids, start)
+        self._idx = np.concatenate((base[1][k:], new)) if k >= 0 else new
+        self._ids = ids
+        self.request_ids = ids
+        return self._idx
+
+    def _looked_up(self, cands: Sequence[CandidateRequest], ids: tuple, start: int) -> np.ndarray:
+        """The rows of ``ids[start:]`` (the candidates from place ``start``), new ones allocated and marked dirty."""
         rows = self.rows
         get = rows.get
-        idx = [get(rid, -1) for rid in ids]
+        idx = [get(rid, -1) for rid in ids[start:]] if start else [get(rid, -1) for rid in ids]
         # the new requests, found by scans in C (most calls have one or two among hundreds)
         i = idx.index(-1) if -1 in idx else -1
         while i >= 0:
-            c = cands[i]
+            c = cands[start + i]
             if not self.free:
                 self._grow()
             r = idx[i] = rows[c.request_id] = self.free.pop()
@@ -227,10 +246,7 @@ class FeatureTable:
                 i = idx.index(-1, i + 1)
             except ValueError:
                 break
-        self._ids = ids
-        self._idx = np.asarray(idx, dtype=np.int64)
-        self.request_ids = ids
-        return self._idx
+        return np.asarray(idx, dtype=np.int64)
 
     def _fill(self, cands: Sequence[CandidateRequest], rows: np.ndarray, state: EngineState,
               light: bool = False) -> Optional[np.ndarray]:
@@ -314,6 +330,16 @@ class FeatureTable:
         other column computed: an order by predicted remaining needs no scorer input (rows refreshed here are
         marked light, and :meth:`features` recomputes them when it needs them). ``refresh`` as for :meth:`features`.
         """
+        idx = self._refreshed(cands, state, refresh)
+        last = self._rem
+        if last is None or last[0] is not idx:
+            last = self._rem = (idx, np.expm1(self.lr[idx].astype(np.float32).astype(np.float64)))
+            self._preempted = np.flatnonzero(self.preempted[idx]) if self.resume_preempted else self._none
+            self._x_idx = None  # (features' cached input assumes its own rows' preempted positions)
+        return last[1], idx
+
+    def _refreshed(self, cands: Sequence[CandidateRequest], state: EngineState, refresh: bool = False) -> np.ndarray:
+        """The candidates' rows, the new and changed ones refilled light (see :meth:`remaining`)."""
         ids = _ids_of(cands)
         prev = self._ids
         cached = prev is not None and (prev is ids or prev == ids)
@@ -324,12 +350,33 @@ class FeatureTable:
             need = np.flatnonzero(self.dirty[idx])
             if need.size:
                 self._fill(_take(cands, need.tolist()), idx[need], state, light=True)
-        last = self._rem
-        if last is None or last[0] is not idx:
-            last = self._rem = (idx, np.expm1(self.lr[idx].astype(np.float32).astype(np.float64)))
-            self._preempted = np.flatnonzero(self.preempted[idx]) if self.resume_preempted else self._none
-            self._x_idx = None  # (features' cached input assumes its own rows' preempted positions)
-        return last[1], idx
+        return idx
+
+    def shortest(self, cands: Sequence[CandidateRequest], state: EngineState, take: int,
+                 by_age: bool = False) -> Optional[list[int]]:
+        """The places of the ``take`` waiting candidates with the least predicted remaining output, least first, the
+        queue's order breaking ties: the order :meth:`remaining`, :meth:`first` and a sort give when nobody goes
+        first, in one compiled pass (:mod:`policy.shortest_first`). None where a preempted or starved candidate
+        goes first, where ``by_age`` and a row has a group age (:attr:`aged`: the oldest group goes first), or
+        where the order is long: the caller takes the numpy path (the rows are refreshed, the clocks kept)."""
+        idx = self._refreshed(cands, state)
+        take = min(take, len(idx))
+        kernel = self._shortest_first
+        if kernel is None or take > MAX_TAKE or (by_age and self.aged):
+            return None
+        top, oldest = np.empty(take, np.int64), np.empty(2)
+        got = kernel(idx, self.lr, self.preempted, self.since, float(state.engine_step), state.time_s,
+                     self.max_wait_steps, self.max_wait_s, self.resume_preempted, top, np.empty(take), oldest)
+        self._rem = self._x_idx = None  # (what remaining() keeps for its next call, and features' cached input)
+        if got < 0:
+            self._clock_idx = None  # (first() reads every clock again)
+            return None
+        self._clock_idx, self._oldest = idx, (float(oldest[0]), float(oldest[1]))
+        self._preempted = self._none
+        top = top[:got]
+        picked = top.tolist()
+        self._base = (to_front(self.request_ids, picked), np.concatenate((idx[top], np.delete(idx, top))))
+        return picked
 
     def unchanged(self, cands: Sequence[CandidateRequest]) -> bool:
         """True when the last :meth:`features` call's rows stand for ``cands``: the same requests, no event since,

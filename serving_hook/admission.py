@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from policy.common import to_front
 from policy.interface import AdmissionDecision, Policy
 from serving_hook.guard import Guard
 from serving_hook.lever import Lever
@@ -48,16 +49,13 @@ def _keeps_order(order: Any, reqs: list, ids: Optional[tuple] = None) -> bool:
     return all(rid == r.request_id for rid, r in zip(order, reqs))
 
 
-def _reordered(order: Any, reqs: list, ids: Optional[tuple]) -> list:
-    """``reqs`` in ``order`` (request ids; unknown and repeated ones skipped), then the rest in their own order.
+def _positions(order: Any, ids: tuple) -> list[int]:
+    """The places in ``ids`` of the order's requests (unknown and repeated ids skipped), in the order's order.
 
-    ``ids``: the requests' ids as a tuple, when known (then no request is read: positions only). An order lists
-    as many requests as vLLM can admit in the step, usually a few of hundreds: each is found by a scan in C and
-    the rest are copied in slices between them."""
-    if ids is None:
-        ids = tuple([r.request_id for r in reqs])
+    An order lists as many requests as vLLM can admit in the step, usually a few of hundreds: each is found by a
+    scan in C (a longer order through a dict of the queue's places)."""
+    picked: list[int] = []
     if len(order) <= _SCANNED:
-        picked: list[int] = []
         for rid in order:
             if rid in ids:
                 i = ids.index(rid)
@@ -66,19 +64,33 @@ def _reordered(order: Any, reqs: list, ids: Optional[tuple]) -> list:
     else:
         pos = {rid: i for i, rid in enumerate(ids)}
         seen: set = set()
-        picked = []
         for rid in order:
             i = pos.get(rid)
             if i is not None and i not in seen:
                 seen.add(i)
                 picked.append(i)
-    ordered = [reqs[i] for i in picked]
-    start = 0
-    for i in sorted(picked):
-        ordered += reqs[start:i]
-        start = i + 1
-    ordered += reqs[start:]
-    return ordered
+    return picked
+
+
+def _reordered(order: Any, reqs: list, ids: Optional[tuple]) -> list:
+    """``reqs`` in ``order`` (request ids; unknown and repeated ones skipped), then the rest in their own order.
+
+    ``ids``: the requests' ids as a tuple, when known (then no request is read: positions only, the rest copied in
+    slices between them)."""
+    if ids is None:
+        ids = tuple([r.request_id for r in reqs])
+    return to_front(reqs, _positions(order, ids))
+
+
+def _to_front(queue: Any, picked: list[int]) -> None:
+    """Move the requests at ``picked`` (places in ``queue``) to its front in that order; the rest keep theirs.
+
+    The same queue as ``_reordered`` builds, in place: a deque deletes by index by moving pointers, so the hundreds
+    of requests between are not touched (a rebuilt queue reads each one, cold in the CPU caches, twice)."""
+    front = [queue[i] for i in picked]
+    for i in sorted(picked, reverse=True):
+        del queue[i]
+    queue.extendleft(reversed(front))
 
 
 class AdmissionLever(Lever):
@@ -111,13 +123,15 @@ class AdmissionLever(Lever):
         order = dec.order
         ids = getattr(cands, "request_ids", None)
         ids = ids if isinstance(ids, tuple) else None
+        hold = dec.hold
+        if isinstance(hold, str):  # one id, not its substrings
+            hold = (hold,)
+        if not hold and ids is not None:
+            return self._front(order, ids, cands, dec, now)
         if order is None or _keeps_order(order, reqs, ids):
             ordered = reqs
         else:
             ordered = _reordered(order, reqs, ids)
-        hold = dec.hold
-        if isinstance(hold, str):  # one id, not its substrings
-            hold = (hold,)
         held = [r for r in ordered if r.request_id in hold] if hold else []
         if held:
             limit = now - self.max_hold_s
@@ -146,6 +160,21 @@ class AdmissionLever(Lever):
             st.admission_reorders += 1
         st.held += len(held)
         return held, ordered
+
+    def _front(self, order: Any, ids: tuple, cands: Any, dec: AdmissionDecision, now: float) -> tuple[list, None]:
+        """A decision that holds nobody: its order to the queue's front, in place (see :func:`_to_front`)."""
+        picked = _positions(order, ids) if order is not None else []
+        sched = self.sched
+        self.logged = self.rows.log_decisions and (
+            bool(sched.running) or self.quiet_ids is None or self.quiet_ids != ids)
+        if self.logged:
+            idx = picked[0] if picked else (0 if ids else -1)
+            self.rows.request_decision("admit", now, cands, dec.predictions, idx, dec.propensity, None)
+        if picked != list(range(len(picked))):
+            _to_front(sched.waiting, picked)
+            self.tr.moved(picked)
+            self.stats.admission_reorders += 1
+        return [], None
 
     def idle_release_s(self, held: list, now: float) -> float:
         """After a step that ran nothing because of ``held``: seconds until the first hold's release by

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Protocol
 from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.request import RequestStatus as VRS
 
+from policy.common import shifted, to_front
 from policy.interface import (
     CandidateRequest,
     CandidateView,
@@ -226,9 +227,21 @@ class Translator:
             return self.candidates(reqs, now)
         last, ids = self._offered
         if ids is None or last != reqs:  # (the same request objects in the same order: a pointer comparison)
-            ids = tuple([r.request_id for r in reqs])
+            # the usual change: admitted requests left the head, arrivals joined the end: only theirs are read
+            k = shifted(last, reqs) if ids is not None else -1
+            if k >= 0:
+                ids = ids[k:] + tuple([r.request_id for r in reqs[len(last) - k:]])
+            else:
+                ids = tuple([r.request_id for r in reqs])
             self._offered = (list(reqs), ids)  # a copy: ``reqs`` may change after the decision
         return LazyCandidates(self, reqs, now, ids)
+
+    def moved(self, picked: list[int]) -> None:
+        """The hook moved the last offer's requests at places ``picked`` to the queue's front (an admission order):
+        the next offer compares with the queue as it is now."""
+        last, ids = self._offered
+        if ids is not None:
+            self._offered = (to_front(last, picked), to_front(ids, picked))
 
     def candidates(self, reqs: list, now: float) -> list[CandidateRequest]:
         """The candidates for ``reqs``: one object per request, built once and refreshed in place.

@@ -93,6 +93,24 @@ def test_reorder_puts_the_order_first_and_keeps_every_request_once():
         assert [r.request_id for r in _reordered(order, many, known)] == want
 
 
+def test_a_queue_shifted_by_its_head_and_arrivals_is_recognised() -> None:
+    """``shifted``: how many left the head when the rest is unchanged and arrivals joined the end; -1 for any other
+    change (a request gone from the middle, a new order, one put back in front), so the caller reads afresh."""
+    from policy.common import shifted, to_front
+
+    last = [object() for _ in range(6)]
+    new = [object(), object()]
+    assert shifted(last, last) == 0
+    assert shifted(last, last[2:] + new) == 2
+    assert shifted(last, last[6:] + new) == -1  # all left: nothing to keep
+    assert shifted(last, last[:3] + last[4:]) == -1  # one left from the middle
+    assert shifted(last, [last[3]] + last[:3] + last[4:]) == -1  # one moved to the front
+    assert shifted(last, new + last) == -1  # put back in front (a preemption)
+    assert shifted(last, last[2:], within=2) == -1  # more left than looked for
+    assert shifted([], new) == shifted(last, []) == -1
+    assert to_front(tuple("abcdef"), [4, 1]) == tuple("ebacdf")
+
+
 def test_held_request_waits_and_comes_back(vllm_engine):
     engine = vllm_engine
     policy = ReversePolicy(hold={"r1"})

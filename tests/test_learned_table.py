@@ -15,6 +15,7 @@ from policy.exploring import LoggingPolicy
 from policy.learned import LearnedPolicy
 from policy.learned_features import FEATURES, model_features
 from policy.learned_sampler import _predict, candidate_raw
+from policy.common import shifted
 from policy.learned_scorer import build_scorer
 from tests.learned_logs import KV_FRACTION, tiny_workload
 from tests.test_learned import FixedLengths
@@ -168,3 +169,107 @@ def test_light_values_equal_the_raw_matrix_path() -> None:
     assert running == (raw[:, R["is_running"]] > 0).tolist()
     assert preempted == ((raw[:, R["preemptions"]] > 0) & (raw[:, R["is_running"]] == 0)).tolist()
     assert preempted == [False, False, False, True, False, False, True, False, False, False]
+
+
+def test_shortest_first_orders_as_numpy_does() -> None:
+    """The compiled default order: the same places as the numpy keys and sort, every clock started as
+    ``_start_clocks`` starts them, and -1 where a preempted or starved row goes first or a key is not a number."""
+    from policy.shortest_first import compiled_shortest_first
+
+    kernel = compiled_shortest_first()
+    if kernel is None:
+        pytest.skip("numba is not installed: the numpy path runs")
+    rng = np.random.default_rng(0)
+    inf = float("inf")
+    for trial in range(300):
+        cap, n = 64, int(rng.integers(1, 60))
+        idx = rng.permutation(cap)[:n].astype(np.int64)
+        lr = np.round(rng.random(cap) * 8, int(rng.integers(0, 3)))  # rounded: equal predictions occur
+        since = np.where(rng.random((cap, 1)) < 0.3, np.nan, rng.integers(0, 50, (cap, 1)).astype(float))
+        since = np.hstack([since, since * 0.02])
+        pre = np.zeros(cap, bool)
+        if trial % 5 == 0:
+            pre[idx[int(rng.integers(n))]] = True
+        max_steps = inf if trial % 3 else 40.0
+        take = int(rng.integers(1, min(n, 32) + 1))
+        want_since = since.copy()
+        s = want_since[idx]
+        s[np.isnan(s[:, 0])] = (60.0, 1.2)
+        want_since[idx] = s
+        top, oldest, got_since = np.empty(take, np.int64), np.empty(2), since.copy()
+        got = kernel(idx, lr, pre, got_since, 60.0, 1.2, max_steps, inf, True, top, np.empty(take), oldest)
+        if pre[idx].any():
+            assert got == -1
+            continue
+        np.testing.assert_array_equal(got_since, want_since)
+        if not 60.0 - s[:, 0].min() < max_steps:
+            assert got == -1  # a starved row goes first
+            continue
+        assert tuple(oldest) == (s[:, 0].min(), s[:, 1].min())
+        keys = -np.expm1(lr[idx].astype(np.float32).astype(np.float64)) - np.arange(n) * 1e-9
+        assert got == take and top.tolist() == np.argsort(-keys, kind="stable")[:take].tolist()
+    lr = np.array([1.0, np.nan])
+    assert kernel(np.array([0, 1]), lr, np.zeros(2, bool), np.zeros((2, 2)), 0.0, 0.0, inf, inf, True,
+                  np.empty(1, np.int64), np.empty(1), np.empty(2)) == -1
+
+
+def test_shortest_first_decides_as_the_numpy_path(vllm_engine, tmp_path: Path, monkeypatch) -> None:
+    """The learned policy's default order in one compiled pass gives the decisions of the numpy path, step by step,
+    on vLLM's real scheduler, with preemptions (the numpy path then takes over for the preempted requests). The
+    queue's ids (the hook's offer) and rows (the table) read only the arrivals where the queue is the last order's
+    less its head plus arrivals: each equals the full read, at every decision."""
+    import torch
+
+    from serving_hook import translate
+    from simulator.simulation import run_simulation
+
+    offer, shifts = translate.Translator.offer, []
+
+    def checked_offer(self, reqs, now, lazy):
+        cands = offer(self, reqs, now, lazy)
+        assert cands.request_ids == tuple(r.request_id for r in reqs)
+        return cands
+
+    def counted_shift(last, now, _fn=translate.shifted):
+        k = _fn(last, now)
+        shifts.append(k >= 0)
+        return k
+
+    monkeypatch.setattr(translate.Translator, "offer", checked_offer)
+    monkeypatch.setattr(translate, "shifted", counted_shift)
+    torch.manual_seed(0)
+    state = {k: v.detach().numpy() for k, v in build_scorer().state_dict().items()}
+    runs = {}
+    for compiled in (True, False):
+        policy = LearnedPolicy(state, Lengths(), preempt=True)
+        if compiled:
+            assert policy.table._shortest_first is not None, "numba ships with vLLM"
+        else:
+            policy.table._shortest_first = None
+        shortest, answers = policy.table.shortest, []
+
+        def counted(*a, _fn=shortest, _answers=answers):
+            out = _fn(*a)
+            _answers.append(out is not None)
+            return out
+
+        policy.table.shortest = counted
+        rows, based = policy.table._rows, []
+
+        def checked_rows(cands, ids, _fn=rows, _table=policy.table, _based=based):
+            _based.append(_table._base is not None and shifted(_table._base[0], ids) >= 0)
+            idx = _fn(cands, ids)
+            assert idx.tolist() == [_table.rows[rid] for rid in ids]
+            return idx
+
+        policy.table._rows = checked_rows
+        log = _recorded(policy, set())
+        res = run_simulation(tiny_workload(5), policy, kv_fraction=KV_FRACTION, out_dir=tmp_path / str(compiled),
+                             progress=False)
+        runs[compiled] = (log, res.summary.metrics, answers, based)
+    (log, m, answers, based), (numpy_log, numpy_m, numpy_answers, _) = runs[True], runs[False]
+    assert sum(answers) > 20 and not all(answers), "both paths ran"
+    assert not any(numpy_answers)
+    assert sum(based) > 10 and sum(shifts) > 10, "rows and ids were read for the arrivals alone"
+    assert log == numpy_log
+    assert m.makespan_s == numpy_m.makespan_s and m.preemptions == numpy_m.preemptions > 0
