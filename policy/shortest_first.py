@@ -13,6 +13,7 @@ same table.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -82,10 +83,15 @@ _warm = False
 
 def compiled_shortest_first():
     """The compiled :func:`_shortest_first` (compiled on the first call, not inside a scheduler step); None without
-    numba."""
-    global _warm
+    numba, or where it does not compile (logged once: the numpy path runs)."""
+    global _compiled, _warm
     if _compiled is not None and not _warm:
-        _compiled(np.zeros(1, np.int64), np.zeros(1), np.zeros(1, bool), np.full((1, 2), math.nan), 0.0, 0.0,
-                  math.inf, math.inf, True, np.empty(1, np.int64), np.empty(1), np.empty(2))
+        try:
+            _compiled(np.zeros(1, np.int64), np.zeros(1), np.zeros(1, bool), np.full((1, 2), math.nan), 0.0, 0.0,
+                      math.inf, math.inf, True, np.empty(1, np.int64), np.empty(1), np.empty(2))
+        except Exception as e:  # never into the policy's construction: the numpy path gives the same order
+            logging.getLogger(__name__).warning("kvpilot: the compiled admission order is off (%s: %s)",
+                                                type(e).__name__, e)
+            _compiled = None
         _warm = True
     return _compiled

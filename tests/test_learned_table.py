@@ -273,3 +273,18 @@ def test_shortest_first_decides_as_the_numpy_path(vllm_engine, tmp_path: Path, m
     assert sum(based) > 10 and sum(shifts) > 10, "rows and ids were read for the arrivals alone"
     assert log == numpy_log
     assert m.makespan_s == numpy_m.makespan_s and m.preemptions == numpy_m.preemptions > 0
+
+
+def test_an_admission_order_that_does_not_compile_leaves_the_numpy_path(monkeypatch, caplog) -> None:
+    """Where numba fails to compile the order, the policy is still built (logged once) and orders through numpy."""
+    from policy import shortest_first
+
+    def broken(*args):
+        raise TypeError("no such loop")
+
+    monkeypatch.setattr(shortest_first, "_compiled", broken)
+    monkeypatch.setattr(shortest_first, "_warm", False)
+    with caplog.at_level("WARNING"):
+        policy = LearnedPolicy({k: v.detach().numpy() for k, v in build_scorer().state_dict().items()}, Lengths())
+    assert policy.table._shortest_first is None and "compiled admission order is off" in caplog.text
+    assert shortest_first.compiled_shortest_first() is None  # (once: not tried again)
