@@ -36,7 +36,6 @@ from typing import Optional
 
 import numpy as np
 
-from policy.common import shifted, to_front
 from policy.group_age import GroupAges
 from policy.interface import CandidateRequest, CandidateView, EngineState, Event, EventKind
 from policy.learned_features import (
@@ -138,8 +137,6 @@ class FeatureTable:
         self.steps: dict[Optional[int], int] = {}  # RL step -> index
         self._ids: Optional[tuple] = None  # the last call's candidates' ids, and their rows
         self._idx = np.empty(0, dtype=np.int64)
-        #: the queue's ids and rows as the last :meth:`shortest` order leaves them (its requests first)
-        self._base: Optional[tuple[tuple, np.ndarray]] = None
         self.request_ids: tuple = ()  # the last call's candidates' ids
         self._x_idx: Optional[np.ndarray] = None  # the rows of the last assembled input (see _assemble)
         self._clock_idx: Optional[np.ndarray] = None  # the rows whose oldest queue entry is cached
@@ -205,30 +202,16 @@ class FeatureTable:
 
     # ------------------------------------------------------------------ rows
     def _rows(self, cands: Sequence[CandidateRequest], ids: tuple) -> np.ndarray:
-        """Each candidate's row (new rows are allocated, marked dirty); ``ids``: the candidates' request ids.
-
-        Where the queue is the one the last :meth:`shortest` order left (``_base``) less requests that left its
-        head, plus arrivals at its end (the usual change), only the arrivals are looked up."""
+        """Each candidate's row (new rows are allocated, marked dirty); ``ids``: the candidates' request ids."""
         if len(self.rows) + len(ids) > MAX_ROWS:
             self._alloc(len(self.x))
-        base = self._base
-        k = shifted(base[0], ids) if base is not None else -1
-        start = len(base[0]) - k if k >= 0 else 0
-        new = self._looked_up(cands, ids, start)
-        self._idx = np.concatenate((base[1][k:], new)) if k >= 0 else new
-        self._ids = ids
-        self.request_ids = ids
-        return self._idx
-
-    def _looked_up(self, cands: Sequence[CandidateRequest], ids: tuple, start: int) -> np.ndarray:
-        """The rows of ``ids[start:]`` (the candidates from place ``start``), new ones allocated and marked dirty."""
         rows = self.rows
         get = rows.get
-        idx = [get(rid, -1) for rid in ids[start:]] if start else [get(rid, -1) for rid in ids]
+        idx = [get(rid, -1) for rid in ids]
         # the new requests, found by scans in C (most calls have one or two among hundreds)
         i = idx.index(-1) if -1 in idx else -1
         while i >= 0:
-            c = cands[start + i]
+            c = cands[i]
             if not self.free:
                 self._grow()
             r = idx[i] = rows[c.request_id] = self.free.pop()
@@ -246,7 +229,10 @@ class FeatureTable:
                 i = idx.index(-1, i + 1)
             except ValueError:
                 break
-        return np.asarray(idx, dtype=np.int64)
+        self._ids = ids
+        self._idx = np.asarray(idx, dtype=np.int64)
+        self.request_ids = ids
+        return self._idx
 
     def _fill(self, cands: Sequence[CandidateRequest], rows: np.ndarray, state: EngineState,
               light: bool = False) -> Optional[np.ndarray]:
@@ -373,10 +359,7 @@ class FeatureTable:
             return None
         self._clock_idx, self._oldest = idx, (float(oldest[0]), float(oldest[1]))
         self._preempted = self._none
-        top = top[:got]
-        picked = top.tolist()
-        self._base = (to_front(self.request_ids, picked), np.concatenate((idx[top], np.delete(idx, top))))
-        return picked
+        return top[:got].tolist()
 
     def unchanged(self, cands: Sequence[CandidateRequest]) -> bool:
         """True when the last :meth:`features` call's rows stand for ``cands``: the same requests, no event since,

@@ -139,8 +139,8 @@ class AdmissionLever(Lever):
             if starved:
                 self.stats.hold_overridden += len(starved)
                 held = [r for r in held if r.arrival_time > limit]
-        self.logged = self.rows.log_decisions and (
-            bool(sched.running) or self.quiet_ids is None or self.quiet_ids != tuple(r.request_id for r in reqs))
+        self.logged = self.rows.log_decisions and self._not_quiet(
+            ids if ids is not None else tuple(r.request_id for r in reqs))
         if self.logged:
             first = ordered[0].request_id if ordered else None
             idx = next((i for i, c in enumerate(cands) if c.request_id == first), -1)
@@ -164,17 +164,20 @@ class AdmissionLever(Lever):
     def _front(self, order: Any, ids: tuple, cands: Any, dec: AdmissionDecision, now: float) -> tuple[list, None]:
         """A decision that holds nobody: its order to the queue's front, in place (see :func:`_to_front`)."""
         picked = _positions(order, ids) if order is not None else []
-        sched = self.sched
-        self.logged = self.rows.log_decisions and (
-            bool(sched.running) or self.quiet_ids is None or self.quiet_ids != ids)
+        self.logged = self.rows.log_decisions and self._not_quiet(ids)
         if self.logged:
             idx = picked[0] if picked else (0 if ids else -1)
             self.rows.request_decision("admit", now, cands, dec.predictions, idx, dec.propensity, None)
         if picked != list(range(len(picked))):
-            _to_front(sched.waiting, picked)
+            _to_front(self.sched.waiting, picked)
             self.tr.moved(picked)
             self.stats.admission_reorders += 1
         return [], None
+
+    def _not_quiet(self, ids: tuple) -> bool:
+        """A decision over the queue ``ids`` that does not repeat an idle held step's (nothing running, the same
+        queue): it is logged."""
+        return bool(self.sched.running) or self.quiet_ids is None or self.quiet_ids != ids
 
     def idle_release_s(self, held: list, now: float) -> float:
         """After a step that ran nothing because of ``held``: seconds until the first hold's release by
