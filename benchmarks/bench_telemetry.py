@@ -27,7 +27,7 @@ def step_row(i: int) -> dict:
         "engine_step": i, "replica": 0, "time_s": i * 0.01, "duration_s": 0.01, "running": 8,
         "waiting": 3, "free_blocks": 900, "pinned_blocks": 4, "kv_usage": 0.55, "prefill_tokens": 512,
         "decode_tokens": 8, "prefix_queries": 4, "prefix_hits": 2, "preemptions": 0, "evictions": 1,
-        "hook_fallback": False, "dropped_rows": 0,
+        "hook_fallback": False, "dropped_rows": 0, "model_failures": None,
     }  # fmt: skip
 
 

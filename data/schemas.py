@@ -162,6 +162,8 @@ STEPS = TableSpec(
             _f("offload_stored_bytes", pa.int64(), True),
             _f("hook_fallback", pa.bool_()),  # this step fell back to vLLM's own behaviour
             _f("dropped_rows", pa.int64()),  # telemetry rows dropped so far (full queue)
+            # policy ``registry``: model loads and polls that failed so far (null: no registry policy)
+            _f("model_failures", pa.int64(), True),
         ]
     ),
 )

@@ -711,6 +711,7 @@ for _column, _what in [
     ("offload_loaded_bytes", "byte count"),
     ("offload_stored_bytes", "byte count"),
     ("dropped_rows", "count"),
+    ("model_failures", "count"),
 ]:
     _at_least("steps", _column, 0, _what)
 _at_most("steps", "kv_usage", 1.0, "KV usage")

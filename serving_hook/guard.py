@@ -64,6 +64,7 @@ class HookStats:
     side_time_s: float = 0.0
     model_version: Optional[str] = None  # policy ``registry``: the registry version served (None: none yet)
     model_swaps: int = 0  # policy ``registry``: versions swapped in after start-up
+    model_failures: int = 0  # policy ``registry``: model loads and polls that failed (each logged once per model)
     state_carried: int = 0  # swaps that handed the old model's session state to the new one
     state_dropped: int = 0  # swaps whose state the new model could not take (logged; it started afresh)
     #: requests by where their session came from: typed, kv_hints, extra_args, chain (continued), new (opened)

@@ -98,6 +98,7 @@ class SourceStats:
     loads: int = 0  # versions loaded (start-up and polls)
     polls: int = 0
     failures: dict = field(default_factory=dict)  # kind -> count (load and poll failures)
+    failed: int = 0  # their sum (an int the engine thread reads while the poll thread counts)
 
 
 class ModelSource:
@@ -171,6 +172,7 @@ class ModelSource:
     def _failed(self, e: ModelError) -> None:
         f = self.stats.failures
         f[e.kind] = f.get(e.kind, 0) + 1
+        self.stats.failed += 1
         if e.key not in self._logged:
             self._logged.add(e.key)
             logger.warning(

@@ -78,6 +78,7 @@ class Rows:
         offload_loaded_blocks: int = 0,
         offload_stored_blocks: int = 0,
         offload_block_bytes: int = 0,
+        model_failures: Optional[int] = None,
     ) -> None:
         """Stamp this step's ``steps`` row; written at the step's end (:meth:`end_step`), when its duration is known.
 
@@ -114,6 +115,7 @@ class Rows:
                 "offload_stored_bytes": offload_stored_blocks * offload_block_bytes,
                 "hook_fallback": self.guard.fallback,
                 "dropped_rows": self.writer.dropped,
+                "model_failures": model_failures,
             }
         )
 

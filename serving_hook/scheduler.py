@@ -464,6 +464,7 @@ class KVPilotMixin:
             offload_loaded_blocks=loaded,
             offload_stored_blocks=stored,
             offload_block_bytes=tier.block_bytes if tier is not None else 0,
+            model_failures=self.kvpilot_stats.model_failures if self._kvp_registry is not None else None,
         )
 
     def _kvp_between_steps(self) -> None:
@@ -489,6 +490,7 @@ class KVPilotMixin:
         except Exception as e:
             guard.internal_error("model-swap", e)
         st.model_version = reg.model_version
+        st.model_failures = reg.source.stats.failed
         if not reg.has_model:
             guard.skip("model:none")  # no policy call this step: vLLM's own behaviour
 

@@ -189,6 +189,7 @@ def step_rows(draw: st.DrawFn) -> dict:
         "evictions": draw(count),
         "hook_fallback": draw(st.booleans()),
         "dropped_rows": draw(st.integers(0, INT64)),
+        "model_failures": draw(st.none() | st.integers(0, INT64)),
     }
 
 

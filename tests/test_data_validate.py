@@ -148,6 +148,7 @@ def step_row(i: int) -> dict:
         "offload_stored_bytes": 2 * i * 917504,
         "hook_fallback": False,
         "dropped_rows": 0,
+        "model_failures": i % 3 if i % 2 else None,
     }
 
 
@@ -282,6 +283,7 @@ BAD_TELEMETRY: list[tuple[str, TableSpec, str, dict, str, str]] = [
     ("unknown_decision", DECISIONS, "decisions", {"kind": "evict"}, "kind", "'evict'"),
     ("kv_usage_over_one", STEPS, "steps", {"kv_usage": 1.5}, "kv_usage", "exceeds 1.0"),
     ("negative_duration", STEPS, "steps", {"duration_s": -0.1}, "duration_s", "negative duration"),
+    ("negative_model_failures", STEPS, "steps", {"model_failures": -1}, "model_failures", "negative count"),
     ("unknown_kv_event", KV_EVENTS, "kv_events", {"event": "evicted"}, "event", "'evicted'"),
 ]
 

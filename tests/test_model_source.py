@@ -218,6 +218,10 @@ def test_missing_model_falls_back_to_vllm_then_recovers(store, dirs, vllm_engine
     check_completed(requests)
     fell_back = steps.set_index("engine_step")["hook_fallback"]
     assert fell_back.loc[:registered_after].all() and not fell_back.loc[registered_after + 1:].any()
+    # the failures are in telemetry too, as counted when each step started (a poll between steps: the next one)
+    failed = steps.set_index("engine_step")["model_failures"]
+    assert failed.is_monotonic_increasing and failed.iloc[0] == 1 and failed.iloc[-1] == registered_after
+    assert st.model_failures == registered_after
     assert (decisions["engine_step"] > registered_after).all()  # no policy decision while falling back
     assert set(decisions["policy_version"]) == {"missing/1"}
 

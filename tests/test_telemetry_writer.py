@@ -84,6 +84,7 @@ def step_row(i: int) -> dict:
         "offload_stored_bytes": 3 * 917504,
         "hook_fallback": False,
         "dropped_rows": 0,
+        "model_failures": None,
     }
 
 
