@@ -210,9 +210,11 @@ class RunSummary:
     hook_s: float  # wall-clock seconds inside the hook
     router_s: float  # wall-clock seconds routing
     simulator_overhead: float  # simulator time outside the scheduler over the time inside it
-    #: Policy ``registry``: the registry version served at the end (replica 0) and swaps after start-up.
+    #: Policy ``registry``: the registry version served at the end (replica 0), swaps after start-up, and the model
+    #: loads that failed (every replica's).
     model_version: str | None
     model_swaps: int
+    model_failures: int
     prefix_cache_resets: int
     keep_cache_across_steps: bool
     session_ids: bool  # requests carried their session identity

@@ -48,7 +48,29 @@ def test_registry_champion_reproduces_the_direct_policy(vllm_engine, tmp_path, m
     assert served.exit_code == 0, served.output
     a, b = json.loads(direct.stdout), json.loads(served.stdout)
 
-    assert b["policy"] == "registry" and b["model_version"] == "1" and b["model_swaps"] == 0
+    assert b["policy"] == "registry" and b["model_version"] == "1" and b["model_swaps"] == 0 == b["model_failures"]
     assert b["hook_fallbacks"] == 0
     assert a["preemptions"] > 0  # the learned policy's preemption lever was exercised
     assert {k: v for k, v in a.items() if k not in NOT_COMPARED} == {k: v for k, v in b.items() if k not in NOT_COMPARED}
+
+
+def test_a_missing_champion_runs_vllms_behaviour_and_is_counted(vllm_engine, tmp_path, monkeypatch):
+    """A registry with no such model: the run completes on vLLM's own behaviour, every step a fallback, and the
+    summary counts the failed load of each replica."""
+    from data.io import write_workload
+    from data.synth import generate
+    from tests.test_sim_run import small_config
+    from training.cli import app
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("KVPILOT_MODEL_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # the embedded default store: ./mlruns.db, with nothing registered
+    workload = tmp_path / "w.parquet"
+    write_workload(generate(small_config(11, prompts=2, group=2, steps=1)), workload)
+    out = CliRunner().invoke(app, ["simulate", "--workload", str(workload), "--kv-fraction", "0.8", "--json",
+                                   "--no-progress", "--replicas", "2", "--policy", "registry", "--policy-options",
+                                   json.dumps({"uri": "models:/absent@champion"}), "-o", str(tmp_path / "run")])
+    assert out.exit_code == 0, out.output
+    s = json.loads(out.stdout)
+    assert s["model_version"] is None and s["model_failures"] == 2
+    assert s["hook_fallbacks"] == s["engine_steps"] > 0
