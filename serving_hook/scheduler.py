@@ -43,8 +43,9 @@ MLflow registry (``KVPILOT_MODEL_URI``): loaded at start-up, polled on a
 background thread every ``KVPILOT_MODEL_POLL_S`` seconds, and swapped in at the
 start of ``schedule()`` (``_kvp_between_steps``), never inside a step. A step
 without any loaded model falls back to vLLM's behaviour (``hook_fallback``,
-counted as ``model:none``); ``kvpilot_stats`` has ``model_version`` and
-``model_swaps``, and decisions telemetry records the version
+counted as ``model:none``); ``kvpilot_stats`` has ``model_version``,
+``model_swaps`` and ``model_failures`` (loads and polls that failed; also in ``steps`` telemetry, as each step
+started), and decisions telemetry records the version
 (``policy_version`` ``kvpilot/N``). At a swap the old model's per-session state (RL step phase, starvation
 clocks, feature rows, paused sessions) goes to the new one (``model_source.carry_state``; counted in
 ``state_carried`` / ``state_dropped``).
@@ -160,6 +161,7 @@ class KVPilotMixin:
             # The registry's model: swapped in between steps (_kvp_between_steps), polled off this thread.
             self._kvp_registry = policy
             self.kvpilot_stats.model_version = policy.model_version
+            self.kvpilot_stats.model_failures = policy.source.stats.failed  # (a failed start-up load, before any step)
             policy.source.start(cfg.model_poll_s)
         if self._kvp_passthrough:
             return

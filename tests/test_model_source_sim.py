@@ -56,7 +56,8 @@ def test_registry_champion_reproduces_the_direct_policy(vllm_engine, tmp_path, m
 
 def test_a_missing_champion_runs_vllms_behaviour_and_is_counted(vllm_engine, tmp_path, monkeypatch):
     """A registry with no such model: the run completes on vLLM's own behaviour, every step a fallback, and the
-    summary counts the failed load of each replica."""
+    summary counts the failed load of each replica, those that never ran a step (more replicas than requests)
+    included."""
     from data.io import write_workload
     from data.synth import generate
     from tests.test_sim_run import small_config
@@ -66,11 +67,11 @@ def test_a_missing_champion_runs_vllms_behaviour_and_is_counted(vllm_engine, tmp
     monkeypatch.delenv("KVPILOT_MODEL_URI", raising=False)
     monkeypatch.chdir(tmp_path)  # the embedded default store: ./mlruns.db, with nothing registered
     workload = tmp_path / "w.parquet"
-    write_workload(generate(small_config(11, prompts=2, group=2, steps=1)), workload)
+    write_workload(generate(small_config(11, prompts=1, group=2, steps=1)), workload)  # 2 requests
     out = CliRunner().invoke(app, ["simulate", "--workload", str(workload), "--kv-fraction", "0.8", "--json",
-                                   "--no-progress", "--replicas", "2", "--policy", "registry", "--policy-options",
+                                   "--no-progress", "--replicas", "4", "--policy", "registry", "--policy-options",
                                    json.dumps({"uri": "models:/absent@champion"}), "-o", str(tmp_path / "run")])
     assert out.exit_code == 0, out.output
     s = json.loads(out.stdout)
-    assert s["model_version"] is None and s["model_failures"] == 2
+    assert s["model_version"] is None and s["model_failures"] == 4
     assert s["hook_fallbacks"] == s["engine_steps"] > 0
