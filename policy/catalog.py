@@ -73,7 +73,9 @@ def _ablation(name: str) -> PolicyFactory:
     return factory
 
 
-for _name in ("learned-admission", "learned-preempt", "learned-gpu-evict", "learned-tier-lru"):
+#: policy.learned.ABLATIONS' names (listed here so that the catalog imports no policy before it is built).
+LEARNED_ABLATIONS = ("learned-prior", "learned-admission", "learned-no-tier", "learned-gpu-evict", "learned-tier-lru")
+for _name in LEARNED_ABLATIONS:
     _CATALOG[_name] = _ablation(_name)
 
 

@@ -4,8 +4,10 @@
 and a preemption score from its :data:`policy.learned_features.FEATURES`.
 
 **Acting.** ``mode="serve"``: admission in the runtime option ``admission``'s order: ``"shortest"``
-(default) ranks by the length model's predicted remaining output, shortest first; ``"scorer"`` by the
-admission score. The victim is the one with the highest preemption score when ``preempt`` is on (``kvpilot
+(default) ranks by the length model's predicted remaining output, shortest first, moved by the trained
+``admission_residual`` where it has one (weights on standardised features and on the admission head, learned by
+simulation: :mod:`training.policy_search`); ``"scorer"`` by the admission score. ``learned-prior``
+(:data:`PRIOR`) is the same bundle with no trained network deciding anything. The victim is the one with the highest preemption score when ``preempt`` is on (``kvpilot
 train`` turns it on when the logs hold preemption decisions), else vLLM's tail victim. ``mode="log"``: a
 Plackett-Luce sample of the scores at ``temperature`` mixed with a uniform draw at rate ``epsilon``; the
 logged ``propensity`` is the exact probability of the logged action (the first admitted request, or the
@@ -56,15 +58,17 @@ from policy.interface import (
     PreemptionDecision,
 )
 from policy.learned_bundle import PolicyLoadError, read_manifest, read_predictor, read_reuse, read_state, write_bundle
-from policy.learned_features import ENGINE_X, FEATURES, WAIT_X
+from policy.learned_features import ENGINE_X, FEATURES, WAIT_X, X
 from policy.learned_sampler import Sampler
 from policy.learned_scorer import ADMIT, PREEMPT, NumpyScorer
 from policy.learned_table import engine_raw
 from policy.predictors import OnlineNextUse
 from policy.session_reuse import SessionStateNextUse
 
-__all__ = ["RUNTIME_DEFAULTS", "LearnedPolicy", "create_learned", "create_ablation", "ABLATIONS"]
+__all__ = ["RUNTIME_DEFAULTS", "PRIOR", "LearnedPolicy", "create_learned", "create_ablation", "ABLATIONS"]
 
+#: The scorer input's column of the prior's key (log1p of the predicted remaining output).
+LOG_REMAINING = X["log_pred_remaining"]
 #: Runtime options and their defaults (stored in the manifest's ``config["runtime"]``).
 RUNTIME_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
@@ -123,7 +127,17 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # where the tier holds the working set (H200-7B, KV 0.2, 64 GiB; both within 1.5% of vllm-offload there).
     # In ``log`` mode the admission order is the scorer's Plackett-Luce sample either way (it explores).
     "admission": "shortest",
+    # The trained admission residual: weights on the candidates' standardised features (names of FEATURES) and on
+    # the scorer's admission head standardised over the queue ("scorer"), added to the prior's key
+    # log1p(predicted remaining) negated. Empty: the prior's order (shortest first). `kvpilot train` learns it by
+    # simulating the logged workloads under candidate weights (training/policy_search.py).
+    "admission_residual": {},
 }
+#: The options that make a bundle its prior, ``learned-prior``: the same code, predictors and tiers, with no
+#: decision taken by a trained network (shortest predicted remaining first, vLLM's tail victim).
+PRIOR: dict[str, Any] = {"preempt": False, "admission": "shortest", "admission_residual": {}}
+#: The admission residual's inputs besides FEATURES: the scorer's admission head, standardised over the queue.
+SCORER_INPUT = "scorer"
 #: ``group_age``: a group's rank in start order weighs this many seconds of predicted next use in the eviction
 #: order (a context never used again, ``inf``, still leaves first).
 AGE_S = 1e6
@@ -172,6 +186,7 @@ class LearnedPolicy(Sampler):
         host_eviction: bool = RUNTIME_DEFAULTS["host_eviction"],
         gpu_eviction: bool | str = RUNTIME_DEFAULTS["gpu_eviction"],
         group_age: bool = RUNTIME_DEFAULTS["group_age"],
+        admission_residual: Optional[Mapping[str, float]] = None,
         manifest: Optional[dict] = None,
         predictors_dir: Optional[Path] = None,
         reuse: Any = None,
@@ -180,6 +195,8 @@ class LearnedPolicy(Sampler):
             raise ValueError(f"option mode must be 'serve' or 'log', got {mode!r}")
         if not (isinstance(gpu_eviction, bool) or gpu_eviction == "async"):
             raise ValueError(f"option gpu_eviction must be true, false or \"async\", got {gpu_eviction!r}")
+        #: the admission residual's (FEATURES columns, weights, scorer head's weight); None: the prior's order
+        self._residual = _residual_weights(admission_residual)
         super().__init__(predictor, max_wait_steps, max_wait_s, seed, resume_preempted)
         self.uses_preemption = bool(preempt)  # False: vLLM chooses the victims
         self.uses_offload = bool(offload)
@@ -195,7 +212,8 @@ class LearnedPolicy(Sampler):
                         "rescore_tol": rescore_tol, "preempt": bool(preempt), "offload": bool(offload),
                         "host_eviction": bool(host_eviction), "gpu_eviction": gpu_eviction,
                         "group_age": bool(group_age), "admission": admission,
-                        "reuse_predictor": reuse_predictor}
+                        "reuse_predictor": reuse_predictor,
+                        "admission_residual": dict(admission_residual or {})}
         if admission not in ADMISSION_ORDERS:
             raise ValueError(f"option admission must be one of {', '.join(ADMISSION_ORDERS)}, got {admission!r}")
         if reuse_predictor not in REUSE_PREDICTORS:
@@ -318,6 +336,8 @@ class LearnedPolicy(Sampler):
         if not waiting:
             return None
         if self.admission == "shortest" and self.mode == "serve":  # log mode explores around the scorer either way
+            if self._residual is not None:
+                return AdmissionDecision(order=self._residual_order(waiting, state))
             top = self.table.shortest(waiting, state, admission_limit(state, len(waiting)), self.group_age)
             if top is not None:  # nobody goes first, no group age: the order in one pass
                 ids = self.table.request_ids
@@ -343,6 +363,25 @@ class LearnedPolicy(Sampler):
         order = self._order([], keys, waiting, state)
         head = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
         return AdmissionDecision(order=order, propensity=float(self._probs(s)[head]), predictions=predictions)
+
+    def _residual_order(self, waiting: Sequence[CandidateRequest], state: EngineState) -> list[str]:
+        """The prior's order moved by the trained residual: keys ``-log1p(predicted remaining)`` plus the residual's
+        weights on the standardised features (and on the scorer's admission head, standardised over the queue);
+        the preempted and starved first, the oldest group first under asynchronous RL, as in the prior."""
+        x, idx = self.table.features(waiting, state)
+        cols, w, w_scorer = self._residual
+        keys = -x[:, LOG_REMAINING].astype(np.float64)
+        if len(cols):
+            z = (x[:, cols] - self.scorer.mean[cols]) * self.scorer.inv_scale[cols]
+            keys += z @ w
+        if w_scorer:
+            s = self.scorer.head(x, ADMIT, kept=True)
+            sd = float(s.std())
+            if sd > 0.0:
+                keys += (w_scorer / sd) * (s - s.mean())
+        if self.group_age and self.table.aged:
+            keys = self._by_age(idx, keys)
+        return self._order(self.table.first(idx, state), keys, waiting, state)
 
     def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:
         if not running:
@@ -381,6 +420,30 @@ class LearnedPolicy(Sampler):
             raise PolicyLoadError(f"{d / 'policy.pt'}: {e}") from e
 
 
+def _residual_weights(residual: Optional[Mapping[str, float]]) -> Optional[tuple[np.ndarray, np.ndarray, float]]:
+    """The runtime option ``admission_residual`` checked: (the FEATURES columns it weighs, their weights, the
+    scorer head's weight), or None where every weight is 0 (the prior's order)."""
+    if residual is None:
+        return None
+    if not isinstance(residual, Mapping):
+        raise ValueError(f"option admission_residual must map feature names to weights, got {residual!r}")
+    known = (*FEATURES, SCORER_INPUT)
+    cols, weights, w_scorer = [], [], 0.0
+    for name, w in residual.items():
+        if name not in known:
+            raise ValueError(f"option admission_residual: unknown input {name!r}; known: {', '.join(known)}")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"option admission_residual: the weight of {name!r} must be a finite number, got {w!r}")
+        if name == SCORER_INPUT:
+            w_scorer = float(w)
+        elif w:
+            cols.append(X[name])
+            weights.append(float(w))
+    if not cols and not w_scorer:
+        return None
+    return np.array(cols, dtype=np.intp), np.array(weights), w_scorer
+
+
 def _reuse_levers(offload: Any, host_eviction: Any, gpu_eviction: Any) -> tuple[bool, bool]:
     """Whether the reuse predictor orders the CPU tier (``host_eviction`` over the tier) and the GPU's evictions."""
     return bool(offload and host_eviction), bool(gpu_eviction)
@@ -401,13 +464,15 @@ def create_learned(model: Optional[str] = None, mode: str = "serve", **options: 
     return LearnedPolicy.load(model, mode=mode, **options)
 
 
-#: The learned policy with levers turned off (``kvpilot evaluate``'s ablation rows; each takes ``model`` as
-#: ``learned`` does): admission only (vLLM's victims, no tier); + the preemption head; + GPU eviction by predicted
-#: next use (no tier); the CPU tier with vLLM's LRU there (GPU eviction as ``learned``'s). ``learned`` itself adds
-#: the host-tier eviction order.
-ABLATIONS: dict[str, dict[str, bool]] = {
-    "learned-admission": {"preempt": False, "offload": False, "gpu_eviction": False},
-    "learned-preempt": {"preempt": True, "offload": False, "gpu_eviction": False},
+#: The learned policy's ablation rows (``kvpilot evaluate``; each takes ``model`` as ``learned`` does), each named
+#: for what it runs. The network's ladder: ``learned-prior`` (no trained network: the rules it starts from),
+#: ``learned-admission`` (the network's admission residual; vLLM's victims), ``learned`` (every lever the bundle
+#: trained). The levers' rows: ``learned-no-tier`` (no CPU tier, LRU on the GPU), ``learned-gpu-evict`` (no tier,
+#: GPU eviction by predicted next use), ``learned-tier-lru`` (the tier with vLLM's LRU order there).
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "learned-prior": PRIOR,
+    "learned-admission": {"preempt": False},
+    "learned-no-tier": {"preempt": True, "offload": False, "gpu_eviction": False},
     "learned-gpu-evict": {"preempt": True, "offload": False, "gpu_eviction": True},
     "learned-tier-lru": {"preempt": True, "offload": True, "host_eviction": False},
 }

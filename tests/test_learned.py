@@ -309,6 +309,31 @@ def test_shortest_admission_orders_by_predicted_remaining_whatever_the_scores() 
         LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="lpt")
 
 
+def test_the_trained_admission_residual_moves_the_prior_order() -> None:
+    """``admission_residual``: the prior's key (shortest predicted remaining first) plus trained weights on the
+    standardised features and on the scorer's admission head. Empty or zero it is the prior's order exactly; with
+    weight on the group's progress, or on a scorer that ranks longest first, the network reorders the queue."""
+    lengths = {f"r{i}": 100.0 * (i + 1) for i in range(5)}
+    waiting = [_cand(i) for i in (3, 0, 4, 1, 2)]
+    waiting[4].group_finished = 3  # r2: three of its group of four finished (the hook counts them)
+    prior = ["r0", "r1", "r2", "r3", "r4"]
+
+    def order(residual: dict, state: dict | None = None) -> list[str]:
+        pol = LearnedPolicy(state or _state_dict(remaining_weight=1.0), FixedLengths(lengths),
+                            admission_residual=residual)
+        return list(pol.admit(waiting, _state()).order)
+
+    assert order({}) == order({"turn": 0.0, "scorer": 0.0}) == prior
+    assert order({"scorer": 50.0})[0] == "r4"  # the scorer's head ranks the longest first: it now leads
+    assert order({"scorer": -50.0}) == prior  # against the head: shortest first still
+    by_group = order({"group_done_frac": 50.0})
+    assert by_group[0] == "r2" and by_group[1:] == ["r0", "r1", "r3", "r4"], by_group
+    for bad, why in (({"nope": 1.0}, "unknown input 'nope'"), ({"turn": float("nan")}, "finite number"),
+                     ([1.0], "must map feature names")):
+        with pytest.raises(ValueError, match=why):
+            LearnedPolicy(_state_dict(), FixedLengths(lengths), admission_residual=bad)
+
+
 # ------------------------------------------------------------------------------------ POLICY_DIR
 
 

@@ -122,10 +122,11 @@ def test_plain_recipe_trains_a_policy_over_the_tier(learned_runs: dict, tmp_path
     from policy.catalog import create_policy
 
     levers = {n: (p.uses_preemption, p.uses_eviction, p.uses_offload, p.uses_host_eviction) for n in
-              ("learned-admission", "learned-preempt", "learned-gpu-evict", "learned-tier-lru", "learned")
-              for p in [create_policy(n, model=str(out))]}
-    assert levers == {"learned-admission": (False, False, False, False),
-                      "learned-preempt": (True, False, False, False),
+              ("learned-prior", "learned-admission", "learned-no-tier", "learned-gpu-evict", "learned-tier-lru",
+               "learned") for p in [create_policy(n, model=str(out))]}
+    assert levers == {"learned-prior": (False, False, True, True),
+                      "learned-admission": (False, False, True, True),
+                      "learned-no-tier": (True, False, False, False),
                       "learned-gpu-evict": (True, True, False, False),
                       "learned-tier-lru": (True, False, True, False),
                       "learned": (pol.uses_preemption, False, True, True)}

@@ -2,9 +2,10 @@
 a deliberately worse candidate is refused, a better one is accepted, --force skips the gate.
 
 The two POLICY_DIRs are real learned-policy bundles whose scorers are wired by hand, so the test does not hang on
-how well a tiny training run goes: the better one admits in arrival order and preempts the request with the
-least progress (close to vLLM's own choices); the worse one admits the longest predicted first and preempts the
-request with the most progress, which costs both makespan and recompute under KV pressure.
+how well a tiny training run goes: the better one runs its prior's rules (shortest predicted first, vLLM's
+victims), so the gate's check against its own prior passes by construction; the worse one admits the longest
+predicted first and preempts the request with the most progress, which costs both makespan and recompute under
+KV pressure.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def policies(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> tuple[Pat
     """(better POLICY_DIR, worse POLICY_DIR)."""
     root = tmp_path_factory.mktemp("policies")
     base = base_policy_dir(root)
-    better = wired(base, root / "better", None, ("log_computed_tokens", -1.0))
+    better = wired(base, root / "better", None, ("log_computed_tokens", -1.0), admission="shortest", preempt=False)
     worse = wired(base, root / "worse", ("log_pred_remaining", 1.0), ("log_computed_tokens", 1.0))
     return better, worse
 
@@ -70,6 +71,7 @@ def test_gate(policies: tuple[Path, Path], heldout: HeldoutParams, tmp_path: Pat
     assert better.promoted, text
     assert _champion() == v2
     assert f"candidate v{v2}" in text and f"champion v{v1}" in text and "vllm-default" in text
+    assert f"learned-prior v{v2}" in text  # the candidate beside its own prior
 
     v3 = _register(worse_dir)
     res = CliRunner().invoke(app, ["promote", "--version", v3, "--workload", str(heldout.workload), "--kv-fraction",
@@ -85,6 +87,14 @@ def test_gate(policies: tuple[Path, Path], heldout: HeldoutParams, tmp_path: Pat
 
     forced = promote(v3, force=True, heldout=heldout)
     assert forced.promoted and not forced.rows and _champion() == v3
+
+
+def test_a_candidate_slower_than_its_prior_is_refused() -> None:
+    from training.promote import MAKESPAN_TOLERANCE, passes_prior
+
+    prior = {"makespan_s": 100.0}
+    assert passes_prior({"makespan_s": 100.0 * (1 + MAKESPAN_TOLERANCE) - 1e-9}, prior)
+    assert not passes_prior({"makespan_s": 100.0 * (1 + MAKESPAN_TOLERANCE) + 1e-6}, prior)
 
 
 def test_passes_gate_tolerances() -> None:

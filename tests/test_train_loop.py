@@ -55,9 +55,11 @@ def test_train_logs_one_run_and_registers_a_version(run_dir: Path, tmp_path: Pat
     # no --kv-fraction or --preset: the held-out evaluation runs on the logs' engine (KV, H200-7B, no tier)
     res = CliRunner().invoke(app, ["train", "--logs", str(run_dir), "--experiment", "train-test", "-o",
                                    str(tmp_path / "work"), "--heldout-workload", str(heldout), "--trees", "20",
+                                   "--search-iterations", "1", "--search-population", "2", "--jobs", "1",
                                    "--no-progress"])
     assert res.exit_code == 0, res.output
-    assert "kvpilot v1" in res.output and "vllm-default" in res.output  # the held-out table
+    # the held-out table: the trained policy beside its prior (no trained network) and vLLM default
+    assert "kvpilot v1" in res.output and "learned-prior v1" in res.output and "vllm-default" in res.output
     assert f"held-out evaluation on H200-7B, KV {KV:g} (preset, kv_fraction as the logs')" in res.output, res.output
     client = MlflowClient()
     runs = client.search_runs([client.get_experiment_by_name("train-test").experiment_id])
@@ -71,14 +73,42 @@ def test_train_logs_one_run_and_registers_a_version(run_dir: Path, tmp_path: Pat
     assert -1.0 <= m["predictors.length.kendall_tau"] <= 1.0 and 0.0 <= m["predictors.reuse.auc"] <= 1.0
     assert m["ope.dr_ci_low"] <= m["ope.dr"] <= m["ope.dr_ci_high"]
     assert m["heldout.makespan_ratio_vs_default"] > 0 and m["heldout.vllm-default.preemptions"] > 0
+    assert m["heldout.makespan_ratio_vs_prior"] == pytest.approx(
+        m["heldout.candidate.makespan_s"] / m["heldout.prior.makespan_s"])
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "heldout")}
     assert {"heldout/summary.md", "heldout/makespan.png"} <= artifacts
+    # the policy search simulated the logged workload: the zero residual and two samples; what it kept is served
+    assert m["search.samples"] == 3 and m["search.makespan_ratio_vs_prior"] <= 1.0
+    assert "policy/search.json" in {a.path for a in client.list_artifacts(run.info.run_id, "policy")}
+    import json
+
+    runtime = json.loads((tmp_path / "work" / "policy" / "policy.json").read_text())["config"]["runtime"]
+    kept = runtime["admission_residual"]
+    assert isinstance(kept, dict) and all(v is False for k, v in runtime.items() if k in ("offload", "preempt")
+                                          and f"search.lever.{k}" in m)
     version = client.get_model_version("kvpilot", "1")
     assert version.run_id == run.info.run_id
     from training.promote import trained_engine
 
     assert trained_engine("1") == {"preset": "H200-7B", "kv_fraction": KV, "offload_share": None,
                                    "offload_gib": None}  # the gate's
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
+def test_a_search_over_logs_without_their_workload_fails_before_fitting(run_dir: Path, tmp_path: Path) -> None:
+    """The policy search replays the logged workloads: logs without one exit 2 naming what is missing, before any
+    model is fitted or registered."""
+    import shutil
+
+    logs = tmp_path / "served"
+    shutil.copytree(run_dir, logs)
+    (logs / "workload.parquet").unlink()
+    res = CliRunner().invoke(app, ["train", "--logs", str(logs), "-o", str(tmp_path / "work"),
+                                   "--search-iterations", "1", "--no-progress"])
+    assert res.exit_code == 2 and "no workload.parquet" in res.output, res.output
+    assert not (tmp_path / "work" / "policy").exists()
 
 
 @pytest.mark.vllm
@@ -95,7 +125,7 @@ def test_demo_loop_leaves_run_model_and_alias(tmp_path: Path, vllm_engine) -> No
     result = run_demo(tmp_path / "demo", cfg)
     labels = [r["label"] for r in result.rows]
     assert labels[0].startswith("vLLM default") and labels[1].startswith("best baseline: ")
-    assert "from the registry" in labels[-1]
+    assert "from the registry" in labels[-1] and labels[-2].startswith("learned-prior")  # beside its prior
     assert result.rows[0]["gap_closed"] == 0.0 and all(r["makespan_over_bound"] >= 1.0 for r in result.rows)
     served = result.rows[-1]
     assert served["makespan_s"] == pytest.approx(served["direct_makespan_s"])  # registry = the same model loaded

@@ -353,6 +353,10 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
             keep_cache_across_steps=keep_cache, offload_gib=offload_gib, session_ids=session_ids,
             trainer=trainer,
         )
+    from data.io import write_workload
+
+    # beside the telemetry: `kvpilot train` joins its tools to the logs and replays it in its policy search
+    write_workload(prepared.table, out_dir / "workload.parquet")
     return result.summary
 
 
@@ -428,9 +432,9 @@ def evaluate_cmd(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
     model: Annotated[Optional[Path], typer.Option(
         "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`), for `learned` and its "
-        "ablations (learned-admission: admission only; learned-preempt: + preemption head; learned-gpu-evict: + "
-        "GPU eviction by predicted next use; learned-tier-lru: + the CPU tier under vLLM's LRU; learned adds the "
-        "host-tier eviction order).")] = None,
+        "ablations (learned-prior: no trained network, the rules it starts from; learned-admission: + the network's "
+        "admission residual; learned: every lever it trained; learned-no-tier, learned-gpu-evict, learned-tier-lru: "
+        "levers off). With `learned` listed, `learned-prior` is evaluated beside it.")] = None,
     full_telemetry: Annotated[bool, typer.Option(
         "--full-telemetry", help="Also write each run's decisions and kv_events telemetry (for training, OPE or "
         "cache analysis; slower). Without it a run writes the requests and steps tables the summary reads.")] = False,
@@ -607,6 +611,16 @@ def train(
     kv_fraction: HeldoutKv = None,
     preset: HeldoutPreset = None,
     offload_gib: HeldoutTier = None,
+    search_iterations: Annotated[int, typer.Option(
+        "--search-iterations", min=0, help="Policy search: CEM iterations over the admission residual, each "
+        "simulating --search-population samples on every logged workload (LOG/workload.parquet); 0: no search, "
+        "the prior's order.")] = 0,
+    search_population: Annotated[int, typer.Option("--search-population", min=2, help="Samples per search "
+                                                   "iteration.")] = 8,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="Parallel simulations of the search.")] = 2,
+    backend: Annotated[str, typer.Option("--backend", help="Where the search's simulations run: process or "
+                                         "ray.")] = "process",
+    address: Annotated[Optional[str], typer.Option("--address", help="Ray cluster address (--backend ray).")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bars on stderr.")] = True,
 ) -> None:
     """Fit the predictors and the policy on logs in one MLflow run, evaluate, and register a new `kvpilot` version."""
@@ -626,17 +640,26 @@ def train(
         policy_cfg = OfflineConfig.from_json(policy_config)
     params = PredictorParams(test_steps=tuple(steps) if steps else None, num_trees=trees)
     heldout, follow = _heldout(heldout_workload, heldout_seed, kv_fraction, preset, offload_gib)
+    search = None
+    if search_iterations:
+        from training.policy_search import SearchConfig, SearchError
+
+        with reported(SearchError, prefix="policy search: "):
+            search = SearchConfig(iterations=search_iterations, population=search_population,
+                                  elite=min(SearchConfig.elite, search_population), jobs=jobs, backend=backend,
+                                  address=address)
     from serving_hook.model_registry import RegistryError
 
     # a missing log is a TrainError naming it; a store MLflow cannot open or write a RegistryError naming it
     with reported(TrainError, DataValidationError, RegistryError):
         result = train_and_register(logs, out, experiment=experiment, predictor_params=params,
                                     policy_config=policy_cfg, heldout=heldout, follow_logs=follow,
-                                    progress=progress, console=console)
+                                    search=search, progress=progress, console=console)
     from training.promote import render_table
-    from training.train import CANDIDATE
+    from training.train import CANDIDATE, CANDIDATE_PRIOR
 
-    typer.echo(render_table(result.evaluation, {CANDIDATE: f"kvpilot v{result.version}"}))
+    typer.echo(render_table(result.evaluation, {CANDIDATE: f"kvpilot v{result.version}",
+                                                CANDIDATE_PRIOR: f"learned-prior v{result.version}"}))
     console.print(f"run {result.run_id} in {result.tracking_uri}; next: kvpilot promote --version {result.version}",
                   highlight=False)
 

@@ -30,7 +30,7 @@ from rich.console import Console
 
 from data.synth import SynthConfig
 from training.evaluate import gap_closed
-from training.train import HELDOUT_DECODE_STRIDE, HELDOUT_SEED, HeldoutParams
+from training.train import CANDIDATE, CANDIDATE_PRIOR, HELDOUT_DECODE_STRIDE, HELDOUT_SEED, HeldoutParams
 
 if TYPE_CHECKING:
     from simulator.summary import RunSummary
@@ -182,8 +182,9 @@ def before_after(baseline_rows: list[dict[str, Any]], served: dict[str, Any], di
 
     The best baseline has the lowest ``simulated_s`` (first RL step's start to the last one's end), the fair
     makespan for tail batching, whose long rounds count as extra steps in the per-step mean ``makespan_s``.
-    ``direct_rows`` (the training's held-out evaluation of the same model loaded from its folder) adds the
-    directly-loaded makespan, which the served one should reproduce."""
+    ``direct_rows`` (the training's held-out evaluation of the same model loaded from its folder) adds its prior's
+    row (``learned-prior``: the same bundle with no trained network) and the directly-loaded makespan, which the
+    served one should reproduce."""
     ok = [r for r in baseline_rows if not r.get("error")]
     default = next(r for r in ok if r["policy"] == "vllm-default")
     rivals = [r for r in ok if r["policy"] not in ("vllm-default", *REFERENCES)]
@@ -191,8 +192,11 @@ def before_after(baseline_rows: list[dict[str, Any]], served: dict[str, Any], di
     rows = [dict(default, label="vLLM default (before)")]
     if best is not None:
         rows.append(dict(best, label=f"best baseline: {best['policy']}"))
+    prior = next((r for r in direct_rows if r["policy"] == CANDIDATE_PRIOR), None)
+    if prior is not None:
+        rows.append(dict(prior, policy="learned-prior", label="learned-prior: the champion with no trained network"))
     rows.append(dict(served, policy="registry", label=f"kvpilot champion v{champion} from the registry (after)"))
-    direct = next((r for r in direct_rows if r["policy"] != "vllm-default"), None)
+    direct = next((r for r in direct_rows if r["policy"] == CANDIDATE), None)
     if direct is not None:
         rows[-1]["direct_makespan_s"] = direct["makespan_s"]
     for r in rows:
@@ -223,7 +227,8 @@ def render_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def write_table(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """``before_after.md`` and ``before_after.png`` (makespan and recompute ratios to vLLM default)."""
+    """``before_after.md`` and ``before_after.png`` (makespan and recompute ratios to vLLM default; the makespan's
+    panel marks each run's lower bound)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,6 +245,10 @@ def write_table(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         values = [r.get(key) or 0.0 for r in rows]
         ax.barh(labels, values, color=["#999999"] + ["#4c72b0"] * (len(rows) - 2) + ["#dd8452"])
         ax.axvline(1.0, color="black", linewidth=0.8)
+        if key == "simulated_ratio" and rows[0].get("bound_s") and rows[0].get("makespan_s"):
+            bound = rows[0]["bound_s"] / rows[0]["makespan_s"]  # the bound as a ratio to vLLM default's makespan
+            ax.axvline(bound, color="#c44e52", linestyle="--", linewidth=1.0, label="lower bound")
+            ax.legend(loc="lower right", fontsize=8)
         ax.set_xlabel("ratio to vLLM default")
         ax.set_title(title)
         ax.invert_yaxis()

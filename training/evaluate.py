@@ -60,7 +60,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policy.catalog import LEARNED_ABLATIONS
+
 DEFAULT = "vllm-default"
+#: The learned policy's prior (no trained network), evaluated beside ``learned`` whenever that is listed.
+PRIOR = "learned-prior"
 #: The router the issue's criterion compares against (``makespan_ratio_vs_round_robin_default``).
 ROUND_ROBIN = "round-robin"
 #: Where cases run: ``process`` (this process or a spawned pool), ``ray`` (Ray tasks; :func:`_run_ray`).
@@ -86,8 +90,7 @@ DEFAULT_KV_FRACTIONS = (0.1, 0.2, 0.4)
 #: the exploring behaviour policy (``logging``), which is for collecting logs, not for comparison, and
 #: ``lrb-online`` (learned eviction that trains as it runs; still runnable by name).
 #: ``version-aware`` (asynchronous ``keep`` runs only: LRU on synchronous steps) is left out too.
-NOT_IN_ALL = frozenset({"learned", "learned-admission", "learned-preempt", "learned-gpu-evict", "learned-tier-lru",
-                        "registry", "logging", "lrb-online", "version-aware"})
+NOT_IN_ALL = frozenset({"learned", *LEARNED_ABLATIONS, "registry", "logging", "lrb-online", "version-aware"})
 RATIOS = {
     "makespan_ratio_vs_default": "makespan_s",
     "recompute_ratio_vs_default": "recomputed_tokens",
@@ -145,7 +148,7 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     """Policy names from a comma list or a sequence (``all``: see :data:`NOT_IN_ALL`); vllm-default first.
 
     ``all`` expands in place, so names beside it are added to it (``all,learned`` runs the baselines and the
-    learned policy). Unknown names raise :class:`EvaluationError` naming the known ones."""
+    learned policy); ``learned`` brings ``learned-prior`` before it. Unknown names raise :class:`EvaluationError` naming the known ones."""
     import serving_hook  # noqa: F401 - registers the policy "registry" (the hook serving the MLflow champion)
     from policy.baselines import BASELINES
     from policy.catalog import known_policies
@@ -156,6 +159,8 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     names = _expand_names(policies, every, known, ("policy", "policies"))
     out = [DEFAULT]
     for p in names:
+        if p == "learned" and PRIOR not in names:
+            out.append(PRIOR)  # the trained network's value is always shown beside the rules it starts from
         if p not in out:
             out.append(p)
     return out

@@ -6,7 +6,8 @@ one held-out workload with :func:`training.evaluate.evaluate`, on the engine the
 candidate's training evaluated it on unless given (:func:`trained_engine`), and
 moves the alias only if the candidate is no worse on both the mean RL-step
 makespan and the recomputed tokens, within :data:`MAKESPAN_TOLERANCE` and
-:data:`RECOMPUTE_TOLERANCE` of the champion. The first version (no champion
+:data:`RECOMPUTE_TOLERANCE` of the champion, and no slower than its own prior
+(``learned-prior``: the same bundle with no trained network), simulated beside them. The first version (no champion
 yet) becomes champion directly; ``force`` skips the gate.
 """
 
@@ -60,6 +61,11 @@ def passes_gate(candidate: dict[str, Any], champion: dict[str, Any]) -> tuple[bo
     return False, f"worse on {' and '.join(worse)}: {what}"
 
 
+def passes_prior(candidate: dict[str, Any], prior: dict[str, Any]) -> bool:
+    """Whether ``candidate``'s makespan is no worse than its prior's (the same bundle with no trained network)."""
+    return float(candidate["makespan_s"]) <= float(prior["makespan_s"]) * (1 + MAKESPAN_TOLERANCE)
+
+
 def promote(
     version: int | str,
     *,
@@ -104,6 +110,11 @@ def promote(
                        progress=progress)
     cand, champ = rows_by_version(rows, version), rows_by_version(rows, before)
     ok, reason = passes_gate(cand, champ)
+    prior = rows_by_version(rows, version, PRIOR_SUFFIX)
+    if ok and not passes_prior(cand, prior):
+        ok, reason = False, (f"slower than its own prior (learned-prior, no trained network): makespan "
+                             f"{cand['makespan_s']:.2f} s vs {prior['makespan_s']:.2f} s (allowed "
+                             f"x{1 + MAKESPAN_TOLERANCE:g}); against the champion: {reason}")
     result = _move(version, before, reason) if ok else GateResult(version, before, False, reason)
     result.rows = rows
     result.engine = heldout.engine()
@@ -168,19 +179,27 @@ def policy_name(version: str) -> str:
     return f"kvpilot-v{version}"
 
 
-def rows_by_version(rows: list[dict[str, Any]], version: str) -> dict[str, Any]:
-    return next(r for r in rows if r["policy"] == policy_name(version))
+#: The evaluation's name of a version's prior (``learned-prior``): its policy name with this suffix.
+PRIOR_SUFFIX = "-prior"
+
+
+def rows_by_version(rows: list[dict[str, Any]], version: str, suffix: str = "") -> dict[str, Any]:
+    return next(r for r in rows if r["policy"] == policy_name(version) + suffix)
 
 
 def compare(candidate: str, champion: str, heldout: HeldoutParams, out: Path, *,
             progress: bool = True) -> list[dict[str, Any]]:
-    """Simulate both versions (downloaded from the registry into ``out``) and vLLM default on the held-out workload."""
+    """Simulate both versions (downloaded from the registry into ``out``), the candidate's prior and vLLM default on
+    the held-out workload."""
     from training import registry
 
     out.mkdir(parents=True, exist_ok=True)
     names = []
     for version in (champion, candidate):
         policy_dir, _ = registry.fetch_policy_dir(f"models:/{registry.MODEL_NAME}/{version}", out / "models" / version)
+        if version == candidate:
+            register_policy_dir(policy_name(version) + PRIOR_SUFFIX, policy_dir, "learned-prior")
+            names.append(policy_name(version) + PRIOR_SUFFIX)
         register_policy_dir(policy_name(version), policy_dir)
         names.append(policy_name(version))
     workload = heldout_workload(heldout, out)
@@ -207,7 +226,8 @@ def render_comparison(result: GateResult) -> str:
     """The comparison table (when the gate ran) and the verdict."""
     lines = []
     if result.rows:
-        labels = {policy_name(result.version): f"candidate v{result.version}"}
+        labels = {policy_name(result.version): f"candidate v{result.version}",
+                  policy_name(result.version) + PRIOR_SUFFIX: f"learned-prior v{result.version}"}
         if result.champion_before is not None:
             labels[policy_name(result.champion_before)] = f"champion v{result.champion_before}"
         lines += [f"held-out evaluation on {result.engine}", render_table(result.rows, labels), ""]

@@ -227,6 +227,7 @@ def train_and_register(
     policy_config: Any = None,
     heldout: HeldoutParams | None = None,
     follow_logs: Collection[str] = ENGINE_FIELDS,
+    search: Any = None,
     progress: bool = True,
     console: Console | None = None,
 ) -> TrainResult:
@@ -234,8 +235,10 @@ def train_and_register(
 
     ``policy_config`` is a :class:`policy.offline_config.OfflineConfig`; None (here and for the other parameter
     objects): the defaults. ``follow_logs``: the held-out engine settings (:data:`ENGINE_FIELDS`) taken from the
-    logs where they all agree (:func:`logs_engine`), in place of ``heldout``'s. One training at a time per
-    ``work_dir`` (:class:`TrainError` for a second)."""
+    logs where they all agree (:func:`logs_engine`), in place of ``heldout``'s. ``search``: a
+    :class:`training.policy_search.SearchConfig` to learn the admission residual by simulating the logged
+    workloads (None: no search, the prior's order). One training at a time per ``work_dir`` (:class:`TrainError`
+    for a second)."""
     from predictors.logs import existing_logs
 
     console = console or Console(stderr=True)
@@ -249,7 +252,7 @@ def train_and_register(
     work_dir.mkdir(parents=True, exist_ok=True)
     with _only_user(work_dir), replacing(work_dir / "policy", console):
         return _train(log_dirs, work_dir, experiment, predictor_params, policy_config, heldout, follow_logs,
-                      progress, console)
+                      search, progress, console)
 
 
 @contextlib.contextmanager
@@ -288,7 +291,8 @@ def _only_user(work_dir: Path) -> Iterator[None]:
 
 
 def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_params: Any, policy_config: Any,
-           heldout: Any, follow_logs: Collection[str], progress: bool, console: Console) -> TrainResult:
+           heldout: Any, follow_logs: Collection[str], search: Any, progress: bool,
+           console: Console) -> TrainResult:
     import mlflow
 
     from predictors.logs import load_logs
@@ -307,6 +311,13 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
     taken = {k: v for k, v in engine.items() if k in follow_logs}
     heldout = dataclasses.replace(heldout, **taken)
 
+    if search is not None:  # the logs' workloads must be replayable: checked before anything is fitted
+        from training.policy_search import SearchError, replays
+
+        try:
+            replays(log_dirs)
+        except SearchError as err:
+            raise TrainError(f"policy search: {err}") from None
     _stage(console, f"1/4 data: {len(log_dirs)} log folder(s)")
     console.print(f"held-out evaluation on {heldout.engine()}"
                   + (f" ({', '.join(taken)} as the logs')" if taken else "")
@@ -345,12 +356,14 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
             except ValueError as err:  # no usable decisions, a bad log
                 raise TrainError(f"policy: {err}") from None
         metrics.update({k: float(v) for k, v in policy_metrics.items()})
+        if search is not None:
+            metrics.update(_search(policy_dir, log_dirs, search, console))
         split["policy"] = read_manifest(policy_dir)["trained_on"]["split"]
         mlflow.log_params({f"{part}.split": how for part, how in split.items()})
         console.print(f"policy: held out by {SPLITS[split['policy']]}", highlight=False)
         console.print("  ".join(f"{k} {v:.4g}" for k, v in policy_metrics.items()), highlight=False, soft_wrap=True)
 
-        _stage(console, "4/4 held-out simulation: the trained policy vs vLLM default")
+        _stage(console, "4/4 held-out simulation: the trained policy vs its prior and vLLM default")
         rows = evaluate_policy_dir(policy_dir, heldout, work_dir / "heldout", progress=progress)
         metrics.update(heldout_metrics(rows))
         mlflow.log_metrics(metrics)
@@ -364,6 +377,26 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
     return TrainResult(run.info.run_id, str(version), policy_dir, metrics, rows, mlflow.get_tracking_uri(), split)
 
 
+def _search(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Console) -> dict[str, float]:
+    """Learn POLICY_DIR's admission residual by simulating the logged workloads (:mod:`training.policy_search`),
+    write it into the bundle's runtime options, log the samples; the search's metrics."""
+    import mlflow
+
+    from training.policy_search import search_admission
+
+    _stage(console, f"3b/4 policy search: the admission residual by simulating {len(log_dirs)} logged workload(s)")
+    found = search_admission(policy_dir, log_dirs, cfg, progress=lambda m: console.print(m, highlight=False))
+    manifest_path = policy_dir / "policy.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest.setdefault("config", {}).setdefault("runtime", {}).update(found.runtime())
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+    mlflow.log_dict({"residual": found.residual, "samples": found.history}, "policy/search.json")
+    console.print(f"levers off: {found.levers or 'none'}; admission residual {found.residual or '{} (the prior order)'}:"
+                  f" {found.ratio:.4f}x the bundle's makespan with the prior order on the logged workloads",
+                  highlight=False)
+    return found.metrics()
+
+
 def _params(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
     return {f"{prefix}.{k}": json.dumps(v, default=str) if isinstance(v, (dict, list, tuple)) else v
             for k, v in values.items()}
@@ -371,22 +404,27 @@ def _params(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
 
 #: The evaluation's name for the trained policy.
 CANDIDATE = "kvpilot-candidate"
+#: The evaluation's name for the trained policy's prior (the same bundle with no trained network).
+CANDIDATE_PRIOR = "kvpilot-candidate-prior"
 
 
-def register_policy_dir(name: str, policy_dir: Path) -> None:
-    """Make ``policy_dir`` simulatable under the policy name ``name`` in this process (a learned policy, serving)."""
+def register_policy_dir(name: str, policy_dir: Path, as_policy: str = "learned") -> None:
+    """Make ``policy_dir`` simulatable under the policy name ``name`` in this process (a learned policy, serving;
+    ``as_policy`` ``"learned-prior"``: its prior)."""
     from policy.catalog import create_policy, register
 
-    register(name, lambda: create_policy("learned", model=str(policy_dir)), replace=True)
+    register(name, lambda: create_policy(as_policy, model=str(policy_dir)), replace=True)
 
 
 def evaluate_policy_dir(policy_dir: Path, heldout: HeldoutParams, out_dir: Path, *,
                         progress: bool = True) -> list[dict[str, Any]]:
-    """Simulate the POLICY_DIR and vLLM default on the held-out workload; the evaluation's rows."""
+    """Simulate the POLICY_DIR, its prior (``learned-prior``) and vLLM default on the held-out workload; the
+    evaluation's rows."""
     out_dir.mkdir(parents=True, exist_ok=True)
     workload = heldout_workload(heldout, out_dir)
     register_policy_dir(CANDIDATE, policy_dir)
-    result = heldout.run(workload, [CANDIDATE], out_dir / "evaluation", progress)
+    register_policy_dir(CANDIDATE_PRIOR, policy_dir, "learned-prior")
+    result = heldout.run(workload, [CANDIDATE_PRIOR, CANDIDATE], out_dir / "evaluation", progress)
     failed = [r for r in result.rows if r.get("error")]
     if failed:
         raise TrainError("held-out simulation failed: " + "; ".join(f"{r['policy']}: {r['error']}" for r in failed))
@@ -396,8 +434,10 @@ def evaluate_policy_dir(policy_dir: Path, heldout: HeldoutParams, out_dir: Path,
 def heldout_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     """The candidate's held-out simulator metrics and its ratios to vLLM default (``heldout.*``)."""
     out: dict[str, float] = {}
+    names = {CANDIDATE: "candidate", CANDIDATE_PRIOR: "prior"}
+    prior = next((r for r in rows if r["policy"] == CANDIDATE_PRIOR), None)
     for row in rows:
-        who = "candidate" if row["policy"] == CANDIDATE else row["policy"]
+        who = names.get(row["policy"], row["policy"])
         for key in ("makespan_s", "recomputed_tokens", "prefix_hit_rate", "preemptions", "trajectory_p99_s"):
             if row.get(key) is not None:
                 out[f"heldout.{who}.{key}"] = float(row[key])
@@ -405,4 +445,6 @@ def heldout_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
             for key in ("makespan_ratio_vs_default", "recompute_ratio_vs_default", "hit_rate_ratio_vs_default"):
                 if row.get(key) is not None:
                     out[f"heldout.{key}"] = float(row[key])
+            if prior is not None and prior.get("makespan_s"):
+                out["heldout.makespan_ratio_vs_prior"] = float(row["makespan_s"]) / float(prior["makespan_s"])
     return out

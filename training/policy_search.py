@@ -1,0 +1,225 @@
+"""Policy search by simulation: the admission residual's weights that shorten the logged workloads' RL steps.
+
+Off-policy learning from logged decisions has not beaten the prior's shortest-first order: the logs hold too few
+informative admissions. The logs do hold the workloads they came from, though, and the simulator replays them
+on vLLM's real scheduler. So, as Decima trained its scheduler, the policy is improved by simulating it: the
+cross-entropy method (CEM) samples weights of the learned policy's admission residual (``admission_residual``,
+:mod:`policy.learned`: weights on standardised candidate features and on the scorer's admission head, added to
+the prior's key), simulates each sample on every logged workload on the logs' own engine (preset, KV blocks,
+CPU tier, decode stride), and moves its sampling distribution toward the samples with the shortest makespans
+relative to the zero residual (the prior's order). The best sample is kept only if it beats the zero residual by
+:attr:`SearchConfig.min_gain`; otherwise the residual stays empty and the policy serves its prior's order.
+Before the residual, the levers the bundle trained are chosen the same way, from a small action set: as trained,
+the CPU tier off, the preemption head off (each kept only if it beats the bundle as trained by ``min_gain``).
+Samples run in parallel on a process pool (``backend="process"``) or as Ray tasks (``backend="ray"``).
+
+Everything the search does is in :func:`search_admission`, its hyper-parameters in :class:`SearchConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: The residual's inputs the search moves by default: how far the candidate's GRPO group is (seer's and
+#: SortedRL's signal), the session's turn (progress-first, heddle's), the wait (FCFS), the context it will hold
+#: at the end (its memory), and the scorer's admission head (what offline learning ranked).
+DEFAULT_INPUTS = ("group_done_frac", "turn", "log_wait_s", "log_pred_final_context", "scorer")
+
+
+class SearchError(ValueError):
+    """Logs the search cannot replay (no workload beside them, a multi-replica run), raised before simulating."""
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """The cross-entropy method's hyper-parameters."""
+
+    iterations: int = 3
+    population: int = 8  # samples per iteration (the current mean is one of them in the first iteration)
+    elite: int = 3  # the samples the next distribution is fitted to
+    init_std: float = 1.0  # weights are on standardised features; the prior's key, log1p(remaining), has std ~1-2
+    min_std: float = 0.1
+    min_gain: float = 0.005  # keep the best sample only if its mean makespan ratio is below 1 - min_gain
+    inputs: tuple[str, ...] = DEFAULT_INPUTS
+    seed: int = 0
+    jobs: int = 2
+    backend: str = "process"  # or "ray"
+    address: str | None = None  # Ray cluster address (backend "ray"); None: a local Ray
+
+    def __post_init__(self) -> None:
+        from policy.learned import SCORER_INPUT
+        from policy.learned_features import FEATURES
+
+        if not (self.iterations >= 1 and self.population >= 2 and 1 <= self.elite <= self.population):
+            raise SearchError(f"search needs iterations >= 1, population >= 2 and 1 <= elite <= population, got "
+                              f"{self.iterations}, {self.population}, {self.elite}")
+        unknown = [k for k in self.inputs if k not in (*FEATURES, SCORER_INPUT)]
+        if unknown or not self.inputs:
+            raise SearchError(f"search inputs must be names of {', '.join((*FEATURES, SCORER_INPUT))}; got "
+                              f"{', '.join(unknown) or 'none'}")
+        if not (self.init_std > 0 and self.min_std > 0 and self.min_gain >= 0 and self.jobs >= 1):
+            raise SearchError("search init_std and min_std must be > 0, min_gain >= 0 and jobs >= 1")
+        if self.backend not in ("process", "ray"):
+            raise SearchError(f"search backend must be 'process' or 'ray', got {self.backend!r}")
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One logged workload and the engine it was logged on (its run's ``summary.json``)."""
+
+    workload: Path
+    options: dict[str, Any]  # run_simulation's keyword options
+
+
+@dataclass
+class SearchResult:
+    residual: dict[str, float]  # the weights kept ({}: the prior's order)
+    ratio: float  # the kept policy's mean makespan over the bundle's as trained with the prior's order
+    history: list[dict[str, Any]] = field(default_factory=list)  # one row per residual sample
+    levers: dict[str, Any] = field(default_factory=dict)  # runtime options turned off ({}: the bundle's levers)
+
+    def runtime(self) -> dict[str, Any]:
+        """The runtime options to serve: the levers chosen and the residual."""
+        return {**self.levers, "admission_residual": self.residual}
+
+    def metrics(self) -> dict[str, float]:
+        """MLflow metrics: the kept ratio, the samples simulated, the kept weights and levers."""
+        return {"search.makespan_ratio_vs_prior": self.ratio, "search.samples": float(len(self.history)),
+                **{f"search.residual.{k}": v for k, v in self.residual.items()},
+                **{f"search.lever.{k}": float(v) for k, v in self.levers.items()}}
+
+
+def replays(log_dirs: Sequence[Path]) -> list[Replay]:
+    """Each log's workload (``LOG/workload.parquet``) and engine, checked before anything runs."""
+    out = []
+    for log in map(Path, log_dirs):
+        wl, summary = log / "workload.parquet", log / "summary.json"
+        if not wl.is_file():
+            raise SearchError(f"{log}: no workload.parquet beside the telemetry, so the policy search cannot replay "
+                              "it (simulate writes one; copy the workload a serving log came from there)")
+        try:
+            s = json.loads(summary.read_text())
+        except (OSError, ValueError) as e:
+            raise SearchError(f"{summary}: unreadable ({e}), so the logs' engine is unknown") from None
+        if s.get("driver", "sync") != "sync" or int(s.get("replicas", 1) or 1) != 1:
+            raise SearchError(f"{log}: the policy search replays one-replica synchronous runs only")
+        try:
+            opts = {"preset": s["preset"], "kv_blocks": int(s["kv_blocks"]), "decode_stride": int(s["decode_stride"]),
+                    "offload_gib": float(s.get("offload_gib") or 0.0) if s.get("offload_blocks") else 0.0}
+        except (KeyError, TypeError, ValueError) as e:
+            raise SearchError(f"{summary}: missing or bad field {e}") from None
+        out.append(Replay(wl, opts))
+    return out
+
+
+def _simulate(policy_dir: str, runtime: dict[str, Any], workload: str, options: dict[str, Any]) -> float:
+    """The makespan (mean per RL step) of the POLICY_DIR with ``runtime`` options on one workload (a worker's
+    task)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from simulator.simulation import run_simulation
+    from simulator.workload import load_workload
+
+    res = run_simulation(load_workload(workload), "learned", progress=False,
+                         policy_options={"model": policy_dir, **runtime}, **options)
+    return float(res.summary.metrics.makespan_s)
+
+
+def _runner(cfg: SearchConfig) -> Callable[[list[tuple]], list[float]]:
+    """A function that runs a batch of ``_simulate`` argument tuples in parallel and returns their results."""
+    if cfg.backend == "ray":
+        from training.evaluate import _import_ray
+
+        ray = _import_ray()
+        if not ray.is_initialized():
+            ray.init(address=cfg.address, runtime_env={"env_vars": {"PYTHONHASHSEED": os.environ.get(
+                "PYTHONHASHSEED", "0"), "VLLM_TARGET_DEVICE": "cpu"}}, log_to_driver=False)
+        task = ray.remote(num_cpus=1)(_simulate)
+        return lambda batch: ray.get([task.remote(*a) for a in batch])
+
+    def run(batch: list[tuple]) -> list[float]:
+        if cfg.jobs == 1:
+            return [_simulate(*a) for a in batch]
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=min(cfg.jobs, len(batch)), mp_context=mp.get_context("spawn")) as pool:
+            return list(pool.map(_simulate, *zip(*batch)))
+
+    return run
+
+
+def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConfig | None = None,
+                     progress: Callable[[str], None] | None = None) -> SearchResult:
+    """CEM over the admission residual of POLICY_DIR on the logs' workloads (see the module docstring)."""
+    cfg = cfg or SearchConfig()
+    plays = replays(log_dirs)
+    say = progress or (lambda _: None)
+    run = _runner(cfg)
+    rng = np.random.default_rng(cfg.seed)
+    d = len(cfg.inputs)
+
+    def weights(theta: np.ndarray) -> dict[str, float]:
+        return {k: round(float(v), 4) for k, v in zip(cfg.inputs, theta) if round(float(v), 4) != 0.0}
+
+    def makespans(runtimes: list[dict[str, Any]]) -> list[list[float]]:
+        made = run([(str(policy_dir), r, str(p.workload), p.options) for r in runtimes for p in plays])
+        n = len(plays)
+        return [made[i * n:(i + 1) * n] for i in range(len(runtimes))]
+
+    def ratio(made: list[float], base: list[float]) -> float:
+        return float(np.mean([m / b for m, b in zip(made, base)]))
+
+    # the levers first: the bundle's own, and each lever it trained turned off (a small action set)
+    levers = lever_choices(policy_dir)
+    got = makespans([{**lv, "admission_residual": {}} for lv in levers])
+    base = got[0]
+    say(f"search: the bundle's levers, prior order: {', '.join(f'{b:.1f} s' for b in base)} on {len(plays)} "
+        f"logged workload(s)")
+    lever: dict[str, Any] = {}
+    for lv, made in zip(levers[1:], got[1:]):
+        r = ratio(made, base)
+        say(f"search: levers {lv}: {r:.4f}x")
+        if r < 1.0 - cfg.min_gain and r < ratio(got[levers.index(lever)], base):
+            lever = lv
+    if lever:
+        base = got[levers.index(lever)]
+    lever_ratio = ratio(base, got[0])
+
+    def ratios(thetas: list[np.ndarray], base: list[float]) -> list[float]:
+        return [ratio(m, base) for m in makespans([{**lever, "admission_residual": weights(t)} for t in thetas])]
+
+    mean, std = np.zeros(d), np.full(d, cfg.init_std)
+    history: list[dict[str, Any]] = [{"iteration": 0, "residual": {}, "ratio": 1.0, "levers": lever}]
+    best_theta, best = np.zeros(d), 1.0
+    for it in range(1, cfg.iterations + 1):
+        thetas = [mean + std * rng.standard_normal(d) for _ in range(cfg.population)]
+        got = ratios(thetas, base)
+        history += [{"iteration": it, "residual": weights(t), "ratio": r} for t, r in zip(thetas, got)]
+        order = np.argsort(got)
+        if got[order[0]] < best:
+            best, best_theta = got[order[0]], thetas[order[0]]
+        elite = np.array([thetas[i] for i in order[:cfg.elite]])
+        mean, std = elite.mean(axis=0), np.maximum(elite.std(axis=0), cfg.min_std)
+        say(f"search: iteration {it}/{cfg.iterations}: best {got[order[0]]:.4f}x the prior's makespan "
+            f"({weights(thetas[order[0]]) or 'zero'}); best so far {best:.4f}x")
+    if best > 1.0 - cfg.min_gain:
+        say(f"search: no sample beat the prior's order by {cfg.min_gain:.1%}: the residual stays empty")
+        return SearchResult({}, lever_ratio, history, lever)
+    return SearchResult(weights(best_theta), best * lever_ratio, history, lever)
+
+
+def lever_choices(policy_dir: Path) -> list[dict[str, Any]]:
+    """The bundle's levers as trained (``{}``), then each trained lever turned off: the CPU tier (``offload``),
+    the preemption head (``preempt``)."""
+    from policy.learned_bundle import read_manifest
+
+    runtime = read_manifest(Path(policy_dir)).get("config", {}).get("runtime", {})
+    return [{}] + [{k: False} for k in ("offload", "preempt") if runtime.get(k)]
