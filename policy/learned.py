@@ -216,6 +216,9 @@ class LearnedPolicy(Sampler):
                         "admission_residual": dict(admission_residual or {})}
         if admission not in ADMISSION_ORDERS:
             raise ValueError(f"option admission must be one of {', '.join(ADMISSION_ORDERS)}, got {admission!r}")
+        if self._residual is not None and admission != "shortest":
+            raise ValueError("option admission_residual moves the shortest-first order: it needs admission "
+                             f"\"shortest\", got {admission!r}")
         if reuse_predictor not in REUSE_PREDICTORS:
             raise ValueError(f"option reuse_predictor must be one of {', '.join(REUSE_PREDICTORS)}, "
                              f"got {reuse_predictor!r}")
@@ -472,9 +475,9 @@ def create_learned(model: Optional[str] = None, mode: str = "serve", **options: 
 ABLATIONS: dict[str, dict[str, Any]] = {
     "learned-prior": PRIOR,
     "learned-admission": {"preempt": False},
-    "learned-no-tier": {"preempt": True, "offload": False, "gpu_eviction": False},
-    "learned-gpu-evict": {"preempt": True, "offload": False, "gpu_eviction": True},
-    "learned-tier-lru": {"preempt": True, "offload": True, "host_eviction": False},
+    "learned-no-tier": {"offload": False, "gpu_eviction": False},
+    "learned-gpu-evict": {"offload": False, "gpu_eviction": True},
+    "learned-tier-lru": {"offload": True, "host_eviction": False},
 }
 
 

@@ -332,6 +332,12 @@ def test_the_trained_admission_residual_moves_the_prior_order() -> None:
                      ([1.0], "must map feature names")):
         with pytest.raises(ValueError, match=why):
             LearnedPolicy(_state_dict(), FixedLengths(lengths), admission_residual=bad)
+    with pytest.raises(ValueError, match="needs admission"):
+        LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="scorer", admission_residual={"turn": 1.0})
+    from policy.catalog import LEARNED_ABLATIONS
+    from policy.learned import ABLATIONS
+
+    assert LEARNED_ABLATIONS == tuple(ABLATIONS)  # the catalog lists every ablation the policy defines
 
 
 # ------------------------------------------------------------------------------------ POLICY_DIR

@@ -126,9 +126,9 @@ def test_plain_recipe_trains_a_policy_over_the_tier(learned_runs: dict, tmp_path
                "learned") for p in [create_policy(n, model=str(out))]}
     assert levers == {"learned-prior": (False, False, True, True),
                       "learned-admission": (False, False, True, True),
-                      "learned-no-tier": (True, False, False, False),
-                      "learned-gpu-evict": (True, True, False, False),
-                      "learned-tier-lru": (True, False, True, False),
+                      "learned-no-tier": (pol.uses_preemption, False, False, False),
+                      "learned-gpu-evict": (pol.uses_preemption, True, False, False),
+                      "learned-tier-lru": (pol.uses_preemption, False, True, False),
                       "learned": (pol.uses_preemption, False, True, True)}
 
 

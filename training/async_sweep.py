@@ -94,7 +94,7 @@ def sweep_grid(workload: Any, out_dir: Path, policies: Sequence[str], kv_fractio
             for reps in replicas:
                 sub = out_dir if single else out_dir / f"{policy}-kv{'gpu' if kv is None else f'{kv:g}'}-r{reps}"
                 options = dict(policy_options or {})
-                if policy == "learned" and learned_model:
+                if (policy == "learned" or policy.startswith("learned-")) and learned_model:
                     options["model"] = str(learned_model)
                 rows += sweep(workload, sub, policy, etas, modes, kv_fraction=kv, replicas=reps, admission=admission,
                               max_groups=max_groups, progress=progress,

@@ -194,7 +194,7 @@ def before_after(baseline_rows: list[dict[str, Any]], served: dict[str, Any], di
         rows.append(dict(best, label=f"best baseline: {best['policy']}"))
     prior = next((r for r in direct_rows if r["policy"] == CANDIDATE_PRIOR), None)
     if prior is not None:
-        rows.append(dict(prior, policy="learned-prior", label="learned-prior: the champion with no trained network"))
+        rows.append(dict(prior, policy="learned-prior", label="learned-prior: the trained version with no trained network"))
     rows.append(dict(served, policy="registry", label=f"kvpilot champion v{champion} from the registry (after)"))
     direct = next((r for r in direct_rows if r["policy"] == CANDIDATE), None)
     if direct is not None:

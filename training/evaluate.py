@@ -159,7 +159,7 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     names = _expand_names(policies, every, known, ("policy", "policies"))
     out = [DEFAULT]
     for p in names:
-        if p == "learned" and PRIOR not in names:
+        if p == "learned" and PRIOR not in names and PRIOR not in out:
             out.append(PRIOR)  # the trained network's value is always shown beside the rules it starts from
         if p not in out:
             out.append(p)

@@ -42,7 +42,7 @@ class SearchConfig:
     """The cross-entropy method's hyper-parameters."""
 
     iterations: int = 3
-    population: int = 8  # samples per iteration (the current mean is one of them in the first iteration)
+    population: int = 8  # samples per iteration
     elite: int = 3  # the samples the next distribution is fitted to
     init_std: float = 1.0  # weights are on standardised features; the prior's key, log1p(remaining), has std ~1-2
     min_std: float = 0.1
@@ -83,7 +83,7 @@ class SearchResult:
     residual: dict[str, float]  # the weights kept ({}: the prior's order)
     ratio: float  # the kept policy's mean makespan over the bundle's as trained with the prior's order
     history: list[dict[str, Any]] = field(default_factory=list)  # one row per residual sample
-    levers: dict[str, Any] = field(default_factory=dict)  # runtime options turned off ({}: the bundle's levers)
+    levers: dict[str, Any] = field(default_factory=dict)  # runtime options set (the order searched, levers off)
 
     def runtime(self) -> dict[str, Any]:
         """The runtime options to serve: the levers chosen and the residual."""
@@ -91,9 +91,9 @@ class SearchResult:
 
     def metrics(self) -> dict[str, float]:
         """MLflow metrics: the kept ratio, the samples simulated, the kept weights and levers."""
-        return {"search.makespan_ratio_vs_prior": self.ratio, "search.samples": float(len(self.history)),
+        return {"search.makespan_ratio_vs_trained_prior_order": self.ratio, "search.samples": float(len(self.history)),
                 **{f"search.residual.{k}": v for k, v in self.residual.items()},
-                **{f"search.lever.{k}": float(v) for k, v in self.levers.items()}}
+                **{f"search.lever.{k}": float(v) for k, v in self.levers.items() if isinstance(v, bool)}}
 
 
 def replays(log_dirs: Sequence[Path]) -> list[Replay]:
@@ -112,10 +112,11 @@ def replays(log_dirs: Sequence[Path]) -> list[Replay]:
             raise SearchError(f"{log}: the policy search replays one-replica synchronous runs only")
         try:
             opts = {"preset": s["preset"], "kv_blocks": int(s["kv_blocks"]), "decode_stride": int(s["decode_stride"]),
-                    "offload_gib": float(s.get("offload_gib") or 0.0) if s.get("offload_blocks") else 0.0}
+                    "offload_gib": float(s.get("offload_gib") or 0.0) if s.get("offload_blocks") else 0.0,
+                    "keep_cache_across_steps": bool(s.get("keep_cache_across_steps", False))}
         except (KeyError, TypeError, ValueError) as e:
             raise SearchError(f"{summary}: missing or bad field {e}") from None
-        out.append(Replay(wl, opts))
+        out.append(Replay(wl.resolve(), opts))
     return out
 
 
@@ -177,20 +178,21 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
     def ratio(made: list[float], base: list[float]) -> float:
         return float(np.mean([m / b for m, b in zip(made, base)]))
 
-    # the levers first: the bundle's own, and each lever it trained turned off (a small action set)
-    levers = lever_choices(policy_dir)
+    # the levers first: the bundle's own, and each lever it trained turned off (a small action set); the residual
+    # moves the prior's shortest-first order, so every sample serves that order
+    policy_dir = Path(policy_dir).resolve()
+    levers = [{"admission": "shortest", **lv} for lv in lever_choices(policy_dir)]
     got = makespans([{**lv, "admission_residual": {}} for lv in levers])
     base = got[0]
     say(f"search: the bundle's levers, prior order: {', '.join(f'{b:.1f} s' for b in base)} on {len(plays)} "
         f"logged workload(s)")
-    lever: dict[str, Any] = {}
-    for lv, made in zip(levers[1:], got[1:]):
+    kept = 0  # the index of the levers kept
+    for i, (lv, made) in enumerate(zip(levers[1:], got[1:]), start=1):
         r = ratio(made, base)
         say(f"search: levers {lv}: {r:.4f}x")
-        if r < 1.0 - cfg.min_gain and r < ratio(got[levers.index(lever)], base):
-            lever = lv
-    if lever:
-        base = got[levers.index(lever)]
+        if r < 1.0 - cfg.min_gain and r < ratio(got[kept], base):
+            kept = i
+    lever, base = levers[kept], got[kept]
     lever_ratio = ratio(base, got[0])
 
     def ratios(thetas: list[np.ndarray], base: list[float]) -> list[float]:
@@ -216,7 +218,7 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
     return SearchResult(weights(best_theta), best * lever_ratio, history, lever)
 
 
-def lever_choices(policy_dir: Path) -> list[dict[str, Any]]:
+def lever_choices(policy_dir: Path) -> list[dict[str, bool]]:
     """The bundle's levers as trained (``{}``), then each trained lever turned off: the CPU tier (``offload``),
     the preemption head (``preempt``)."""
     from policy.learned_bundle import read_manifest
