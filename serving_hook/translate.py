@@ -36,6 +36,9 @@ from serving_hook.guard import Guard
 from serving_hook.identity import SessionIdentity
 
 _MAX_GROUPS = 1 << 16
+#: Groups whose sessions all ended, kept this many (the oldest go first) so that a late request of one (a reward
+#: model's scoring request) continues its counters instead of restarting them at 0.
+_MAX_ENDED_GROUPS = 1 << 12
 #: Sessions kept as paused on a tool; beyond it the longest-paused is taken for finished (its next turn never came).
 _MAX_PAUSED = 1 << 16
 
@@ -179,7 +182,9 @@ class Translator:
         self.pool = pool
         self.num_blocks = pool.num_gpu_blocks - 1  # minus vLLM's null block
         self.infos: dict[str, ReqInfo] = {}
-        self.groups: dict[str, list] = {}  # group_id -> [finished, running, (output lens,)]
+        #: group_id -> [sessions finished, requests running, (finished turns' output lens,), requests known]
+        self.groups: dict[str, list] = {}
+        self.ended_groups: dict[str, list] = {}  # group_id -> the record of a group that ended (_MAX_ENDED_GROUPS)
         self.sessions: dict[str, int] = {}  # session_id -> last turn seen finishing with a tool
         self.session_request: dict[str, str] = {}  # session_id -> the id of its live request (its latest)
         #: owner (session id, else request id) -> the meta of its running request, for the requests noted running
@@ -278,8 +283,11 @@ class Translator:
             gid = info.meta.group_id
             if gid is not None:
                 g = groups.get(gid)
-                if g:
-                    c.group_finished, c.group_running, c.sibling_output_tokens = g
+                if g is not None:
+                    c.group_finished, c.group_running, c.sibling_output_tokens = g[0], g[1], g[2]
+                else:  # (as a fresh candidate: the group's record ended with its last session)
+                    c.group_finished = c.group_running = 0
+                    c.sibling_output_tokens = ()
             append(c)
         return out
 
@@ -340,7 +348,9 @@ class Translator:
 
     # ---------------------------------------------------- request lifecycle
     def group(self, meta: RequestMeta) -> Optional[list]:
-        """The request's group record ``[finished, running, (output lens,)]`` (made on first use), or None."""
+        """The request's group record (made on first use), or None: ``[finished, running, (output lens,), live]``,
+        the sessions whose last turn finished, its requests running, the output of each finished turn, and its
+        requests the engine still holds (the record lives while one does or a session has not finished)."""
         gid = meta.group_id
         if gid is None:
             return None
@@ -348,7 +358,7 @@ class Translator:
         if g is None:
             if len(self.groups) >= _MAX_GROUPS:  # groups without a size never complete
                 del self.groups[next(iter(self.groups))]
-            g = self.groups[gid] = [0, 0, ()]
+            g = self.groups[gid] = self.ended_groups.pop(gid, None) or [0, 0, (), 0]
         return g
 
     def add(self, request: Any) -> Optional[str]:
@@ -358,6 +368,9 @@ class Translator:
             return None
         meta = self.identity.meta(request)
         self.infos[rid] = ReqInfo(meta, request.arrival_time)
+        g = self.group(meta)
+        if g is not None:
+            g[3] += 1
         sid = meta.session_id
         if sid is not None:
             self.session_request[sid] = rid
@@ -510,12 +523,17 @@ class Translator:
             self._not_running(rid, meta)
         g = self.group(meta)
         if g is not None:
-            g[0] += 1
+            if rs == "stop" or rs == "length":  # a session's last turn: group_size counts sessions, not turns
+                g[0] += 1
             if info.running:
                 g[1] -= 1
             g[2] = g[2] + (request.num_output_tokens,)
-            if meta.group_size and g[0] >= meta.group_size and g[1] == 0:
-                self.groups.pop(meta.group_id, None)
+            g[3] -= 1
+            if meta.group_size and g[0] >= meta.group_size and g[3] <= 0:
+                ended = self.ended_groups
+                if len(ended) >= _MAX_ENDED_GROUPS:
+                    del ended[next(iter(ended))]
+                ended[meta.group_id] = self.groups.pop(meta.group_id)
         if self.events:
             self.emit(EventKind.FINISHED, request, meta, finish_reason=rs)
             if rs == "tool_call":
