@@ -128,7 +128,7 @@ class CandidateRequest:
     wait_s: float  # now - arrival for waiting requests; 0 once running
     num_preemptions: int = 0
     priority: int = 0  # vLLM's ``Request.priority`` (the ``priority`` field or header): lower goes first there
-    group_finished: int = 0  # sessions of its group (same group_id) whose last turn finished so far
+    group_finished: int = 0  # requests (turns) of its group (same group_id) finished so far
     group_running: int = 0  # requests of its group currently running (one per session at most)
     sibling_output_tokens: tuple[int, ...] = ()  # output lengths of finished siblings
 

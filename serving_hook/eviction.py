@@ -407,7 +407,7 @@ class EvictionLever(Lever):
             if state is _PAUSED and sessions.get(meta.session_id) != (meta.turn or 0):
                 state = _RUNNING  # the session's next turn has arrived
             g = groups.get(meta.group_id) if meta.group_id is not None else None
-            pending = max(0, (meta.group_size or 0) - g[0]) if g is not None and meta.group_size else 0
+            pending = max(0, (meta.group_size or 0) - g[4]) if g is not None and meta.group_size else 0
             prev = last.get(pid)
             cp = prev[1] if prev is not None and prev[0] is f else None
             if cp is None or len(cp.block_ids) != n or cp.owner_state is not state or cp.group_pending != pending:

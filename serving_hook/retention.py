@@ -100,7 +100,7 @@ class RetentionLever(Lever):
         by_id: dict[str, tuple] = {}
         for f in freed:
             g = groups.get(f.meta.group_id) if f.meta.group_id is not None else None
-            pending = max(0, (f.meta.group_size or 0) - g[0]) if g is not None and f.meta.group_size else 0
+            pending = max(0, (f.meta.group_size or 0) - g[4]) if g is not None and f.meta.group_size else 0
             cp = CachedPrefix(
                 prefix_id=f.request_id,
                 owner_request_id=f.request_id,

@@ -182,7 +182,8 @@ class Translator:
         self.pool = pool
         self.num_blocks = pool.num_gpu_blocks - 1  # minus vLLM's null block
         self.infos: dict[str, ReqInfo] = {}
-        #: group_id -> [sessions finished, requests running, (finished turns' output lens,), requests known]
+        #: group_id -> [turns finished, requests running, (finished turns' output lens,), requests known,
+        #: sessions finished]
         self.groups: dict[str, list] = {}
         self.ended_groups: dict[str, list] = {}  # group_id -> the record of a group that ended (_MAX_ENDED_GROUPS)
         self.sessions: dict[str, int] = {}  # session_id -> last turn seen finishing with a tool
@@ -348,9 +349,11 @@ class Translator:
 
     # ---------------------------------------------------- request lifecycle
     def group(self, meta: RequestMeta) -> Optional[list]:
-        """The request's group record (made on first use), or None: ``[finished, running, (output lens,), live]``,
-        the sessions whose last turn finished, its requests running, the output of each finished turn, and its
-        requests the engine still holds (the record lives while one does or a session has not finished)."""
+        """The request's group record (made on first use), or None: ``[finished, running, (output lens,), live,
+        sessions]``: its requests (turns) finished, its requests running, the output of each finished turn, its
+        requests the engine still holds, and its sessions whose last turn finished (``group_size`` counts
+        sessions). The record lives while a request lives or a session has not finished, so its counters never
+        fall while the group runs."""
         gid = meta.group_id
         if gid is None:
             return None
@@ -358,7 +361,7 @@ class Translator:
         if g is None:
             if len(self.groups) >= _MAX_GROUPS:  # groups without a size never complete
                 del self.groups[next(iter(self.groups))]
-            g = self.groups[gid] = self.ended_groups.pop(gid, None) or [0, 0, (), 0]
+            g = self.groups[gid] = self.ended_groups.pop(gid, None) or [0, 0, (), 0, 0]
         return g
 
     def add(self, request: Any) -> Optional[str]:
@@ -523,13 +526,14 @@ class Translator:
             self._not_running(rid, meta)
         g = self.group(meta)
         if g is not None:
-            if rs == "stop" or rs == "length":  # a session's last turn: group_size counts sessions, not turns
-                g[0] += 1
+            g[0] += 1
+            if rs == "stop" or rs == "length":  # a session's last turn (a tool call continues it; an abort is resent)
+                g[4] += 1
             if info.running:
                 g[1] -= 1
             g[2] = g[2] + (request.num_output_tokens,)
             g[3] -= 1
-            if meta.group_size and g[0] >= meta.group_size and g[3] <= 0:
+            if meta.group_size and g[4] >= meta.group_size and g[3] <= 0:
                 ended = self.ended_groups
                 if len(ended) >= _MAX_ENDED_GROUPS:
                     del ended[next(iter(ended))]

@@ -54,19 +54,17 @@ def base_policy_dir(root: Path) -> Path:
                          resume_preempted=False).save(root / "base")
 
 
-def wired(base: Path, out: Path, admit: tuple[str, float] | None, preempt: tuple[str, float],
-          **runtime: object) -> Path:
+def wired(base: Path, out: Path, admit: tuple[str, float] | None, preempt: tuple[str, float]) -> Path:
     """A copy of POLICY_DIR ``base`` whose scorer is rewired to rank by one feature per head: ``(name, sign)``.
 
     Each head's first hidden unit carries its standardised feature plus a large offset (so every ReLU passes it)
     and the output layer reads it times ``sign``; ``admit=None`` makes every admission score equal (the
-    waiting queue's own order). Its runtime admission order is the scorer's (``admission="scorer"``); ``runtime``
-    overrides runtime options."""
+    waiting queue's own order). Its runtime admission order is the scorer's (``admission="scorer"``)."""
     import torch
 
     shutil.copytree(base, out)
     manifest = json.loads((out / "policy.json").read_text())
-    manifest["config"].setdefault("runtime", {}).update({"admission": "scorer", **runtime})
+    manifest["config"].setdefault("runtime", {})["admission"] = "scorer"
     (out / "policy.json").write_text(json.dumps(manifest, indent=2))
     schema = manifest["feature_schema"]
     state = torch.load(out / "policy.pt", weights_only=True)

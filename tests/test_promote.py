@@ -2,10 +2,10 @@
 a deliberately worse candidate is refused, a better one is accepted, --force skips the gate.
 
 The two POLICY_DIRs are real learned-policy bundles whose scorers are wired by hand, so the test does not hang on
-how well a tiny training run goes: the better one runs its prior's rules (shortest predicted first, vLLM's
-victims), so the gate's check against its own prior passes by construction; the worse one admits the longest
-predicted first and preempts the request with the most progress, which costs both makespan and recompute under
-KV pressure.
+how well a tiny training run goes: the better one admits in arrival order and preempts the request with the
+least progress (close to vLLM's own choices, and faster than its prior's shortest-first order on this workload,
+so the gate's check against its own prior passes); the worse one admits the longest predicted first and preempts
+the request with the most progress, which costs both makespan and recompute under KV pressure.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def policies(tmp_path_factory: pytest.TempPathFactory, vllm_engine) -> tuple[Pat
     """(better POLICY_DIR, worse POLICY_DIR)."""
     root = tmp_path_factory.mktemp("policies")
     base = base_policy_dir(root)
-    better = wired(base, root / "better", None, ("log_computed_tokens", -1.0), admission="shortest", preempt=False)
+    better = wired(base, root / "better", None, ("log_computed_tokens", -1.0))
     worse = wired(base, root / "worse", ("log_pred_remaining", 1.0), ("log_computed_tokens", 1.0))
     return better, worse
 

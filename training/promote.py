@@ -110,8 +110,8 @@ def promote(
                        progress=progress)
     cand, champ = rows_by_version(rows, version), rows_by_version(rows, before)
     ok, reason = passes_gate(cand, champ)
-    prior = rows_by_version(rows, version, PRIOR_SUFFIX)
-    if ok and not passes_prior(cand, prior):
+    prior = next((r for r in rows if r["policy"] == policy_name(version) + PRIOR_SUFFIX), None)
+    if ok and prior is not None and not passes_prior(cand, prior):
         ok, reason = False, (f"slower than its own prior (learned-prior, no trained network): makespan "
                              f"{cand['makespan_s']:.2f} s vs {prior['makespan_s']:.2f} s (allowed "
                              f"x{1 + MAKESPAN_TOLERANCE:g}); against the champion: {reason}")
@@ -183,8 +183,8 @@ def policy_name(version: str) -> str:
 PRIOR_SUFFIX = "-prior"
 
 
-def rows_by_version(rows: list[dict[str, Any]], version: str, suffix: str = "") -> dict[str, Any]:
-    return next(r for r in rows if r["policy"] == policy_name(version) + suffix)
+def rows_by_version(rows: list[dict[str, Any]], version: str) -> dict[str, Any]:
+    return next(r for r in rows if r["policy"] == policy_name(version))
 
 
 def compare(candidate: str, champion: str, heldout: HeldoutParams, out: Path, *,
