@@ -72,6 +72,10 @@ def test_resolve_policies() -> None:
                                     "working-set-offload", "vllm-offload", "continuum-offload", "kvflow-offload",
                                     "oracle-offload"])
     assert resolve_policies("lrb-online") == [DEFAULT, "lrb-online"]  # still runnable by name
+    # the learned policy is always shown beside its prior (the same bundle with no trained network), once
+    assert resolve_policies("seer,learned") == [DEFAULT, "seer", "learned-prior", "learned"]
+    assert resolve_policies("learned,learned-prior,learned") == [DEFAULT, "learned", "learned-prior"]  # as named
+    assert resolve_policies("learned-no-tier") == [DEFAULT, "learned-no-tier"]
     # names beside "all" are added to it, in place, once each
     assert resolve_policies("all,lrb-online") == every + ["lrb-online"]
     assert resolve_policies("lrb-online,all,sortedrl") == [DEFAULT, "lrb-online"] + every[1:]
