@@ -146,11 +146,10 @@ def _as_float(x: Any) -> float:
 class LengthCache:
     """Per-request (p50, p90) predictions, computed once and refreshed on group change.
 
-    An entry is keyed by request id and stamped with the number of its
-    siblings' finished turns (``len(sibling_output_tokens)``, a count that only
-    grows while the group runs): when a sibling's turn finishes (a new
-    sibling output, the strongest feature of a learned predictor), the entry is
-    recomputed; otherwise it is reused. A new turn is a new
+    An entry is keyed by request id and stamped with the request's
+    ``group_finished`` count: when a sibling finishes (new
+    ``sibling_output_tokens``, the strongest feature of a learned predictor),
+    the entry is recomputed; otherwise it is reused. A new turn is a new
     request, so it is predicted on first sight. :meth:`forget` drops a finished
     request; the cache is also bounded (``max_entries``; the oldest half goes
     when it is full), so it stays small even without events.
@@ -161,7 +160,7 @@ class LengthCache:
     def __init__(self, predictor: LengthPredictor, max_entries: int = 1 << 17) -> None:
         self.predictor = predictor
         self.max_entries = int(max_entries)
-        #: request id -> (siblings' finished turns, p50, p90, remaining output before the first token)
+        #: request id -> (group_finished, p50, p90, remaining output before the first token)
         self._cache: dict[str, tuple[int, float, float, float]] = {}
         #: Counters (tests and benchmarks): rows sent to the predictor, and calls.
         self.rows_predicted = 0
@@ -177,7 +176,7 @@ class LengthCache:
         miss: list[int] = []
         for i, c in enumerate(cands):
             e = cache.get(c.request_id)
-            if e is not None and e[0] == len(c.sibling_output_tokens):
+            if e is not None and e[0] == c.group_finished:
                 out[i] = (e[1], e[2])
             else:
                 miss.append(i)
@@ -198,8 +197,7 @@ class LengthCache:
                     p50 = p90 = UNKNOWN
                 if p90 < p50:
                     p90 = p50
-                cache[c.request_id] = (len(c.sibling_output_tokens), p50, p90,
-                                       remaining_tokens(p50, p90, 0, c.max_tokens))
+                cache[c.request_id] = (c.group_finished, p50, p90, remaining_tokens(p50, p90, 0, c.max_tokens))
                 out[i] = (p50, p90)
         return out
 
@@ -210,7 +208,7 @@ class LengthCache:
         miss = False
         for c in cands:
             e = get(c.request_id)
-            if e is not None and e[0] == len(c.sibling_output_tokens):
+            if e is not None and e[0] == c.group_finished:
                 o = c.num_output_tokens
                 out.append(e[3] if not o else remaining_tokens(e[1], e[2], o, c.max_tokens))
             else:
@@ -300,17 +298,15 @@ class PredictedLengthPolicy(Policy):
 
     def cached_keys(self, cands: Sequence[CandidateRequest], compute: Callable[[list], list]) -> list:
         """Per-request rank keys, recomputed (by ``compute(stale_cands)``) only when the
-        request's group counts, its siblings' finished turns or its generated tokens changed since the last
-        call."""
+        request's group counts or its generated tokens changed since the last call."""
         cache = self._keys
         get = cache.get
         keys: list[Any] = []
         stale: Optional[list[int]] = None
         for i, c in enumerate(cands):
             e = get(c.request_id)
-            if (e is not None and e[0] == c.group_finished and e[1] == c.group_running
-                    and e[2] == c.num_output_tokens and e[3] == len(c.sibling_output_tokens)):
-                keys.append(e[4])
+            if e is not None and e[0] == c.group_finished and e[1] == c.group_running and e[2] == c.num_output_tokens:
+                keys.append(e[3])
             else:
                 keys.append(None)
                 if stale is None:
@@ -322,8 +318,7 @@ class PredictedLengthPolicy(Policy):
                 for k in list(islice(cache, max(len(cache) // 2, 1))):
                     del cache[k]
             for i, c, k in zip(stale, sub, compute(sub)):
-                cache[c.request_id] = (c.group_finished, c.group_running, c.num_output_tokens,
-                                       len(c.sibling_output_tokens), k)
+                cache[c.request_id] = (c.group_finished, c.group_running, c.num_output_tokens, k)
                 keys[i] = k
         return keys
 

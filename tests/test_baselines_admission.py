@@ -213,10 +213,7 @@ def test_length_cache_predicts_once_and_refreshes_on_group_change():
     for _ in range(3):
         cache.lookup([a, b])
     assert pred.asked == ["a", "b"] and cache.predict_calls == 1
-    b.group_finished = 1  # a sibling's session ended, but no new sibling output: the prediction stands
-    cache.lookup([b])
-    assert pred.asked == ["a", "b"]
-    b.sibling_output_tokens = (40,)  # a sibling's turn finished (its output is a predictor feature): again, alone
+    b.group_finished = 1  # a sibling finished: b is predicted again, alone
     cache.lookup([b])
     cache.lookup([b])
     assert pred.asked == ["a", "b", "b"]

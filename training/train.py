@@ -382,16 +382,17 @@ def _search(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Conso
     write it into the bundle's runtime options, log the samples; the search's metrics."""
     import mlflow
 
+    from policy.learned_bundle import read_manifest
     from training.policy_search import search_admission
 
     _stage(console, f"3b/4 policy search: the admission residual by simulating {len(log_dirs)} logged workload(s)")
     found = search_admission(policy_dir, log_dirs, cfg, progress=lambda m: console.print(m, highlight=False))
     manifest_path = policy_dir / "policy.json"
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_manifest(policy_dir)
     manifest.setdefault("config", {}).setdefault("runtime", {}).update(found.runtime())
     manifest_path.write_text(json.dumps(manifest, indent=2))
     mlflow.log_dict({"residual": found.residual, "samples": found.history}, "policy/search.json")
-    console.print(f"levers off: {found.levers or 'none'}; admission residual {found.residual or '{} (the prior order)'}:"
+    console.print(f"levers: {found.levers}; admission residual {found.residual or '{} (the prior order)'}:"
                   f" {found.ratio:.4f}x the bundle's makespan with the prior order on the logged workloads",
                   highlight=False)
     return found.metrics()
