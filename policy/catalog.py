@@ -74,7 +74,8 @@ def _ablation(name: str) -> PolicyFactory:
 
 
 #: policy.learned.ABLATIONS' names (listed here so that the catalog imports no policy before it is built).
-LEARNED_ABLATIONS = ("learned-prior", "learned-admission", "learned-no-tier", "learned-gpu-evict", "learned-tier-lru")
+LEARNED_ABLATIONS = ("learned-prior", "learned-admission", "learned-tier-rule", "learned-no-tier", "learned-gpu-evict",
+                     "learned-tier-lru")
 for _name in LEARNED_ABLATIONS:
     _CATALOG[_name] = _ablation(_name)
 

@@ -57,13 +57,21 @@ from policy.interface import (
     EvictionDecision,
     PreemptionDecision,
 )
-from policy.learned_bundle import PolicyLoadError, read_manifest, read_predictor, read_reuse, read_state, write_bundle
+from policy.learned_bundle import (
+    PolicyLoadError,
+    read_manifest,
+    read_predictor,
+    read_reuse,
+    read_state,
+    read_tier_reuse,
+    write_bundle,
+)
 from policy.learned_features import ENGINE_X, FEATURES, WAIT_X, X
 from policy.learned_sampler import Sampler
 from policy.learned_scorer import ADMIT, PREEMPT, NumpyScorer
 from policy.learned_table import engine_raw
 from policy.predictors import OnlineNextUse
-from policy.session_reuse import SessionStateNextUse
+from policy.session_reuse import SessionStateNextUse, TrainedNextUse
 
 __all__ = ["RUNTIME_DEFAULTS", "PRIOR", "LearnedPolicy", "create_learned", "create_ablation", "ABLATIONS"]
 
@@ -101,12 +109,11 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "host_eviction": True,
     # That reuse predictor: "session-state" (policy.session_reuse: each owner's next use from its session's state,
     # a queued turn's place in the admission order over the admission rate, a paused tool's expected return, learned
-    # from the engine's own events), "online" (the online LightGBM reuse model) or "trained" (the one bundled in
-    # predictors/reuse, fitted on the exploring logs). Where memory binds (H200-32B, GPU capacity, 64 GiB tier,
-    # held-out agentic step) "session-state" ran 3,507.5 s against "online"'s 3,726.5 s with the same policy
-    # (docs/results/2026-12-04-tier-by-session-state.md). On the tier the online model never gets a model: the
-    # tier's candidates are sessions with no block hashes, so it takes no samples, every next use is inf, and its
-    # order is the owners' LRU (last store or reuse) with the bypass rule.
+    # from the engine's own events), "session-trained" (that rule's estimate and the state it reads fed to the
+    # bundle's trained tier model, predictors/tier_reuse: `kvpilot train` fits it on replays of the logged workloads
+    # and sets this where it wins), "online" (the online LightGBM reuse model; on the tier it never gets a model:
+    # the tier's candidates carry no block hashes, so its order is the owners' LRU) or "trained" (the bundle's
+    # prefix reuse model, predictors/reuse). Measured in docs/results/.
     "reuse_predictor": "session-state",
     # GPU eviction: off, vLLM's LRU frees cached blocks. On, the cached prefix whose predicted next use (the
     # ``reuse_predictor``) is furthest leaves first. With hindsight next uses this lever won nothing over LRU where
@@ -135,7 +142,8 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
 }
 #: The options that make a bundle its prior, ``learned-prior``: the same code, predictors and tiers, with no
 #: decision taken by a trained network (shortest predicted remaining first, vLLM's tail victim).
-PRIOR: dict[str, Any] = {"preempt": False, "admission": "shortest", "admission_residual": {}}
+PRIOR: dict[str, Any] = {"preempt": False, "admission": "shortest", "admission_residual": {},
+                         "reuse_predictor": "session-state"}
 #: The admission residual's inputs besides FEATURES: the scorer's admission head, standardised over the queue.
 SCORER_INPUT = "scorer"
 #: ``group_age``: a group's rank in start order weighs this many seconds of predicted next use in the eviction
@@ -144,7 +152,7 @@ AGE_S = 1e6
 #: The admission orders of :data:`RUNTIME_DEFAULTS`'s ``admission``.
 ADMISSION_ORDERS = ("scorer", "shortest")
 #: The reuse predictors of :data:`RUNTIME_DEFAULTS`'s ``reuse_predictor``.
-REUSE_PREDICTORS = ("session-state", "online", "trained")
+REUSE_PREDICTORS = ("session-state", "session-trained", "online", "trained")
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -257,6 +265,12 @@ class LearnedPolicy(Sampler):
         if self.gpu_async and not self.table.aged:
             return None
         return self._furthest_first(prefixes, state)
+
+    def use_reuse(self, predictor: Any) -> None:
+        """Order the tiers by ``predictor`` (``next_use_s``, and ``observe`` for events) in place of the bundle's
+        (training records the tier's decisions through one)."""
+        self.reuse = predictor
+        self._observe_reuse = getattr(predictor, "observe", None)
 
     def evict_host(self, prefixes: Sequence[CachedPrefix], num_blocks_needed: int,
                    state: EngineState) -> Optional[EvictionDecision]:
@@ -454,9 +468,12 @@ def _reuse_levers(offload: Any, host_eviction: Any, gpu_eviction: Any) -> tuple[
 
 def _reuse_predictor(name: Any, predictors: Path) -> Any:
     """The runtime option ``reuse_predictor``'s predictor (checked by the policy): the bundle's trained reuse model
-    (POLICY_DIR/predictors/reuse) for "trained", the online reuse model for "online", else the sessions' state."""
+    (POLICY_DIR/predictors/reuse) for "trained", the session-state rule with the bundle's tier model
+    (POLICY_DIR/predictors/tier_reuse) for "session-trained", the online reuse model for "online", else the rule."""
     if name == "trained":
         return read_reuse(predictors)
+    if name == "session-trained":
+        return TrainedNextUse(read_tier_reuse(predictors))
     return OnlineNextUse() if name == "online" else SessionStateNextUse()
 
 
@@ -470,11 +487,13 @@ def create_learned(model: Optional[str] = None, mode: str = "serve", **options: 
 #: The learned policy's ablation rows (``kvpilot evaluate``; each takes ``model`` as ``learned`` does), each named
 #: for what it runs. The network's ladder: ``learned-prior`` (no trained network: the rules it starts from),
 #: ``learned-admission`` (the network's admission residual; vLLM's victims), ``learned`` (every lever the bundle
-#: trained). The levers' rows: ``learned-no-tier`` (no CPU tier, LRU on the GPU), ``learned-gpu-evict`` (no tier,
+#: trained), with ``learned-tier-rule`` between the last two (every trained lever but the tier model: the
+#: session-state rule orders the tier). The levers' rows: ``learned-no-tier`` (no CPU tier, LRU on the GPU), ``learned-gpu-evict`` (no tier,
 #: GPU eviction by predicted next use), ``learned-tier-lru`` (the tier with vLLM's LRU order there).
 ABLATIONS: dict[str, dict[str, Any]] = {
     "learned-prior": PRIOR,
-    "learned-admission": {"preempt": False},
+    "learned-admission": {"preempt": False, "reuse_predictor": "session-state"},
+    "learned-tier-rule": {"reuse_predictor": "session-state"},
     "learned-no-tier": {"offload": False, "gpu_eviction": False},
     "learned-gpu-evict": {"offload": False, "gpu_eviction": True},
     "learned-tier-lru": {"offload": True, "host_eviction": False},

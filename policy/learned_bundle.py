@@ -26,11 +26,15 @@ __all__ = [
     "read_state",
     "read_predictor",
     "read_reuse",
+    "read_tier_reuse",
+    "TIER_REUSE_DIR",
     "write_bundle",
 ]
 
 FORMAT = "kvpilot-policy"
 FORMAT_VERSION = 1
+#: Where POLICY_DIR/predictors keeps the trained CPU-tier next-use model (predictors.tier_reuse), when it has one.
+TIER_REUSE_DIR = "tier_reuse"
 
 
 class PolicyLoadError(ValueError):
@@ -152,3 +156,17 @@ def read_reuse(d: Path) -> Any:
         return REUSE_PREDICTOR.load(f)
     except Exception as e:  # noqa: BLE001 - ModelSchemaError, corrupt model files
         raise PolicyLoadError(f"{f}: cannot load the reuse predictor: {e}") from e
+
+
+def read_tier_reuse(d: Path) -> Any:
+    """The trained CPU-tier next-use model of a POLICY_DIR's predictors (``reuse_predictor="session-trained"``)."""
+    from predictors.tier_reuse import TierReuseModel
+
+    f = d / TIER_REUSE_DIR
+    if not f.is_dir():
+        raise PolicyLoadError(f"{f}: missing: reuse_predictor \"session-trained\" needs the tier model `kvpilot train` "
+                              "fits (or set reuse_predictor to \"session-state\")")
+    try:
+        return TierReuseModel.load(f)
+    except Exception as e:  # noqa: BLE001 - ModelSchemaError, corrupt model files
+        raise PolicyLoadError(f"{f}: cannot load the tier model: {e}") from e

@@ -72,7 +72,7 @@ def _segment_log_softmax(s, seg, n: int):
     """log softmax of ``s`` within each segment (candidate rows of one decision)."""
     import torch
 
-    mx = torch.full((n,), -1e30).index_reduce(0, seg, s.detach(), "amax", include_self=True)
+    mx = torch.full((n,), -1e30).scatter_reduce(0, seg, s.detach(), "amax", include_self=True)  # (not beta)
     e = torch.exp(s - mx[seg])
     z = torch.zeros(n).index_add(0, seg, e)
     return s - mx[seg] - torch.log(z[seg])

@@ -17,6 +17,10 @@ mean of all that tool's pauses seen so far (``TOOL_CALL_STARTED`` to ``TOOL_CALL
 exponential average over the last 100 instead ran 3% slower where memory binds), else ``default_latency_s``.
 No model and no training: it learns from the engine's own events as it serves. Measured where memory binds
 in docs/results/2026-12-04-tier-by-session-state.md.
+
+:class:`TrainedNextUse` is the trained form: the same rule's estimate, with the state it reads
+(:func:`tier_features`), goes into a LightGBM model of the realised next use (:mod:`predictors.tier_reuse`,
+trained by :mod:`training.tier_training`), and the model's prediction orders the tier.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Optional
+
+import numpy as np
 
 from policy.baselines._tool_pauses import ToolLatencies
 from policy.interface import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
@@ -92,4 +98,69 @@ class SessionStateNextUse:
                     out.append(max(now_s, (t0 if t0 is not None else p.last_used_s) + lat))
             else:
                 out.append(math.inf)
+        return out
+
+
+#: Columns of :func:`tier_features` (``len(predictors.tier_reuse.FEATURES)``, whose order they follow).
+TIER_FEATURES = 10
+_LOG_CAP = math.log1p(1e9)  # a time past any run, in log1p(admissions)
+_NAN = math.nan
+
+
+def tier_features(rule: SessionStateNextUse, prefixes: Sequence[CachedPrefix], now_s: float,
+                  estimate: Sequence[float], rate: float) -> tuple[np.ndarray, list[int]]:
+    """The rows of :data:`predictors.tier_reuse.FEATURES` for the owners whose session comes back (queued, paused,
+    or running a turn that calls a tool), and their places in ``prefixes``; ``estimate``: the rule's next uses,
+    ``rate``: the admission rate (admissions per second) that turns seconds into admissions."""
+    n = len(prefixes)
+    waiting = sum(1 for p in prefixes if p.owner_state is _WAITING)
+    log_owners, waiting_share = math.log1p(n), waiting / n if n else 0.0
+    paused_since = rule.tools.paused_since_s
+    rows, idx = [], []
+    for i, p in enumerate(prefixes):
+        state, meta = p.owner_state, p.meta
+        if state is _WAITING:
+            code = 0.0
+        elif state is _PAUSED:
+            code = 1.0
+        elif state is _RUNNING and meta.tool is not None:
+            code = 2.0
+        else:
+            continue  # finished, or a turn that ends its session: never used again
+        dt = estimate[i] - now_s
+        lat = rule.latency_s(meta) if (meta.tool is not None or meta.expected_pause_s is not None) else None
+        t0 = paused_since(meta.session_id) if code == 1.0 else None
+        qp = p.queue_position if code == 0.0 else None
+        rows.append((code,
+                     math.log1p(dt * rate) if dt < math.inf else _LOG_CAP,
+                     math.log1p(qp) if qp is not None else _NAN,
+                     math.log1p(lat * rate) if lat is not None else _NAN,
+                     math.log1p(max(now_s - t0, 0.0) * rate) if t0 is not None else _NAN,
+                     math.log1p(max(now_s - p.last_used_s, 0.0) * rate),
+                     math.log1p(p.tier_blocks),
+                     log_owners, waiting_share,
+                     float(meta.turn or 0)))
+        idx.append(i)
+    return np.array(rows, dtype=np.float64).reshape(len(rows), TIER_FEATURES), idx
+
+
+class TrainedNextUse(SessionStateNextUse):
+    """The session-state rule corrected by a trained model (:mod:`predictors.tier_reuse`): the owners whose session
+    comes back are next used when the model says; the others as the rule says (never). Before the engine has an
+    admission rate (two admissions), the rule's estimates stand."""
+
+    def __init__(self, model, default_latency_s: float = 1.0) -> None:
+        super().__init__(default_latency_s)
+        self.model = model
+
+    def next_use_s(self, prefixes: Sequence[CachedPrefix], now_s: float) -> list[float]:
+        out = super().next_use_s(prefixes, now_s)
+        rate = self.admission_rate(now_s)
+        if not rate:
+            return out
+        X, idx = tier_features(self, prefixes, now_s, out, rate)
+        if idx:
+            pred = np.expm1(self.model.predict(X)) / rate
+            for i, d in zip(idx, pred.tolist()):
+                out[i] = now_s + d
         return out

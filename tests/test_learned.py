@@ -430,8 +430,11 @@ def test_the_host_tier_reuse_predictor_is_the_session_state_by_default_or_online
     ReuseModel.fit(prepare_requests(fake_telemetry(w), w), num_trees=5).save(policy_dir / "predictors" / "reuse")
     trained = LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="trained")
     assert isinstance(trained.reuse, ReuseModel)
-    with pytest.raises(PolicyLoadError, match="reuse_predictor must be one of session-state, online, trained"):
+    with pytest.raises(PolicyLoadError, match="reuse_predictor must be one of session-state, session-trained, online"):
         LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="oracle")
+    # "session-trained" needs the tier model `kvpilot train` fits: a bundle without one says so
+    with pytest.raises(PolicyLoadError, match="tier_reuse: missing"):
+        LearnedPolicy.load(policy_dir, offload=True, reuse_predictor="session-trained")
 
 
 def test_gpu_eviction_orders_the_gpu_by_the_same_reuse_predictor(policy_dir: Path) -> None:

@@ -122,10 +122,11 @@ def test_plain_recipe_trains_a_policy_over_the_tier(learned_runs: dict, tmp_path
     from policy.catalog import create_policy
 
     levers = {n: (p.uses_preemption, p.uses_eviction, p.uses_offload, p.uses_host_eviction) for n in
-              ("learned-prior", "learned-admission", "learned-no-tier", "learned-gpu-evict", "learned-tier-lru",
-               "learned") for p in [create_policy(n, model=str(out))]}
+              ("learned-prior", "learned-admission", "learned-tier-rule", "learned-no-tier", "learned-gpu-evict",
+               "learned-tier-lru", "learned") for p in [create_policy(n, model=str(out))]}
     assert levers == {"learned-prior": (False, False, True, True),
                       "learned-admission": (False, False, True, True),
+                      "learned-tier-rule": (pol.uses_preemption, False, True, True),
                       "learned-no-tier": (pol.uses_preemption, False, False, False),
                       "learned-gpu-evict": (pol.uses_preemption, True, False, False),
                       "learned-tier-lru": (pol.uses_preemption, False, True, False),

@@ -433,8 +433,8 @@ def evaluate_cmd(
     model: Annotated[Optional[Path], typer.Option(
         "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`), for `learned` and its "
         "ablations (learned-prior: no trained network, the rules it starts from; learned-admission: + the network's "
-        "admission residual; learned: every lever it trained; learned-no-tier, learned-gpu-evict, learned-tier-lru: "
-        "levers off). With `learned` listed, `learned-prior` is evaluated beside it.")] = None,
+        "admission residual; learned-tier-rule: every trained lever but the tier model; learned: every lever it "
+        "trained; learned-no-tier, learned-gpu-evict, learned-tier-lru: levers off). With `learned` listed, `learned-prior` is evaluated beside it.")] = None,
     full_telemetry: Annotated[bool, typer.Option(
         "--full-telemetry", help="Also write each run's decisions and kv_events telemetry (for training, OPE or "
         "cache analysis; slower). Without it a run writes the requests and steps tables the summary reads.")] = False,
@@ -617,9 +617,14 @@ def train(
         "the prior's order.")] = 0,
     search_population: Annotated[int, typer.Option("--search-population", min=2, help="Samples per search "
                                                    "iteration.")] = 8,
-    jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="Parallel simulations of the search.")] = 2,
-    backend: Annotated[str, typer.Option("--backend", help="Where the search's simulations run: process or "
-                                         "ray.")] = "process",
+    tier_rounds: Annotated[int, typer.Option(
+        "--tier-rounds", min=0, help="CPU tier: fits of its next-use model, each replayed on every logged workload "
+        "(LOG/workload.parquet) to score it and to record the states it leads to; the best is kept where it beats "
+        "the session-state rule. 0: the rule orders the tier.")] = 2,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="Parallel simulations of the search and the "
+                                      "tier training.")] = 2,
+    backend: Annotated[str, typer.Option("--backend", help="Where the search's and the tier training's "
+                                         "simulations run: process or ray.")] = "process",
     address: Annotated[Optional[str], typer.Option("--address", help="Ray cluster address (--backend ray).")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bars on stderr.")] = True,
 ) -> None:
@@ -648,13 +653,17 @@ def train(
             search = SearchConfig(iterations=search_iterations, population=search_population,
                                   elite=min(SearchConfig.elite, search_population), jobs=jobs, backend=backend,
                                   address=address)
+    from training.tier_training import TierConfig, TierTrainingError
+
+    with reported(TierTrainingError, prefix="tier training: "):
+        tier = TierConfig(rounds=tier_rounds, jobs=jobs, backend=backend, address=address) if tier_rounds else None
     from serving_hook.model_registry import RegistryError
 
     # a missing log is a TrainError naming it; a store MLflow cannot open or write a RegistryError naming it
     with reported(TrainError, DataValidationError, RegistryError):
         result = train_and_register(logs, out, experiment=experiment, predictor_params=params,
                                     policy_config=policy_cfg, heldout=heldout, follow_logs=follow,
-                                    search=search, progress=progress, console=console)
+                                    search=search, tier=tier, progress=progress, console=console)
     from training.promote import render_table
     from training.train import CANDIDATE, CANDIDATE_PRIOR
 

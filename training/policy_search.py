@@ -102,8 +102,8 @@ def replays(log_dirs: Sequence[Path]) -> list[Replay]:
     for log in map(Path, log_dirs):
         wl, summary = log / "workload.parquet", log / "summary.json"
         if not wl.is_file():
-            raise SearchError(f"{log}: no workload.parquet beside the telemetry, so the policy search cannot replay "
-                              "it (simulate writes one; copy the workload a serving log came from there)")
+            raise SearchError(f"{log}: no workload.parquet beside the telemetry, so it cannot be replayed (simulate "
+                              "writes one; copy the workload a serving log came from there)")
         try:
             s = json.loads(summary.read_text())
         except (OSError, ValueError) as e:
@@ -133,8 +133,9 @@ def _simulate(policy_dir: str, runtime: dict[str, Any], workload: str, options: 
     return float(res.summary.metrics.makespan_s)
 
 
-def _runner(cfg: SearchConfig) -> Callable[[list[tuple]], list[float]]:
-    """A function that runs a batch of ``_simulate`` argument tuples in parallel and returns their results."""
+def parallel_runner(cfg: Any, task: Callable[..., Any] = _simulate) -> Callable[[list[tuple]], list[Any]]:
+    """A function that runs a batch of ``task`` argument tuples in parallel (``cfg``'s ``jobs``, ``backend``,
+    ``address``) and returns their results in order."""
     if cfg.backend == "ray":
         from training.evaluate import _import_ray
 
@@ -142,17 +143,17 @@ def _runner(cfg: SearchConfig) -> Callable[[list[tuple]], list[float]]:
         if not ray.is_initialized():
             ray.init(address=cfg.address, runtime_env={"env_vars": {"PYTHONHASHSEED": os.environ.get(
                 "PYTHONHASHSEED", "0"), "VLLM_TARGET_DEVICE": "cpu"}}, log_to_driver=False)
-        task = ray.remote(num_cpus=1)(_simulate)
-        return lambda batch: ray.get([task.remote(*a) for a in batch])
+        remote = ray.remote(num_cpus=1)(task)
+        return lambda batch: ray.get([remote.remote(*a) for a in batch])
 
-    def run(batch: list[tuple]) -> list[float]:
+    def run(batch: list[tuple]) -> list[Any]:
         if cfg.jobs == 1:
-            return [_simulate(*a) for a in batch]
+            return [task(*a) for a in batch]
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(max_workers=min(cfg.jobs, len(batch)), mp_context=mp.get_context("spawn")) as pool:
-            return list(pool.map(_simulate, *zip(*batch)))
+            return list(pool.map(task, *zip(*batch)))
 
     return run
 
@@ -163,7 +164,7 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
     cfg = cfg or SearchConfig()
     plays = replays(log_dirs)
     say = progress or (lambda _: None)
-    run = _runner(cfg)
+    run = parallel_runner(cfg)
     rng = np.random.default_rng(cfg.seed)
     d = len(cfg.inputs)
 

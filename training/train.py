@@ -44,6 +44,8 @@ ENGINE_FIELDS = ("preset", "kv_fraction", "offload_share", "offload_gib")
 #: ``evaluate``'s 32: held-out workloads are small (a step of 32 iterations is a larger share of a run), and on
 #: tests/test_promote.py's tiny one stride 32 reverses the makespan order of its two learned policies.
 HELDOUT_DECODE_STRIDE = 16
+#: ``train_and_register``'s ``tier`` when none is given: :class:`training.tier_training.TierConfig`'s defaults.
+DEFAULT_TIER = "defaults"
 
 
 class TrainError(ValueError):
@@ -228,6 +230,7 @@ def train_and_register(
     heldout: HeldoutParams | None = None,
     follow_logs: Collection[str] = ENGINE_FIELDS,
     search: Any = None,
+    tier: Any = DEFAULT_TIER,
     progress: bool = True,
     console: Console | None = None,
 ) -> TrainResult:
@@ -237,8 +240,10 @@ def train_and_register(
     objects): the defaults. ``follow_logs``: the held-out engine settings (:data:`ENGINE_FIELDS`) taken from the
     logs where they all agree (:func:`logs_engine`), in place of ``heldout``'s. ``search``: a
     :class:`training.policy_search.SearchConfig` to learn the admission residual by simulating the logged
-    workloads (None: no search, the prior's order). One training at a time per ``work_dir`` (:class:`TrainError`
-    for a second)."""
+    workloads (None: no search, the prior's order). ``tier``: a :class:`training.tier_training.TierConfig` to fit
+    the CPU tier's next-use model on replays of the logged workloads (:mod:`training.tier_training`; skipped with
+    a note where the logs cannot be replayed or the bundle has no tier), None for no tier model.
+    One training at a time per ``work_dir`` (:class:`TrainError` for a second)."""
     from predictors.logs import existing_logs
 
     console = console or Console(stderr=True)
@@ -252,7 +257,7 @@ def train_and_register(
     work_dir.mkdir(parents=True, exist_ok=True)
     with _only_user(work_dir), replacing(work_dir / "policy", console):
         return _train(log_dirs, work_dir, experiment, predictor_params, policy_config, heldout, follow_logs,
-                      search, progress, console)
+                      search, tier, progress, console)
 
 
 @contextlib.contextmanager
@@ -291,7 +296,7 @@ def _only_user(work_dir: Path) -> Iterator[None]:
 
 
 def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_params: Any, policy_config: Any,
-           heldout: Any, follow_logs: Collection[str], search: Any, progress: bool,
+           heldout: Any, follow_logs: Collection[str], search: Any, tier: Any, progress: bool,
            console: Console) -> TrainResult:
     import mlflow
 
@@ -338,9 +343,10 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
 
         _stage(console, "2/4 predictors: LightGBM length and reuse models")
         try:
+            # no session models: no decision of the learned policy reads them (`train predictors` still fits them)
             bundle = train_bundle(frame, test_steps=predictor_params.test_steps,
                                   horizon_s=predictor_params.horizon_s, num_trees=predictor_params.num_trees,
-                                  num_threads=predictor_params.num_threads)
+                                  num_threads=predictor_params.num_threads, session=False)
         except ValueError as err:  # too few steps or rows to split and fit
             raise TrainError(f"predictors: {err}") from None
         split = {"predictors": bundle.report["split"]}
@@ -358,6 +364,8 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
         metrics.update({k: float(v) for k, v in policy_metrics.items()})
         if search is not None:
             metrics.update(_search(policy_dir, log_dirs, search, console))
+        if tier is not None:
+            metrics.update(_tier(policy_dir, log_dirs, tier, console))
         split["policy"] = read_manifest(policy_dir)["trained_on"]["split"]
         mlflow.log_params({f"{part}.split": how for part, how in split.items()})
         console.print(f"policy: held out by {SPLITS[split['policy']]}", highlight=False)
@@ -395,6 +403,25 @@ def _search(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Conso
     console.print(f"levers: {found.levers}; admission residual {found.residual or '{} (the prior order)'}:"
                   f" {found.ratio:.4f}x the bundle's makespan with the prior order on the logged workloads",
                   highlight=False)
+    return found.metrics()
+
+
+def _tier(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Console) -> dict[str, float]:
+    """Fit POLICY_DIR's CPU-tier next-use model on replays of the logged workloads (:mod:`training.tier_training`),
+    log its rounds; its metrics. Logs that cannot be replayed (serving logs with no workload beside them) or a
+    bundle with no tier skip it with a note."""
+    import mlflow
+
+    from training.tier_training import TierTrainingError, train_tier
+
+    _stage(console, f"3c/4 CPU tier: the next-use model on replays of {len(log_dirs)} logged workload(s)")
+    try:
+        found = train_tier(policy_dir, log_dirs, None if cfg == DEFAULT_TIER else cfg,
+                           progress=lambda m: console.print(m, highlight=False))
+    except TierTrainingError as err:
+        console.print(f"tier: skipped ({err}); the session-state rule orders the tier", highlight=False)
+        return {}
+    mlflow.log_dict({"kept": found.kept, "rounds": found.history}, "policy/tier.json")
     return found.metrics()
 
 
