@@ -39,8 +39,9 @@ FEATURES: tuple[str, ...] = (
 )
 CATEGORICAL: tuple[str, ...] = ("state",)
 #: LightGBM's parameters (regression of the label's log1p, squared error).
-PARAMS: dict[str, Any] = {"objective": "regression", "learning_rate": 0.05, "num_leaves": 31, "min_data_in_leaf": 50,
-                          "feature_fraction": 1.0, "verbose": -1, "seed": 0}
+LEARNING_RATE = 0.05
+PARAMS: dict[str, Any] = {"objective": "regression", "learning_rate": LEARNING_RATE, "num_leaves": 31,
+                          "min_data_in_leaf": 50, "feature_fraction": 1.0, "verbose": -1, "seed": 0}
 DEFAULT_TREES = 200
 
 

@@ -61,6 +61,8 @@ def test_train_logs_one_run_and_registers_a_version(run_dir: Path, tmp_path: Pat
     # the held-out table: the trained policy beside its prior (no trained network) and vLLM default
     assert "kvpilot v1" in res.output and "learned-prior v1" in res.output and "vllm-default" in res.output
     assert f"held-out evaluation on H200-7B, KV {KV:g} (preset, kv_fraction as the logs')" in res.output, res.output
+    # these logs have no CPU tier: the tier training says it skipped, and the policy keeps the rule
+    assert "tier: skipped" in res.output and "no CPU tier" in " ".join(res.output.split()), res.output
     client = MlflowClient()
     runs = client.search_runs([client.get_experiment_by_name("train-test").experiment_id])
     assert len(runs) == 1

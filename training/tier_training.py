@@ -34,9 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from predictors.tier_reuse import DEFAULT_TREES, TierReuseModel
+from predictors.tier_reuse import DEFAULT_TREES, LEARNING_RATE, TierReuseModel
 
 RULE, TRAINED = "session-state", "session-trained"
+#: Fewer labelled owner snapshots than this in the rule's replays: nothing to fit (the tier hardly ever evicts).
+MIN_SNAPSHOTS = 200
 
 
 class TierTrainingError(ValueError):
@@ -49,15 +51,18 @@ class TierConfig:
 
     rounds: int = 2  # fits; each is replayed on the logs, and its snapshots join the next fit
     num_trees: int = DEFAULT_TREES
+    learning_rate: float = LEARNING_RATE
     min_gain: float = 0.005  # keep a model only if its mean makespan ratio to the rule is below 1 - min_gain
     jobs: int = 2
     backend: str = "process"  # or "ray"
     address: str | None = None  # Ray cluster address (backend "ray"); None: a local Ray
 
     def __post_init__(self) -> None:
-        if not (self.rounds >= 1 and self.num_trees >= 1 and self.jobs >= 1 and self.min_gain >= 0):
-            raise TierTrainingError(f"tier training needs rounds >= 1, num_trees >= 1, jobs >= 1 and min_gain >= 0, "
-                                    f"got {self.rounds}, {self.num_trees}, {self.jobs}, {self.min_gain}")
+        if not (self.rounds >= 1 and self.num_trees >= 1 and self.jobs >= 1 and self.min_gain >= 0
+                and self.learning_rate > 0):
+            raise TierTrainingError(f"tier training needs rounds >= 1, num_trees >= 1, jobs >= 1, min_gain >= 0 and "
+                                    f"learning_rate > 0, got {self.rounds}, {self.num_trees}, {self.jobs}, "
+                                    f"{self.min_gain}, {self.learning_rate}")
         if self.backend not in ("process", "ray"):
             raise TierTrainingError(f"tier training backend must be 'process' or 'ray', got {self.backend!r}")
 
@@ -172,12 +177,16 @@ def train_tier(policy_dir: Path, log_dirs: Sequence[Path], cfg: TierConfig | Non
     Xs, ys = [g["X"] for g in got], [g["y"] for g in got]
     say(f"tier: the rule's order: {', '.join(f'{b:.1f} s' for b in base)} on {len(plays)} logged workload(s), "
         f"{sum(len(y) for y in ys):,} owner snapshots")
+    if sum(len(y) for y in ys) < MIN_SNAPSHOTS:
+        raise TierTrainingError(f"the tier chose what to evict for only {sum(len(y) for y in ys)} owner(s) in the "
+                                f"replays (fewer than {MIN_SNAPSHOTS}): the logs' tier holds their working set, so "
+                                "there is no order to learn")
     history: list[dict[str, Any]] = []
     best_ratio, kept = 1.0, None
     with tempfile.TemporaryDirectory(prefix="kvpilot-tier-") as tmp:
         for r in range(1, cfg.rounds + 1):
             model = TierReuseModel.fit(np.concatenate(Xs), np.concatenate(ys), num_trees=cfg.num_trees,
-                                       num_threads=cfg.jobs)
+                                       params={"learning_rate": cfg.learning_rate}, num_threads=cfg.jobs)
             if target.exists():
                 shutil.rmtree(target)
             model.save(target)
