@@ -59,6 +59,7 @@ MAX_MODEL_LEN = 16384
 EOS_TOKEN_ID = 2  # the tiny model's eos id; workload token ids are never below 3
 
 _NO_KERNELS = "Failed to import from vllm._C: ModuleNotFoundError(\"No module named 'vllm._C'\")"
+_NO_AVX2_KERNELS = "Failed to import from vllm._C_AVX2: ModuleNotFoundError(\"No module named 'vllm._C_AVX2'\")"
 
 #: Start-up warnings dropped, by logger: the start of each message. The simulated engine is a GPU one run on
 #: the CPU without a model, so none of them applies:
@@ -72,6 +73,7 @@ _NO_KERNELS = "Failed to import from vllm._C: ModuleNotFoundError(\"No module na
 START_UP_NOISE: dict[str, tuple[str, ...]] = {
     "vllm.platforms.cpu": (
         "CPU backend prefers block_size",
+        _NO_AVX2_KERNELS,
         "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'.",
         "Triton is not installed. triton-cpu is expected on x86 CPUs.",  # no kernel runs
         _NO_KERNELS,
@@ -83,6 +85,9 @@ START_UP_NOISE: dict[str, tuple[str, ...]] = {
     "torch.utils.cpp_extension": ("No CUDA runtime is found",),
     # once per replica built with the CPU offload tier
     "vllm.distributed.kv_transfer.kv_connector.v1.base": ("Initializing KVConnectorBase_V1",),
+    # the tier's cache policy is kvpilot's own (serving_hook.host_tier), loaded through vLLM's out-of-tree seam on
+    # purpose: vLLM's note that the seam is experimental is for whoever chose it, once per process
+    "vllm.v1.kv_offload.cpu.policies.factory": ("Loading out-of-tree cache policy",),
 }
 
 _TINY_CONFIG = {

@@ -485,6 +485,13 @@ def test_start_up_noise_is_dropped_and_nothing_else() -> None:
     no_kernels = repr(ModuleNotFoundError("No module named 'vllm._C'"))
     assert not shown(cpu, "Failed to import from vllm._C: %s", no_kernels)
     assert not shown("vllm.platforms.interface", "Failed to import from vllm._C: %s", no_kernels)
+    assert not shown(cpu, "Failed to import from vllm._C_AVX2: %s", repr(ModuleNotFoundError(
+        "No module named 'vllm._C_AVX2'")))
+    assert shown(cpu, "Failed to import from vllm._C_AVX2: %s", repr(ImportError("undefined symbol: foo")))
+    factory = "vllm.v1.kv_offload.cpu.policies.factory"
+    assert not shown(factory, "Loading out-of-tree cache policy. This API is experimental and subject to change in "
+                              "the future as we iterate the design.")
+    assert not shown(factory, "Loading out-of-tree cache policy '%s' from '%s'.", "KVPilotCachePolicy", "x")
     assert not shown("torch._opaque_base", "torch._opaque_base is deprecated, use torch._custom_class_base instead")
     assert not shown("torch._library.opaque_object", "typ='value' is deprecated, use typ='constant' instead")
     assert not shown("torch._library.opaque_object", "register_opaque_type is deprecated, use register_custom_class")
