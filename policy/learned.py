@@ -488,8 +488,9 @@ def create_learned(model: Optional[str] = None, mode: str = "serve", **options: 
 #: for what it runs. The network's ladder: ``learned-prior`` (no trained network: the rules it starts from),
 #: ``learned-admission`` (the network's admission residual; vLLM's victims), ``learned`` (every lever the bundle
 #: trained), with ``learned-tier-rule`` between the last two (every trained lever but the tier model: the
-#: session-state rule orders the tier). The levers' rows: ``learned-no-tier`` (no CPU tier, LRU on the GPU), ``learned-gpu-evict`` (no tier,
-#: GPU eviction by predicted next use), ``learned-tier-lru`` (the tier with vLLM's LRU order there).
+#: session-state rule orders the tier). The levers' rows: ``learned-no-tier`` (no CPU tier, LRU on the GPU),
+#: ``learned-gpu-evict`` (no tier, GPU eviction by predicted next use), ``learned-tier-lru`` (the tier with vLLM's
+#: LRU order there).
 ABLATIONS: dict[str, dict[str, Any]] = {
     "learned-prior": PRIOR,
     "learned-admission": {"preempt": False, "reuse_predictor": "session-state"},

@@ -27,6 +27,7 @@ __all__ = [
     "read_predictor",
     "read_reuse",
     "read_tier_reuse",
+    "update_runtime",
     "TIER_REUSE_DIR",
     "write_bundle",
 ]
@@ -170,3 +171,14 @@ def read_tier_reuse(d: Path) -> Any:
         return TierReuseModel.load(f)
     except Exception as e:  # noqa: BLE001 - ModelSchemaError, corrupt model files
         raise PolicyLoadError(f"{f}: cannot load the tier model: {e}") from e
+
+
+def update_runtime(policy_dir: Path, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Set runtime ``options`` in POLICY_DIR's ``policy.json`` (what training learned after the bundle was
+    written); the runtime options now in it."""
+    policy_dir = Path(policy_dir)
+    manifest = read_manifest(policy_dir)
+    runtime = manifest.setdefault("config", {}).setdefault("runtime", {})
+    runtime.update(options)
+    (policy_dir / "policy.json").write_text(json.dumps(manifest, indent=2))
+    return runtime

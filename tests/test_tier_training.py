@@ -91,7 +91,7 @@ def test_model_checks_its_input_and_scores_the_same_compiled(tmp_path: Path) -> 
     assert loaded.engine == "compiled"
     np.testing.assert_allclose(loaded.predict(X), model.predict(X), rtol=1e-6, atol=1e-9)
     with pytest.raises(TierTrainingError):
-        TierConfig(rounds=0)
+        TierConfig(rounds=-1)
 
 
 def test_changing_the_trained_model_changes_the_tier_order() -> None:

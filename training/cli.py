@@ -434,7 +434,8 @@ def evaluate_cmd(
         "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`), for `learned` and its "
         "ablations (learned-prior: no trained network, the rules it starts from; learned-admission: + the network's "
         "admission residual; learned-tier-rule: every trained lever but the tier model; learned: every lever it "
-        "trained; learned-no-tier, learned-gpu-evict, learned-tier-lru: levers off). With `learned` listed, `learned-prior` is evaluated beside it.")] = None,
+        "trained; learned-no-tier, learned-gpu-evict, learned-tier-lru: levers off). With `learned` listed, "
+        "`learned-prior` is evaluated beside it.")] = None,
     full_telemetry: Annotated[bool, typer.Option(
         "--full-telemetry", help="Also write each run's decisions and kv_events telemetry (for training, OPE or "
         "cache analysis; slower). Without it a run writes the requests and steps tables the summary reads.")] = False,
@@ -656,7 +657,7 @@ def train(
     from training.tier_training import TierConfig, TierTrainingError
 
     with reported(TierTrainingError, prefix="tier training: "):
-        tier = TierConfig(rounds=tier_rounds, jobs=jobs, backend=backend, address=address) if tier_rounds else None
+        tier = TierConfig(rounds=tier_rounds, jobs=jobs, backend=backend, address=address)
     from serving_hook.model_registry import RegistryError
 
     # a missing log is a TrainError naming it; a store MLflow cannot open or write a RegistryError naming it

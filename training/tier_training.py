@@ -22,7 +22,6 @@ parallel on a process pool or as Ray tasks (the policy search's runner). Hyper-p
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import shutil
 import tempfile
@@ -49,7 +48,7 @@ class TierTrainingError(ValueError):
 class TierConfig:
     """The tier training's hyper-parameters."""
 
-    rounds: int = 2  # fits; each is replayed on the logs, and its snapshots join the next fit
+    rounds: int = 2  # fits; each is replayed on the logs, and its snapshots join the next fit (0: no tier model)
     num_trees: int = DEFAULT_TREES
     learning_rate: float = LEARNING_RATE
     min_gain: float = 0.005  # keep a model only if its mean makespan ratio to the rule is below 1 - min_gain
@@ -58,9 +57,9 @@ class TierConfig:
     address: str | None = None  # Ray cluster address (backend "ray"); None: a local Ray
 
     def __post_init__(self) -> None:
-        if not (self.rounds >= 1 and self.num_trees >= 1 and self.jobs >= 1 and self.min_gain >= 0
+        if not (self.rounds >= 0 and self.num_trees >= 1 and self.jobs >= 1 and self.min_gain >= 0
                 and self.learning_rate > 0):
-            raise TierTrainingError(f"tier training needs rounds >= 1, num_trees >= 1, jobs >= 1, min_gain >= 0 and "
+            raise TierTrainingError(f"tier training needs rounds >= 0, num_trees >= 1, jobs >= 1, min_gain >= 0 and "
                                     f"learning_rate > 0, got {self.rounds}, {self.num_trees}, {self.jobs}, "
                                     f"{self.min_gain}, {self.learning_rate}")
         if self.backend not in ("process", "ray"):
@@ -151,10 +150,12 @@ def train_tier(policy_dir: Path, log_dirs: Sequence[Path], cfg: TierConfig | Non
 
     Writes ``predictors/tier_reuse`` and the runtime option ``reuse_predictor`` into the bundle when a model is
     kept; leaves the bundle as it was otherwise."""
-    from policy.learned_bundle import TIER_REUSE_DIR, read_manifest
+    from policy.learned_bundle import TIER_REUSE_DIR, read_manifest, update_runtime
     from training.policy_search import SearchError, parallel_runner, replays
 
     cfg = cfg or TierConfig()
+    if not cfg.rounds:
+        return TierResult(False, 1.0)
     policy_dir = Path(policy_dir).resolve()
     try:
         plays = replays(log_dirs)
@@ -206,9 +207,7 @@ def train_tier(policy_dir: Path, log_dirs: Sequence[Path], cfg: TierConfig | Non
         if keep:
             shutil.copytree(kept, target)
     was = runtime.get("reuse_predictor", RULE)
-    runtime = {**runtime, "reuse_predictor": TRAINED if keep else (RULE if was == TRAINED else was)}
-    manifest.setdefault("config", {})["runtime"] = runtime
-    (policy_dir / "policy.json").write_text(json.dumps(manifest, indent=2))
+    update_runtime(policy_dir, {"reuse_predictor": TRAINED if keep else (RULE if was == TRAINED else was)})
     if not keep:
         say(f"tier: no model beat the rule by {cfg.min_gain:.1%} on the logs: the rule orders the tier")
         return TierResult(False, 1.0, history)

@@ -44,8 +44,6 @@ ENGINE_FIELDS = ("preset", "kv_fraction", "offload_share", "offload_gib")
 #: ``evaluate``'s 32: held-out workloads are small (a step of 32 iterations is a larger share of a run), and on
 #: tests/test_promote.py's tiny one stride 32 reverses the makespan order of its two learned policies.
 HELDOUT_DECODE_STRIDE = 16
-#: ``train_and_register``'s ``tier`` when none is given: :class:`training.tier_training.TierConfig`'s defaults.
-DEFAULT_TIER = "defaults"
 
 
 class TrainError(ValueError):
@@ -230,7 +228,7 @@ def train_and_register(
     heldout: HeldoutParams | None = None,
     follow_logs: Collection[str] = ENGINE_FIELDS,
     search: Any = None,
-    tier: Any = DEFAULT_TIER,
+    tier: Any = None,
     progress: bool = True,
     console: Console | None = None,
 ) -> TrainResult:
@@ -240,9 +238,9 @@ def train_and_register(
     objects): the defaults. ``follow_logs``: the held-out engine settings (:data:`ENGINE_FIELDS`) taken from the
     logs where they all agree (:func:`logs_engine`), in place of ``heldout``'s. ``search``: a
     :class:`training.policy_search.SearchConfig` to learn the admission residual by simulating the logged
-    workloads (None: no search, the prior's order). ``tier``: a :class:`training.tier_training.TierConfig` to fit
+    workloads (None: no search, the prior's order). ``tier``: the :class:`training.tier_training.TierConfig` that fits
     the CPU tier's next-use model on replays of the logged workloads (:mod:`training.tier_training`; skipped with
-    a note where the logs cannot be replayed or the bundle has no tier), None for no tier model.
+    a note where the logs cannot be replayed or the bundle has no tier; ``rounds=0``: no tier model).
     One training at a time per ``work_dir`` (:class:`TrainError` for a second)."""
     from predictors.logs import existing_logs
 
@@ -364,7 +362,7 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
         metrics.update({k: float(v) for k, v in policy_metrics.items()})
         if search is not None:
             metrics.update(_search(policy_dir, log_dirs, search, console))
-        if tier is not None:
+        if tier is None or tier.rounds:
             metrics.update(_tier(policy_dir, log_dirs, tier, console))
         split["policy"] = read_manifest(policy_dir)["trained_on"]["split"]
         mlflow.log_params({f"{part}.split": how for part, how in split.items()})
@@ -390,15 +388,12 @@ def _search(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Conso
     write it into the bundle's runtime options, log the samples; the search's metrics."""
     import mlflow
 
-    from policy.learned_bundle import read_manifest
+    from policy.learned_bundle import update_runtime
     from training.policy_search import search_admission
 
     _stage(console, f"3b/4 policy search: the admission residual by simulating {len(log_dirs)} logged workload(s)")
     found = search_admission(policy_dir, log_dirs, cfg, progress=lambda m: console.print(m, highlight=False))
-    manifest_path = policy_dir / "policy.json"
-    manifest = read_manifest(policy_dir)
-    manifest.setdefault("config", {}).setdefault("runtime", {}).update(found.runtime())
-    manifest_path.write_text(json.dumps(manifest, indent=2))
+    update_runtime(policy_dir, found.runtime())
     mlflow.log_dict({"residual": found.residual, "samples": found.history}, "policy/search.json")
     console.print(f"levers: {found.levers}; admission residual {found.residual or '{} (the prior order)'}:"
                   f" {found.ratio:.4f}x the bundle's makespan with the prior order on the logged workloads",
@@ -416,8 +411,7 @@ def _tier(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Console
 
     _stage(console, f"3c/4 CPU tier: the next-use model on replays of {len(log_dirs)} logged workload(s)")
     try:
-        found = train_tier(policy_dir, log_dirs, None if cfg == DEFAULT_TIER else cfg,
-                           progress=lambda m: console.print(m, highlight=False))
+        found = train_tier(policy_dir, log_dirs, cfg, progress=lambda m: console.print(m, highlight=False))
     except TierTrainingError as err:
         console.print(f"tier: skipped ({err}); the session-state rule orders the tier", highlight=False)
         return {}
