@@ -164,6 +164,19 @@ STEPS = TableSpec(
             _f("dropped_rows", pa.int64()),  # telemetry rows dropped so far (full queue)
             # policy ``registry``: model loads and polls that failed so far (null: no registry policy)
             _f("model_failures", pa.int64(), True),
+            # the step-cost model's attention terms (simulator.cost_model): causal query-key pairs of the
+            # prefill chunks, and the KV tokens the decode tokens read (null: telemetry older than these columns)
+            _f("prefill_context_tokens", pa.int64(), True),
+            _f("decode_context_tokens", pa.int64(), True),
+            # the engine's fixed facts (kvpilot calibrate's preset): vLLM's num_gpu_blocks (its null block
+            # included), block size, max_num_seqs and max_num_batched_tokens
+            _f("num_gpu_blocks", pa.int32(), True),
+            _f("block_size", pa.int32(), True),
+            _f("max_num_seqs", pa.int32(), True),
+            _f("max_num_batched_tokens", pa.int32(), True),
+            # the hook's own wall seconds in this step's schedule() (its decisions and this row): on a real engine
+            # a part of duration_s (the simulator's duration_s is simulated time)
+            _f("hook_s", pa.float64(), True),
         ]
     ),
 )

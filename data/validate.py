@@ -712,8 +712,14 @@ for _column, _what in [
     ("offload_stored_bytes", "byte count"),
     ("dropped_rows", "count"),
     ("model_failures", "count"),
+    ("prefill_context_tokens", "token count"),
+    ("decode_context_tokens", "token count"),
+    ("hook_s", "seconds"),
 ]:
     _at_least("steps", _column, 0, _what)
+for _column, _what in [("num_gpu_blocks", "block count"), ("block_size", "block size"),
+                       ("max_num_seqs", "count"), ("max_num_batched_tokens", "token count")]:
+    _at_least("steps", _column, 1, _what)
 _at_most("steps", "kv_usage", 1.0, "KV usage")
 _at_most("steps", "prefix_hits", "prefix_queries", "prefix hit count")
 

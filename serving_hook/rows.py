@@ -15,6 +15,7 @@ The writer (:mod:`serving_hook.telemetry`) is a bounded queue: ``put`` never blo
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import deque
 from collections.abc import Callable
@@ -56,10 +57,26 @@ class Rows:
         #: The writer keeps kv_events (decided once, with the writer the hook was built with).
         self.log_kv_events = writer is not None and "kv_events" in getattr(writer, "tables", ("kv_events",))
         self._pending: deque = deque()  # steps rows waiting for their step's end (update_from_output)
+        self._stamped: Optional[dict] = None  # this schedule()'s row, until the hook's time is known
         self._decision_id = 0
         self._orig_take_events: Optional[Callable] = None
 
     # ---------------------------------------------------------------- steps
+    @functools.cached_property
+    def engine(self) -> dict[str, int]:
+        """The engine's fixed facts, on every ``steps`` row: what ``kvpilot calibrate`` writes into a preset.
+
+        Read at the first step (the simulator sets the decode stride after construction); vLLM counts its
+        null block in ``num_gpu_blocks``.
+        """
+        s = self.sched
+        return {
+            "num_gpu_blocks": s.kv_cache_manager.block_pool.num_gpu_blocks,
+            "block_size": s.block_size,
+            "max_num_seqs": s.max_num_running_reqs,
+            "max_num_batched_tokens": s.max_num_scheduled_tokens // s.kvpilot_decode_stride,
+        }
+
     def step(
         self,
         now: float,
@@ -83,41 +100,59 @@ class Rows:
         """Stamp this step's ``steps`` row; written at the step's end (:meth:`end_step`), when its duration is known.
 
         A scheduled chunk of up to ``kvpilot_decode_stride`` tokens of a request not admitted this step
-        counts as decode tokens.
+        counts as decode tokens. The context columns are the step-cost model's attention terms
+        (:mod:`simulator.cost_model`): causal query-key pairs of the prefill chunks, and the KV tokens the
+        decode tokens read.
         """
-        decode = 0
+        decode = prefill_pairs = decode_context = 0
         admitted_set = set(admitted)
-        stride = self.sched.kvpilot_decode_stride
+        sched = self.sched
+        stride = sched.kvpilot_decode_stride
+        requests = sched.requests
         for rid, n in num_scheduled_tokens.items():
+            # vLLM has already advanced num_computed_tokens by this step's n: c tokens were known before it
+            c = requests[rid].num_computed_tokens - n
+            pairs = n * c + n * (n + 1) // 2
             if n <= stride and rid not in admitted_set:
                 decode += n
-        self._pending.append(
-            {
-                "engine_step": self.guard.step_no,
-                "replica": self.replica,
-                "time_s": now,
-                "duration_s": 0.0,
-                "running": running,
-                "waiting": waiting,
-                "free_blocks": free_blocks,
-                "pinned_blocks": pinned_blocks,
-                "kv_usage": min(1.0, max(0.0, kv_usage)),
-                "prefill_tokens": total_tokens - decode,
-                "decode_tokens": decode,
-                "prefix_queries": queries,
-                "prefix_hits": hits,
-                "preemptions": self.preemptions,
-                "evictions": evictions,
-                "held": held,
-                "offload_loaded_blocks": offload_loaded_blocks,
-                "offload_stored_blocks": offload_stored_blocks,
-                "offload_loaded_bytes": offload_loaded_blocks * offload_block_bytes,
-                "offload_stored_bytes": offload_stored_blocks * offload_block_bytes,
-                "hook_fallback": self.guard.fallback,
-                "dropped_rows": self.writer.dropped,
-                "model_failures": model_failures,
-            }
-        )
+                decode_context += pairs
+            else:
+                prefill_pairs += pairs
+        self._stamped = row = {
+            "engine_step": self.guard.step_no,
+            "replica": self.replica,
+            "time_s": now,
+            "duration_s": 0.0,
+            "running": running,
+            "waiting": waiting,
+            "free_blocks": free_blocks,
+            "pinned_blocks": pinned_blocks,
+            "kv_usage": min(1.0, max(0.0, kv_usage)),
+            "prefill_tokens": total_tokens - decode,
+            "decode_tokens": decode,
+            "prefill_context_tokens": prefill_pairs,
+            "decode_context_tokens": decode_context,
+            "prefix_queries": queries,
+            "prefix_hits": hits,
+            "preemptions": self.preemptions,
+            "evictions": evictions,
+            "held": held,
+            "offload_loaded_blocks": offload_loaded_blocks,
+            "offload_stored_blocks": offload_stored_blocks,
+            "offload_loaded_bytes": offload_loaded_blocks * offload_block_bytes,
+            "offload_stored_bytes": offload_stored_blocks * offload_block_bytes,
+            "hook_fallback": self.guard.fallback,
+            "dropped_rows": self.writer.dropped,
+            "model_failures": model_failures,
+            **self.engine,
+        }
+        self._pending.append(row)
+
+    def hook_time(self, seconds: float) -> None:
+        """The hook's own time in the ``schedule()`` whose row :meth:`step` just stamped (none: nothing)."""
+        if self._stamped is not None:
+            self._stamped["hook_s"] = seconds
+            self._stamped = None
 
     def end_step(self) -> None:
         """Write the oldest pending ``steps`` row: it covers ``[schedule() time, now]``, its step's own duration."""

@@ -259,6 +259,7 @@ class KVPilotMixin:
         guard.inner_s = 0.0
         st.last_hook_time_s = hook_s
         st.hook_time_s += hook_s
+        self._kvp_rows.hook_time(hook_s)
         st.steps += 1
         if guard.fallback:
             st.fallback_steps += 1

@@ -73,7 +73,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from simulator.cost_model import CostModel, prefill_attention_pairs
+from simulator.cost_model import prefill_attention_pairs
+from simulator.fitted_cost import FittedCost, StepCost, load_cost
 from simulator.sizing import blocks_for_fraction, min_blocks_for
 from simulator.tokens import VLLM_BLOCK_SIZE
 from simulator.workload import PreparedWorkload
@@ -122,7 +123,7 @@ class Bound:
         return asdict(self) | {"mean_s": self.mean_s, "total_s": self.total_s}
 
 
-def makespan_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, *, replicas: int = 1,
+def makespan_bound(prepared: PreparedWorkload, cost: StepCost, kv_blocks: int, *, replicas: int = 1,
                    preset: str = "", decode_stride: int = 1, max_num_seqs: int = 256) -> Bound:
     """The lower bound of every RL step of a (validated, prepared) workload; see the module docstring."""
     for name, value, low in (("replicas", replicas, 1), ("kv_blocks", kv_blocks, 2), ("decode_stride", decode_stride, 1)):
@@ -147,7 +148,7 @@ def makespan_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, 
 class _Terms:
     """Per-request terms of the bound of a workload (module docstring), and the busy term of a set of requests."""
 
-    def __init__(self, prepared: PreparedWorkload, cost: CostModel) -> None:
+    def __init__(self, prepared: PreparedWorkload, cost: StepCost) -> None:
         self.cost = cost
         workload = prepared.table
         self.col = lambda name: workload.column(name).to_numpy(zero_copy_only=False)  # noqa: E731
@@ -176,7 +177,7 @@ class _Terms:
         prefill = max(0.0, fresh - float(out[rows & self.fed].sum()))
         busy = (iterations * cost.step_overhead_s
                 + max(cost.linear_s(prefill + decoded, decoded), iterations * cost.weight_read_s)
-                + max(cost.attention_s(area), cost.kv_read_s(area)))
+                + cost.decode_context_s(area))
         return busy, iterations
 
 
@@ -193,7 +194,7 @@ class ThroughputBound:
     trajectories_per_s: float
 
 
-def throughput_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int, *, replicas: int = 1,
+def throughput_bound(prepared: PreparedWorkload, cost: StepCost, kv_blocks: int, *, replicas: int = 1,
                      decode_stride: int = 1, max_num_seqs: int = 256, train_s: float = 0.0, sync_s: float = 0.0,
                      updates: int = 0, last_train_s: float = 0.0) -> ThroughputBound:
     """The least time to roll out and train the whole workload, as trajectories per second.
@@ -219,11 +220,14 @@ def throughput_bound(prepared: PreparedWorkload, cost: CostModel, kv_blocks: int
 
 def workload_bound(workload: PreparedWorkload, *, preset: str = "H200-7B", kv_blocks: int | None = None,
                    kv_fraction: float | None = None, replicas: int = 1, decode_stride: int = 1,
-                   max_num_seqs: int = 256) -> Bound:
+                   max_num_seqs: int | None = None) -> Bound:
     """:func:`makespan_bound` with the KV size given as the simulator takes it: ``kv_blocks`` per replica, or
     ``kv_fraction`` of what the largest step needs (:func:`simulator.sizing.blocks_for_fraction`), or neither:
-    the preset GPU's capacity."""
-    cost = CostModel.preset(preset)
+    the preset GPU's capacity. ``preset``: a roofline preset or a fitted preset file
+    (:func:`simulator.fitted_cost.load_cost`); ``max_num_seqs`` None: the fitted engine's, else 256."""
+    cost = load_cost(preset)
+    if max_num_seqs is None:
+        max_num_seqs = cost.engine.max_num_seqs if isinstance(cost, FittedCost) else 256
     if kv_blocks is not None and kv_fraction is not None:
         raise ValueError("give at most one of kv_blocks and kv_fraction (--kv-blocks, --kv-fraction)")
     if kv_fraction is not None:
@@ -288,7 +292,7 @@ def _computed_by_predecessor(prepared: PreparedWorkload, p: np.ndarray, out: np.
     return done // VLLM_BLOCK_SIZE * VLLM_BLOCK_SIZE
 
 
-def _request_bounds(cost: CostModel, p: np.ndarray, out: np.ndarray, new: np.ndarray) -> np.ndarray:
+def _request_bounds(cost: StepCost, p: np.ndarray, out: np.ndarray, new: np.ndarray) -> np.ndarray:
     """Per request, the least time it takes alone: its prefill step of ``new`` tokens, its L - 1 decode
     iterations."""
     alone = cost.step_time(0, 0, 1, 0)  # one decode iteration of one sequence, less its KV read

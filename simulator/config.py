@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policy.interface import Policy
-from simulator.cost_model import CostModel
+from simulator.fitted_cost import FittedCost, StepCost, load_cost
 from simulator.routers import Router, make_router
 from simulator.sizing import blocks_for_fraction, min_blocks_for
 from simulator.tokens import VLLM_BLOCK_SIZE
@@ -92,6 +92,13 @@ WEIGHT_SYNC_MODES = ("abort", "recompute", "keep")
 ADMISSIONS = ("auto", "staleness", "kv-pressure", "working-set")
 
 
+def _priced_model(cost: StepCost) -> None:
+    """A trainer is priced by the preset's model and GPU: a fitted engine has neither (an error that says so)."""
+    if cost.model is None:
+        raise SimulationError(f"the fitted preset {cost.name} has no model or GPU to price a training step or a "
+                              "weight update by; use a roofline preset (e.g. H200-7B) with a trainer")
+
+
 @dataclass(frozen=True)
 class Trainer:
     """The trainer's price: a training step of T tokens takes ``6 x params x T / (gpus x flops x mfu) + fixed_s``;
@@ -131,14 +138,16 @@ class Trainer:
             if not (_number(v) and v >= 0):
                 raise SimulationError(f"trainer {name} must be a number of seconds >= 0, got {v!r}")
 
-    def train_s(self, tokens: int, cost: CostModel, replicas: int) -> float:
+    def train_s(self, tokens: int, cost: StepCost, replicas: int) -> float:
         """Seconds of one training step on ``tokens`` tokens."""
+        _priced_model(cost)
         gpus = self.gpus or replicas
         flops = self.flops if self.flops is not None else cost.gpu.peak_flops
         return 6.0 * cost.model.params * tokens / (gpus * flops * self.mfu) + self.fixed_s
 
-    def sync_s(self, cost: CostModel) -> float:
+    def sync_s(self, cost: StepCost) -> float:
         """Seconds of one weight update (rollout paused)."""
+        _priced_model(cost)
         return cost.model.params * cost.model.bytes_per_param / self.link_bytes_per_s + self.sync_fixed_s
 
 
@@ -201,8 +210,9 @@ class SimConfig:
     out_dir: str | Path | None = None
     overprovision: Overprovision | None = None
     progress: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    #: vLLM's limits; None: a fitted preset's engine's (:mod:`simulator.fitted_cost`), else 256 and 8192.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     #: A session's later turns and its scoring requests go to the replica of its first turn.
     sticky_sessions: bool = True
     #: Requests carry their session identity (``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``); False
@@ -236,16 +246,26 @@ class SimConfig:
     #: a :class:`Trainer` prices a training step and a weight update after every RL step. The asynchronous
     #: driver always trains (None: :class:`Trainer`'s defaults).
     trainer: Trainer | None = None
+    #: Factor on the workload's tool and verifier latencies (``replay --time-scale``'s meaning; 0: no waits).
+    time_scale: float = 1.0
     #: The preset's step-cost model.
-    cost: CostModel = field(init=False, repr=False)
+    cost: StepCost = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not _positive_int(self.replicas):
             raise SimulationError(f"replicas must be an integer >= 1, got {self.replicas!r}")
         try:
-            object.__setattr__(self, "cost", CostModel.preset(self.preset))
+            object.__setattr__(self, "cost", load_cost(str(self.preset)))
         except ValueError as e:
             raise SimulationError(str(e)) from None
+        engine = self.cost.engine if isinstance(self.cost, FittedCost) else None
+        if self.max_num_seqs is None:
+            object.__setattr__(self, "max_num_seqs", engine.max_num_seqs if engine else 256)
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", engine.max_num_batched_tokens if engine else 8192)
+        t = self.time_scale
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise SimulationError(f"time_scale must be a number >= 0, got {t!r}")
         if self.kv_blocks is not None and self.kv_fraction is not None:
             raise SimulationError("give at most one of kv_blocks and kv_fraction (--kv-blocks, --kv-fraction)")
         if self.kv_fraction is not None and not self.kv_fraction > 0:
@@ -298,7 +318,9 @@ class SimConfig:
             raise SimulationError(str(e)) from None
 
     def offload_blocks(self) -> int:
-        """Blocks of the preset model's KV that :attr:`offload_gib` holds."""
+        """Blocks of the preset model's KV that :attr:`offload_gib` holds (0: a fitted engine has no tier)."""
+        if not self.cost.host_tier:
+            return 0
         return int(self.offload_gib * 2**30 // self.cost.kv_block_bytes(VLLM_BLOCK_SIZE))
 
     def kv_blocks_for(self, workload: PreparedWorkload) -> int:

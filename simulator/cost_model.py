@@ -239,6 +239,15 @@ class CostModel:
         """Seconds to read ``context_tokens`` tokens of K and V."""
         return self._kv_bytes * context_tokens / self._bandwidth
 
+    def decode_context_s(self, context_tokens: int | float) -> float:
+        """Seconds of decode attention over ``context_tokens`` tokens: its compute or its KV read (roofline)."""
+        return max(self.attention_s(context_tokens), self.kv_read_s(context_tokens))
+
+    @property
+    def host_tier(self) -> bool:
+        """A GPU preset can hold a CPU offload tier (over its host link)."""
+        return True
+
     def step_time(
         self,
         prefill_tokens: int,

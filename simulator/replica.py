@@ -120,7 +120,7 @@ def build_replicas(config: SimConfig, workload: PreparedWorkload, kv_blocks: int
     from serving_hook.config import HookConfig
 
     max_model_len = max(workload.largest_request + VLLM_BLOCK_SIZE, 1024)  # the longest context a request reaches
-    block_bytes = config.cost.kv_block_bytes(VLLM_BLOCK_SIZE)
+    block_bytes = config.cost.kv_block_bytes(VLLM_BLOCK_SIZE) if offload_blocks else 0
     reps = []
     for i in range(config.replicas):
         kw: dict[str, Any] = {"replica": i}

@@ -71,7 +71,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from simulator.cost_model import CostModel, prefill_attention_pairs
+from simulator.cost_model import prefill_attention_pairs
+from simulator.fitted_cost import StepCost
 from simulator.engine import EOS_TOKEN_ID
 from simulator.summary import GpuSeconds
 from simulator.workload import PreparedWorkload
@@ -85,7 +86,7 @@ StepOutput = tuple[list[str], list[list[int]], float]
 class ScriptedRunner:
     """Plays each request's script (its output ids) and prices each step."""
 
-    def __init__(self, workload: PreparedWorkload, cost: CostModel, stride: int) -> None:
+    def __init__(self, workload: PreparedWorkload, cost: StepCost, stride: int) -> None:
         self.workload = workload
         self.cost = cost
         self.stride = stride

@@ -86,7 +86,8 @@ class Simulation:
                  **options: Any) -> None:
         t0 = time.perf_counter()
         self.config = config = SimConfig(policy, **options)
-        self.workload = w = workload if isinstance(workload, PreparedWorkload) else prepare_workload(workload)
+        w = workload if isinstance(workload, PreparedWorkload) else prepare_workload(workload)
+        self.workload = w = w.time_scaled(config.time_scale)
         if config.overprovision is not None and w.trace:
             raise SimulationError("over-provisioning applies to RL steps, not to a trace replay")
         self.policy_factory = config.policy_factory(w)
@@ -192,7 +193,7 @@ class Simulation:
             kv_share_of_need=(self.kv_blocks - 1) / self.workload.kv_need if self.workload.kv_need else None,
             bound=self.makespan_bound(metrics.simulated_s), offload=offload, gpu=gpu, trained=trained,
             driver=self.driver_stats(), throughput_bound=self.throughput_bound(trained.trajectories_per_s),
-            workload_source=self.workload.source,
+            workload_source=self.workload.source, time_scale=config.time_scale,
         )
 
     def makespan_bound(self, simulated_s: float) -> MakespanBoundSummary:

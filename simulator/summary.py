@@ -231,6 +231,8 @@ class RunSummary:
     #: What made the workload (its generator and config, or the trace files it was imported from), as the
     #: workload file records it (:data:`data.io.SOURCE_KEY`); None when it does not say.
     workload_source: dict | None = None
+    #: The factor on the workload's tool and verifier latencies (:attr:`simulator.config.SimConfig.time_scale`).
+    time_scale: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as ``summary.json`` holds it: every field by name, sub-records' fields inline."""

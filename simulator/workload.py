@@ -15,6 +15,7 @@ nothing again; an evaluation prepares its workload once and runs every case on i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Iterable, Mapping
@@ -85,6 +86,18 @@ class PreparedWorkload:
     @property
     def num_rows(self) -> int:
         return len(self.request_id)
+
+    def time_scaled(self, scale: float) -> PreparedWorkload:
+        """This workload with its tool and verifier latencies times ``scale`` (``replay --time-scale``)."""
+        if scale == 1:
+            return self
+        scaled = {k: [None if v is None else v * scale for v in getattr(self, k)]
+                  for k in ("tool_latency_s", "verify_latency_s")}
+        table = self.table
+        for name, values in scaled.items():
+            i = table.schema.get_field_index(name)
+            table = table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
+        return dataclasses.replace(self, table=table, **scaled)
 
     @functools.cached_property
     def kv_need(self) -> int:

@@ -79,8 +79,9 @@ class Server:
 
 @contextlib.contextmanager
 def start_server(tmp: Path, *, hook: bool = True, env: Optional[Mapping[str, str]] = None,
-                 args: Sequence[str] = ()) -> Iterator[Server]:
-    """Start a CPU server on the tiny model (``hook``: with ``--scheduler-cls serving_hook.KVPilotScheduler``)."""
+                 args: Sequence[str] = (), model: Path = MODEL) -> Iterator[Server]:
+    """Start a CPU server on ``model`` (a config-only folder; default the tiny model), ``hook``: with
+    ``--scheduler-cls serving_hook.KVPilotScheduler``; ``args`` come last, so they override the defaults."""
     py = engine_python()
     port = free_port()
     tmp.mkdir(parents=True, exist_ok=True)
@@ -95,7 +96,7 @@ def start_server(tmp: Path, *, hook: bool = True, env: Optional[Mapping[str, str
         PYTHONPATH=str(ROOT),
         **(env or {}),
     )
-    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--load-format", "dummy",
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--load-format", "dummy",
            "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
            "--enable-prompt-tokens-details", "--served-model-name", "tiny-llama", *args]
     if hook:

@@ -252,6 +252,10 @@ def step_table(n: int, replica: int = 0) -> pa.Table:
         "kv_usage": 0.5,
         "hook_fallback": False,
         "replica": replica,
+        "num_gpu_blocks": 101,
+        "block_size": 16,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
     }
     return pa.Table.from_pylist(
         [{**row, "engine_step": i, "time_s": i * 0.01} for i in range(n)], schema=STEPS.schema

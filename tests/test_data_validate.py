@@ -149,6 +149,13 @@ def step_row(i: int) -> dict:
         "hook_fallback": False,
         "dropped_rows": 0,
         "model_failures": i % 3 if i % 2 else None,
+        "prefill_context_tokens": 512 * 300,
+        "decode_context_tokens": 3 * 700,
+        "num_gpu_blocks": 301,
+        "block_size": 16,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "hook_s": 2e-4,
     }
 
 
@@ -284,6 +291,8 @@ BAD_TELEMETRY: list[tuple[str, TableSpec, str, dict, str, str]] = [
     ("kv_usage_over_one", STEPS, "steps", {"kv_usage": 1.5}, "kv_usage", "exceeds 1.0"),
     ("negative_duration", STEPS, "steps", {"duration_s": -0.1}, "duration_s", "negative duration"),
     ("negative_model_failures", STEPS, "steps", {"model_failures": -1}, "model_failures", "negative count"),
+    ("negative_context", STEPS, "steps", {"decode_context_tokens": -3}, "decode_context_tokens", "negative token"),
+    ("zero_block_size", STEPS, "steps", {"block_size": 0}, "block_size", "block size"),
     ("unknown_kv_event", KV_EVENTS, "kv_events", {"event": "evicted"}, "event", "'evicted'"),
 ]
 

@@ -85,6 +85,13 @@ def step_row(i: int) -> dict:
         "hook_fallback": False,
         "dropped_rows": 0,
         "model_failures": None,
+        "prefill_context_tokens": 128 * 200,
+        "decode_context_tokens": 4 * 900,
+        "num_gpu_blocks": 1001,
+        "block_size": 16,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "hook_s": 1e-4,
     }
 
 

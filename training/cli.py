@@ -154,7 +154,11 @@ KvBlocks = Annotated[Optional[int], typer.Option("--kv-blocks", help="KV blocks 
 KvFraction = Annotated[Optional[float], typer.Option(
     "--kv-fraction", help="KV per replica as a fraction of what the largest step needs at once.")]
 Replicas = Annotated[int, typer.Option("--replicas", help="Number of replicas.")]
-Preset = Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")]
+Preset = Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>, or a preset file that "
+                                     "`kvpilot calibrate` fitted to an engine (PRESET.toml).")]
+TimeScale = Annotated[float, typer.Option(
+    "--time-scale", help="Factor on the workload's tool and verifier latencies (0: no waits); `replay` and "
+    "`simulate` of one workload at one scale describe the same run.")]
 OffloadGib = Annotated[float, typer.Option(
     "--offload-gib", help="Host memory (GiB) per replica of the CPU offload tier (vLLM's native KV offloading), "
     "for policies that use it (vllm-offload, *-offload); 0 turns the tier off. Default: a quarter of a DGX "
@@ -262,10 +266,12 @@ def simulate(
     kv_blocks: KvBlocks = None,
     kv_fraction: KvFraction = None,
     preset: Preset = "H200-7B",
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="vLLM max_num_seqs.")] = 256,
-    max_num_batched_tokens: Annotated[
-        int, typer.Option("--max-num-batched-tokens", help="vLLM max_num_batched_tokens (chunked prefill).")
-    ] = 8192,
+    max_num_seqs: Annotated[Optional[int], typer.Option(
+        "--max-num-seqs", help="vLLM max_num_seqs (default: a fitted preset's engine's, else 256).")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(
+        "--max-num-batched-tokens", help="vLLM max_num_batched_tokens, chunked prefill (default: a fitted "
+        "preset's engine's, else 8192).")] = None,
+    time_scale: TimeScale = 1.0,
     decode_stride: Annotated[
         int, typer.Option("--decode-stride", help="Tokens each request decodes per simulated step (1: exact; "
                           "k > 1: k times fewer scheduler calls, approximate).")
@@ -297,11 +303,11 @@ def simulate(
                      router=router,
                      kv_blocks=kv_blocks, preset=preset, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
-                     offload_gib=offload_gib)
+                     offload_gib=offload_gib, time_scale=time_scale)
         return
     summary = _simulate(workload, out_dir, policy, policy_options, replicas, router, kv_blocks, kv_fraction, preset,
                         max_num_seqs, max_num_batched_tokens, progress, decode_stride, keep_cache, offload_gib,
-                        session_ids, trainer_spec)
+                        session_ids, trainer_spec, time_scale=time_scale)
     if as_json:
         typer.echo(json.dumps(summary.to_dict(), indent=2))
     else:
@@ -333,10 +339,10 @@ def bound(
 
 
 def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Optional[str], replicas: int, router: str,
-              kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: int,
-              max_num_batched_tokens: int, progress: bool, decode_stride: int = 1, keep_cache: bool = False,
+              kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: Optional[int],
+              max_num_batched_tokens: Optional[int], progress: bool, decode_stride: int = 1, keep_cache: bool = False,
               offload_gib: float = DEFAULT_OFFLOAD_GIB, session_ids: bool = True,
-              trainer: object = None) -> RunSummary:
+              trainer: object = None, *, time_scale: float = 1.0) -> RunSummary:
     """Read, check and simulate; user errors exit with status 2 before anything runs."""
     from simulator.workload import load_workload
 
@@ -351,13 +357,22 @@ def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Option
             kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, progress=progress, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
             keep_cache_across_steps=keep_cache, offload_gib=offload_gib, session_ids=session_ids,
-            trainer=trainer,
+            trainer=trainer, time_scale=time_scale,
         )
     from data.io import write_workload
 
     # beside the telemetry: `kvpilot train` joins its tools to the logs and replays it in its policy search
     write_workload(prepared.table, out_dir / "workload.parquet")
     return result.summary
+
+
+def _checked_preset(preset: str) -> str:
+    """``--preset`` checked before anything runs (exit 2); a preset file by its absolute path, for workers."""
+    from simulator.fitted_cost import load_cost
+
+    with reported(ValueError, prefix="--preset: "):
+        load_cost(preset)
+    return str(Path(preset).resolve()) if preset.endswith(".toml") else preset
 
 
 def _policy_options(text: Optional[str]) -> dict:
@@ -417,7 +432,8 @@ def evaluate_cmd(
     address: Annotated[Optional[str], typer.Option(
         "--address", help="Ray cluster to join with --backend ray (e.g. auto or ray://HEAD:10001); default: a "
         "local Ray instance of --jobs CPUs.")] = None,
-    preset: Annotated[str, typer.Option("--preset", help="Cost-model preset <GPU>-<model>.")] = "H200-7B",
+    preset: Preset = "H200-7B",
+    time_scale: TimeScale = 1.0,
     decode_stride: Annotated[
         Optional[int], typer.Option("--decode-stride", help="Tokens each request decodes per simulated step; "
                                     f"1 is exact. Default: {DEFAULT_DECODE_STRIDE} (training.evaluate."
@@ -470,6 +486,7 @@ def evaluate_cmd(
             raise fail("--kv-fractions is empty")
     reps = _number_list(replicas, int, "--replicas")
     tiers = _number_list(offload_gib, float, "--offload-gib")
+    preset = _checked_preset(preset)
     if decode_stride is None:
         decode_stride = DEFAULT_DECODE_STRIDE
     with reported(EvaluationError, prefix="--routers: "):
@@ -490,7 +507,7 @@ def evaluate_cmd(
                      weight_sync, admission, trainer_spec, progress, False, router=router_names[0],
                      preset=preset, decode_stride=decode_stride, keep_cache_across_steps=keep_cache,
                      offload_gib=tiers[0], decision_log=full_telemetry, kv_event_log=full_telemetry,
-                     learned_model=model, max_groups=max_groups)
+                     learned_model=model, max_groups=max_groups, time_scale=time_scale)
         return
     earlier = sorted(p.name for p in (out_dir / "runs").iterdir()) if (out_dir / "runs").is_dir() else []
     if earlier and not resume:  # run_case replaces a case's run: never an earlier evaluation's without a word
@@ -510,7 +527,7 @@ def evaluate_cmd(
                           preset=preset, jobs=jobs, backend=backend, address=address, progress=progress,
                           decode_stride=decode_stride, resume=resume,
                           full_telemetry=full_telemetry,
-                          sim_options={"keep_cache_across_steps": keep_cache,
+                          sim_options={"keep_cache_across_steps": keep_cache, "time_scale": time_scale,
                                        **({"trainer": trainer_spec} if trainer_spec is not None else {})},
                           offload_gibs=tiers,
                           policy_options={n: {"model": str(model)} for n in learned} if model is not None else None)
@@ -705,8 +722,7 @@ def replay_cmd(
     url: Annotated[str, typer.Option("--url", help="The vLLM OpenAI server, e.g. http://127.0.0.1:8000.")],
     workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
     concurrency: Annotated[int, typer.Option("--concurrency", help="Requests in flight at most.")] = 64,
-    time_scale: Annotated[float, typer.Option(
-        "--time-scale", help="Factor on the workload's tool and verifier latencies (0: no waits).")] = 1.0,
+    time_scale: TimeScale = 1.0,
     require_hook: Annotated[bool, typer.Option(
         "--require-hook/--no-require-hook", help="Refuse a server that does not run the kvpilot hook.")] = True,
     keep_cache: Annotated[bool, typer.Option(
@@ -736,6 +752,29 @@ def replay_cmd(
     typer.echo(json.dumps(summary, indent=2) if as_json else render_replay(summary))
     if summary["failed"]:
         raise typer.Exit(1)
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    telemetry: Annotated[list[Path], typer.Option(
+        "--telemetry", help="Telemetry of one engine (KVPILOT_TELEMETRY_DIR, or a run folder with telemetry/); "
+        "repeat.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="The preset file to write (PRESET.toml).")],
+    holdout: Annotated[float, typer.Option("--holdout", help="Share of steps held out to score the fit.")] = 0.2,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out split.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the fit as one JSON object.")] = False,
+) -> None:
+    """Fit the simulator's step-cost model to an engine's measured steps; write a preset for --preset."""
+    from simulator.fitted_cost import write_preset_file
+    from training.calibrate import CalibrateConfig, calibrate
+
+    if out.suffix != ".toml":
+        raise fail(f"-o {out}: a preset file's name ends in .toml (how --preset tells it from a named preset)")
+    with reported(*_INPUT_ERRORS):  # CalibrationError is a ValueError
+        result = calibrate(telemetry, CalibrateConfig(holdout=holdout, seed=seed, name=out.stem))
+        write_preset_file(result.cost, out, result.fit_record())
+    typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.render())
+    console.print(f"preset in {out}: --preset {out} --kv-fractions gpu models this engine", highlight=False)
 
 
 @app.command("demo")

@@ -1,0 +1,231 @@
+"""kvpilot on a real engine: vLLM's CPU server with the hook, measured, beside the calibrated simulator.
+
+One held-out agentic RL step on a config-only model (``models/small-llama``: random weights, prefill a real share
+of the step) with KV that binds (``--num-gpu-blocks-override``). First the registry loop on the server's own
+telemetry: the exploring ``logging`` policy serves training steps of another seed, ``kvpilot train`` fits a bundle
+on that telemetry, ``promote`` makes it the champion. Then, for each policy (vllm-default, the rules, with the
+champion's length model where they predict lengths, ``learned-prior`` and the champion served as ``registry``)
+and stock vLLM (no ``--scheduler-cls``), a server starts once and the step is replayed ``--runs`` times, each
+from a clean prefix cache, tool waits scaled by ``--time-scale``. ``kvpilot calibrate`` fits a preset to
+vllm-default's own steps, and the simulator predicts each policy's makespan on it at the same time scale.
+
+Printed side by side: measured median makespan and spread, the prediction, each one's ratio to vllm-default, the
+hook's share of the engine's step time, the share of engine time spent prefilling again what an unlimited cache
+would have kept (re-prefill), and every request's telemetry row.
+
+    python -m benchmarks.real_engine -o /tmp/real-engine [--policies vllm-default,seer] [--runs 3] [--no-champion]
+
+Needs ``.venv-engine`` (``make install-engine``). Times are two CPU cores' and a random-weight model's: compare
+ratios, and the spread of one policy's runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.engine_server import ROOT, start_server
+from training.registry import DEFAULT_MODEL_URI
+
+#: 32-token blocks (the CPU attention kernel's smallest), eager mode (no graph capture on two cores).
+SERVER_ARGS = ("--block-size", "32", "--enforce-eager")
+#: Contexts of at most this many tokens (a swe session's later turns stop growing there).
+MAX_CONTEXT = 4096
+#: A config-only model whose prefill is a real share of the step (4 layers, hidden 256), so that what the cache
+#: keeps shows in time; ``--model models/tiny-llama`` is the smallest, where the per-step overhead dominates.
+MODEL = ROOT / "models" / "small-llama"
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """One row of the table: what the server runs (``policy`` None: stock vLLM), and what the simulator runs."""
+
+    policy: str | None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    sim_policy: str | None = None  # None: the same policy (stock vLLM: no simulation)
+    sim_options: dict | None = None
+
+
+def rule(name: str, lengths: str) -> Served:
+    """A built-in policy as served: one that predicts lengths gets ``lengths`` (a production length predictor)."""
+    from serving_hook.config import HookConfigError, policy_factory
+
+    options = {"length_predictor": lengths}
+    try:
+        policy_factory(name, options)
+    except HookConfigError:  # takes no length predictor
+        return Served(name)
+    return Served(name, {"KVPILOT_POLICY_OPTIONS": json.dumps(options)}, sim_options=options)
+
+
+def agentic_steps(seed: int, prompts: int, group_size: int, max_tokens: int, steps: int = 1):
+    """Agentic RL steps (the ``agentic`` workload preset) with contexts of at most :data:`MAX_CONTEXT` tokens."""
+    from data.synth import SynthConfig, generate
+
+    base = SynthConfig.preset("agentic")
+    domains = {k: dataclasses.replace(d, max_tokens=min(d.max_tokens, max_tokens),
+                                      max_context_tokens=min(d.max_context_tokens or MAX_CONTEXT, MAX_CONTEXT))
+               for k, d in base.domains.items()}
+    return generate(dataclasses.replace(base, steps=steps, prompts_per_step=prompts, group_size=group_size, seed=seed,
+                                        domains=domains))
+
+
+def serve_and_replay(tmp: Path, policy: str | None, workload, runs: int, time_scale: float, kv_blocks: int,
+                     env: dict[str, str] | None = None, model: Path = MODEL) -> list[dict]:
+    """Start a server (``policy`` None: stock vLLM), replay ``workload`` ``runs`` times, each from a clean cache."""
+    from training.replay import ReplayConfig, replay
+
+    hook = policy is not None
+    env = {**({"KVPILOT_POLICY": policy, "KVPILOT_TELEMETRY_DIR": str(tmp / "telemetry")} if hook else {}),
+           **(env or {})}
+    longest = max(p + o for p, o in zip(workload.prompt_tokens, workload.output_tokens))
+    args = (*SERVER_ARGS, "--num-gpu-blocks-override", str(kv_blocks), "--max-model-len", str(longest))
+    out = []
+    with start_server(tmp, hook=hook, env=env, args=args, model=model) as server:
+        cfg = ReplayConfig(server.url, concurrency=256, time_scale=time_scale, require_hook=hook, progress=False)
+        for _ in range(runs):
+            httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
+            out.append(replay(workload, cfg))
+    return out
+
+
+def train_champion(out: Path, args: argparse.Namespace) -> Path:
+    """The registry loop on the server's own telemetry: the exploring ``logging`` policy served and replayed on
+    training steps (another seed), ``kvpilot train`` on that telemetry, ``promote``. The trained bundle's folder."""
+    import shutil
+
+    from data.io import write_workload
+    from simulator.workload import load_workload
+    from training.promote import promote
+    from training.train import HeldoutParams, train_and_register
+
+    train_wl = out / "train.parquet"
+    write_workload(agentic_steps(args.seed + 1, args.prompts, args.group_size, args.max_tokens, args.train_steps),
+                   train_wl)
+    logged = serve_and_replay(out / "logging", "logging", load_workload(train_wl), 1, args.time_scale,
+                              args.kv_blocks, model=args.model)
+    print(f"         logging: {logged[0]['requests']} requests served for training (failed {logged[0]['failed']})",
+          flush=True)
+    logs = out / "logging" / "telemetry"
+    shutil.copy(train_wl, logs / "workload.parquet")  # the predictors and the tier replays read its tools
+    trained = train_and_register([logs], out / "train", heldout=HeldoutParams(workload=out / "heldout.parquet"),
+                                 progress=True)
+    gate = promote(trained.version, progress=False)
+    print(f"         trained kvpilot version {trained.version}; promoted: {gate.promoted}", flush=True)
+    return out / "train" / "policy"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-o", "--out", type=Path, required=True)
+    ap.add_argument("--policies", default="vllm-default,sjf-predicted,seer")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--model", type=Path, default=MODEL, help="a config-only model folder")
+    ap.add_argument("--kv-blocks", type=int, default=200, help="vLLM blocks of 32 tokens (binds)")
+    ap.add_argument("--time-scale", type=float, default=0.0)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=811)
+    ap.add_argument("--train-steps", type=int, default=2, help="RL steps the logging policy serves for training")
+    ap.add_argument("--no-stock", action="store_true", help="skip stock vLLM")
+    ap.add_argument("--no-champion", action="store_true", help="skip the registry loop (logging, train, promote)")
+    args = ap.parse_args()
+    args.out = args.out.resolve()
+
+    import pyarrow.compute as pc
+
+    from data.io import read_telemetry, write_workload
+    from data.stats import workload_stats
+    from simulator.fitted_cost import write_preset_file
+    from simulator.simulation import run_simulation
+    from simulator.workload import load_workload
+    from training.calibrate import CalibrateConfig, calibrate
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    wl_path = args.out / "heldout.parquet"
+    write_workload(agentic_steps(args.seed, args.prompts, args.group_size, args.max_tokens), wl_path)
+    workload = load_workload(wl_path)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    print(f"held-out step: {workload.num_rows} requests, {len(workload.sessions)} sessions; KV {args.kv_blocks} "
+          f"blocks of 32; time scale {args.time_scale:g}; {args.runs} run(s) per policy", flush=True)
+
+    lengths = "domain-mean"
+    extra: dict[str, Served] = {}
+    if not args.no_champion:
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{args.out / 'mlruns.db'}"
+        os.chdir(args.out)  # MLflow's default artifact root is relative to the working directory
+        bundle = train_champion(args.out, args)
+        lengths = str(bundle / "predictors")  # the rules' lengths: the champion's LightGBM length model
+        options = {"model": str(bundle)}
+        extra["learned-prior"] = Served("learned-prior", {"KVPILOT_POLICY_OPTIONS": json.dumps(options)},
+                                        sim_options=options)
+        extra["champion"] = Served("registry", {"KVPILOT_MODEL_URI": DEFAULT_MODEL_URI,
+                                                 "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]},
+                                    sim_policy="learned", sim_options=options)
+    served = {p: rule(p, lengths) for p in policies} | extra
+    if not args.no_stock:
+        served["stock vLLM"] = Served(None)
+    measured: dict[str, list[dict]] = {}
+    for name, how in served.items():
+        t0 = time.perf_counter()
+        try:
+            measured[name] = serve_and_replay(args.out / name.replace(" ", "-"), how.policy, workload, args.runs,
+                                              args.time_scale, args.kv_blocks, how.env, args.model)
+        except RuntimeError as e:  # a server that did not start: the others still run
+            print(f"{name:>16}: not measured: {str(e).splitlines()[0]}", flush=True)
+            continue
+        spans = [r["makespan_s"] for r in measured[name]]
+        print(f"{name:>16}: makespans {', '.join(f'{s:.2f}' for s in spans)} s "
+              f"(failed {sum(r['failed'] for r in measured[name])}; {time.perf_counter() - t0:.0f} s)", flush=True)
+
+    cal = calibrate([args.out / "vllm-default" / "telemetry"], CalibrateConfig(name=f"cpu-{args.model.name}"))
+    preset = args.out / f"cpu-{args.model.name}.toml"
+    write_preset_file(cal.cost, preset, cal.fit_record())
+    print(cal.render(), flush=True)
+
+    # prefill no schedule avoids: every prompt token but what an unlimited cache hits within the step
+    least_prefill = sum(workload.prompt_tokens) * (1 - workload_stats(workload.table)[
+        "unlimited_cache_hit_fraction_within_steps"])
+    rows = []
+    for name, runs in measured.items():
+        spans = [r["makespan_s"] for r in runs]
+        row = {"policy": name, "median_s": statistics.median(spans), "min_s": min(spans), "max_s": max(spans),
+               "failed": sum(r["failed"] for r in runs), "failures": [f for r in runs for f in r["failures"]][:3],
+               "preemptions": [r.get("preemptions") for r in runs]}
+        how = served[name]
+        if how.policy is not None:
+            tel = args.out / name / "telemetry"
+            steps = read_telemetry(tel, "steps", ["duration_s", "hook_s", "prefill_tokens"])
+            busy = pc.sum(steps.column("duration_s")).as_py()
+            row["hook_share"] = pc.sum(steps.column("hook_s")).as_py() / busy
+            again = pc.sum(steps.column("prefill_tokens")).as_py() - len(runs) * least_prefill
+            row["reprefill_share"] = max(0.0, again) * cal.cost.prefill_token_s / busy
+            row["telemetry_rows"] = read_telemetry(tel, "requests", ["request_id"]).num_rows
+            row["requests"] = sum(r["requests"] for r in runs)
+            sim = run_simulation(workload, how.sim_policy or how.policy, policy_options=how.sim_options,
+                                 preset=str(preset), progress=False, time_scale=args.time_scale)
+            row["simulated_s"] = sim.summary.metrics.makespan_s
+        rows.append(row)
+    base = next(r for r in rows if r["policy"] == "vllm-default")
+    print(f"\n{'policy':>16} {'measured':>9} {'spread':>15} {'x default':>9} {'simulated':>9} {'x default':>9} "
+          f"{'sim/meas':>8} {'hook/step':>9} {'re-prefill':>10}")
+    for r in rows:
+        sim = r.get("simulated_s")
+        print(f"{r['policy']:>16} {r['median_s']:9.2f} {r['min_s']:7.2f}-{r['max_s']:<7.2f} "
+              f"{r['median_s'] / base['median_s']:9.3f} "
+              + (f"{sim:9.2f} {sim / base['simulated_s']:9.3f} {sim / r['median_s']:8.3f} {r['hook_share']:9.2%} "
+                 f"{r['reprefill_share']:10.2%}  telemetry rows {r['telemetry_rows']}/{r['requests']}" if sim else
+                 f"  failures: {r['failures']}" if r["failed"] else ""))
+    (args.out / "real_engine.json").write_text(json.dumps({"rows": rows, "calibration": cal.to_dict()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
