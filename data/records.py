@@ -64,7 +64,8 @@ class RequestMeta:
     Read by the hook from ``SamplingParams.extra_args`` (``kvpilot_domain``,
     ``kvpilot_paradigm``, ``kvpilot_group_id``, ``kvpilot_group_size``,
     ``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``, ``kvpilot_step``,
-    ``kvpilot_prompt_id``, ``kvpilot_expected_pause_s``, ``kvpilot_weight_version``). ``prompt_id`` names the
+    ``kvpilot_prompt_id``, ``kvpilot_expected_pause_s``, ``kvpilot_weight_version``, ``kvpilot_max_tokens``).
+    ``prompt_id`` names the
     dataset prompt, stable across RL steps when the prompt recurs. The session identity (``session_id``,
     ``turn``, ``tool``, ``expected_pause_s``) may also come from vLLM's typed ``Request.session_id``, a kvpilot KV-hint action, or
     (session and turn) the block-hash chain (``docs/session-identity.md``).
@@ -83,6 +84,10 @@ class RequestMeta:
     expected_pause_s: Optional[float] = None
     #: The weight version the request's group started at (asynchronous RL; its prefix cache is salted by it).
     weight_version: Optional[int] = None
+    #: The ``max_tokens`` the rollout asks for, where the request's own says something else: ``kvpilot replay``
+    #: forces each output's length through ``max_tokens`` (random weights never stop), and names the workload's
+    #: here, so that features and telemetry see what a rollout server sees, not the answer.
+    max_tokens: Optional[int] = None
 
 
 #: Names of :meth:`CandidateRequest.features`, in order.

@@ -6,7 +6,7 @@ per key for the life of the process; nothing here ever raises into vLLM.
 Keys (docs/design.md): ``kvpilot_domain``, ``kvpilot_paradigm``,
 ``kvpilot_group_id``, ``kvpilot_group_size``, ``kvpilot_session_id``,
 ``kvpilot_turn``, ``kvpilot_tool``, ``kvpilot_step``, ``kvpilot_prompt_id``,
-``kvpilot_expected_pause_s``, ``kvpilot_weight_version``. Session identity from
+``kvpilot_expected_pause_s``, ``kvpilot_weight_version``, ``kvpilot_max_tokens``. Session identity from
 other sources (vLLM's typed ``Request.session_id``, a kvpilot KV-hint action,
 the block-hash chain) is resolved over these keys by :mod:`serving_hook.identity`.
 """
@@ -41,6 +41,7 @@ _KEYS: KeySpec = {
     "kvpilot_prompt_id": ("prompt_id", "str", 0),
     "kvpilot_expected_pause_s": ("expected_pause_s", "float", 0),
     "kvpilot_weight_version": ("weight_version", "int", 0),
+    "kvpilot_max_tokens": ("max_tokens", "int", 1),
 }
 
 _warned: set[str] = set()

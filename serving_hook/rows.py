@@ -203,7 +203,7 @@ class Rows:
                 "cached_tokens": max(0, min(info.cached_tokens, prompt_tokens)),
                 "output_tokens": output_tokens,
                 "computed_tokens": info.computed_tokens,
-                "max_tokens": max_tokens,
+                "max_tokens": max_tokens if meta.max_tokens is None else meta.max_tokens,
                 "finish_reason": finish_reason,
                 "preemptions": preemptions,
                 # the prompt's full blocks (as in the workload table); output blocks are in kv_events

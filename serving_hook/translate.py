@@ -311,7 +311,7 @@ class Translator:
             num_cached_tokens=info.cached_tokens,
             num_computed_tokens=r.num_computed_tokens,
             num_output_tokens=r.num_output_tokens,
-            max_tokens=r.max_tokens,
+            max_tokens=r.max_tokens if meta.max_tokens is None else meta.max_tokens,
             arrival_s=r.arrival_time,
             wait_s=wait,
             num_preemptions=r.num_preemptions,

@@ -20,6 +20,14 @@ def test_metadata_reads_the_prompt_id():
     assert parse_extra_args({"kvpilot_group_id": "g"}).prompt_id is None
 
 
+def test_metadata_reads_the_rollouts_max_tokens():
+    """``kvpilot_max_tokens``: what the rollout asked for, where the request's own forces its length (replay)."""
+    assert parse_extra_args({"kvpilot_max_tokens": 3000}).max_tokens == 3000
+    assert parse_extra_args({"kvpilot_max_tokens": "256"}).max_tokens == 256
+    assert parse_extra_args({"kvpilot_max_tokens": 0}).max_tokens is None  # out of range: ignored
+    assert parse_extra_args({}).max_tokens is None
+
+
 def _row(rid: str, group: str, prompt: str | None, step: int, out: int, t: float) -> dict:
     return dict(request_id=rid, session_id=rid, group_id=group, prompt_id=prompt, step=step, turn=0, domain="math",
                 paradigm="math_verifier", arrival_s=t, first_scheduled_s=t, finish_s=t + 1.0, prompt_tokens=10,

@@ -206,7 +206,8 @@ class _Replayer:
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
-            "vllm_xargs": w.xargs(row),
+            # the output's length is forced through max_tokens; the hook reads the rollout's own from here
+            "vllm_xargs": {**w.xargs(row), "kvpilot_max_tokens": w.max_tokens[row]},
         }
 
     async def request(self, row: int) -> bool:
