@@ -74,7 +74,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from simulator.cost_model import prefill_attention_pairs
-from simulator.fitted_cost import FittedCost, StepCost, load_cost
+from simulator.fitted_cost import StepCost, engine_limits, load_cost
 from simulator.sizing import blocks_for_fraction, min_blocks_for
 from simulator.tokens import VLLM_BLOCK_SIZE
 from simulator.workload import PreparedWorkload
@@ -227,7 +227,7 @@ def workload_bound(workload: PreparedWorkload, *, preset: str = "H200-7B", kv_bl
     (:func:`simulator.fitted_cost.load_cost`); ``max_num_seqs`` None: the fitted engine's, else 256."""
     cost = load_cost(preset)
     if max_num_seqs is None:
-        max_num_seqs = cost.engine.max_num_seqs if isinstance(cost, FittedCost) else 256
+        max_num_seqs = engine_limits(cost)[0]
     if kv_blocks is not None and kv_fraction is not None:
         raise ValueError("give at most one of kv_blocks and kv_fraction (--kv-blocks, --kv-fraction)")
     if kv_fraction is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policy.interface import Policy
-from simulator.fitted_cost import FittedCost, StepCost, load_cost
+from simulator.fitted_cost import StepCost, engine_limits, load_cost
 from simulator.routers import Router, make_router
 from simulator.sizing import blocks_for_fraction, min_blocks_for
 from simulator.tokens import VLLM_BLOCK_SIZE
@@ -258,11 +258,11 @@ class SimConfig:
             object.__setattr__(self, "cost", load_cost(str(self.preset)))
         except ValueError as e:
             raise SimulationError(str(e)) from None
-        engine = self.cost.engine if isinstance(self.cost, FittedCost) else None
+        seqs, tokens = engine_limits(self.cost)
         if self.max_num_seqs is None:
-            object.__setattr__(self, "max_num_seqs", engine.max_num_seqs if engine else 256)
+            object.__setattr__(self, "max_num_seqs", seqs)
         if self.max_num_batched_tokens is None:
-            object.__setattr__(self, "max_num_batched_tokens", engine.max_num_batched_tokens if engine else 8192)
+            object.__setattr__(self, "max_num_batched_tokens", tokens)
         t = self.time_scale
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise SimulationError(f"time_scale must be a number >= 0, got {t!r}")

@@ -90,7 +90,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GPU", "ModelSpec", "CostModel", "GPUS", "MODELS", "PRESETS", "prefill_attention_pairs"]
+__all__ = ["GPU", "ModelSpec", "CostModel", "IterationPricing", "GPUS", "MODELS", "PRESETS", "prefill_attention_pairs"]
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,40 @@ def prefill_attention_pairs(new_tokens: int, context_tokens: int) -> int:
     return new_tokens * context_tokens + new_tokens * (new_tokens + 1) // 2
 
 
+class IterationPricing:
+    """A simulator step that stands for several engine iterations, priced from a model's ``step_time``."""
+
+    def step_time(self, prefill_tokens: int, prefill_context_tokens: int, decode_seqs: int,
+                  decode_context_tokens: int) -> float:
+        """Seconds of one engine iteration: the model's own."""
+        raise NotImplementedError
+
+    def strided_step_time(
+        self,
+        prefill_tokens: int,
+        prefill_context_tokens: int,
+        decode_seqs: Sequence[int],
+        decode_context_tokens: Sequence[int],
+    ) -> float:
+        """Seconds of consecutive iterations: the prefill once, then iteration j decodes ``decode_seqs[j]``.
+
+        ``decode_seqs[j]`` sequences reading ``decode_context_tokens[j]`` KV tokens in all decode in
+        iteration j; the first iteration also runs the prefill (see the module docstring). Iterations
+        without work cost nothing.
+        """
+        if len(decode_seqs) != len(decode_context_tokens):
+            raise ValueError("decode_seqs and decode_context_tokens must have one entry per iteration")
+        if not len(decode_seqs):
+            return self.step_time(prefill_tokens, prefill_context_tokens, 0, 0)
+        total = self.step_time(prefill_tokens, prefill_context_tokens, decode_seqs[0], decode_context_tokens[0])
+        for seqs, ctx in zip(decode_seqs[1:], decode_context_tokens[1:]):
+            if seqs:
+                total += self.step_time(0, 0, seqs, ctx)
+        return total
+
+
 @dataclass
-class CostModel:
+class CostModel(IterationPricing):
     """Roofline step-time model of one model replica on one GPU (see the module docstring)."""
 
     gpu: GPU
@@ -265,26 +297,3 @@ class CostModel:
         attn_s = self._pair_flops * (prefill_context_tokens + decode_context_tokens) / self._flops
         kv_s = self._kv_bytes * decode_context_tokens / self._bandwidth
         return self.step_overhead_s + max(linear_s, self._weight_s) + max(attn_s, kv_s)
-
-    def strided_step_time(
-        self,
-        prefill_tokens: int,
-        prefill_context_tokens: int,
-        decode_seqs: Sequence[int],
-        decode_context_tokens: Sequence[int],
-    ) -> float:
-        """Seconds of consecutive iterations: the prefill once, then iteration j decodes ``decode_seqs[j]``.
-
-        ``decode_seqs[j]`` sequences reading ``decode_context_tokens[j]`` KV tokens in all decode in
-        iteration j; the first iteration also runs the prefill (see the module docstring). Iterations
-        without work cost nothing.
-        """
-        if len(decode_seqs) != len(decode_context_tokens):
-            raise ValueError("decode_seqs and decode_context_tokens must have one entry per iteration")
-        if not len(decode_seqs):
-            return self.step_time(prefill_tokens, prefill_context_tokens, 0, 0)
-        total = self.step_time(prefill_tokens, prefill_context_tokens, decode_seqs[0], decode_context_tokens[0])
-        for seqs, ctx in zip(decode_seqs[1:], decode_context_tokens[1:]):
-            if seqs:
-                total += self.step_time(0, 0, seqs, ctx)
-        return total

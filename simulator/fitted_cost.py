@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from simulator.cost_model import CostModel
+from simulator.cost_model import CostModel, IterationPricing
 
-__all__ = ["EngineShape", "FittedCost", "PresetFileError", "StepCost", "load_cost", "read_preset_file",
-           "write_preset_file"]
+__all__ = ["EngineShape", "FittedCost", "PresetFileError", "StepCost", "engine_limits", "load_cost",
+           "read_preset_file", "write_preset_file"]
 
 
 class PresetFileError(ValueError):
@@ -45,7 +44,7 @@ class EngineShape:
 
 
 @dataclass(frozen=True)
-class FittedCost:
+class FittedCost(IterationPricing):
     """Seconds of one engine step, linear in what it scheduled (see the module docstring)."""
 
     name: str
@@ -68,16 +67,6 @@ class FittedCost:
         return (self.step_overhead_s + self.prefill_token_s * prefill_tokens + self.decode_token_s * decode_seqs
                 + self.prefill_pair_s * prefill_context_tokens + self.decode_context_s_per_token
                 * decode_context_tokens)
-
-    def strided_step_time(self, prefill_tokens: int, prefill_context_tokens: int, decode_seqs: Sequence[int],
-                          decode_context_tokens: Sequence[int]) -> float:
-        """Seconds of consecutive iterations (:meth:`simulator.cost_model.CostModel.strided_step_time`)."""
-        if len(decode_seqs) != len(decode_context_tokens):
-            raise ValueError("decode_seqs and decode_context_tokens must have one entry per iteration")
-        first = (decode_seqs[0], decode_context_tokens[0]) if len(decode_seqs) else (0, 0)
-        total = self.step_time(prefill_tokens, prefill_context_tokens, *first)
-        return total + sum(self.step_time(0, 0, s, c) for s, c in zip(decode_seqs[1:], decode_context_tokens[1:])
-                           if s)
 
     # The makespan bound's terms (simulator.bound): no weight-read floor, the decode context priced once.
     @property
@@ -172,3 +161,11 @@ def load_cost(preset: str) -> StepCost:
     if preset.endswith(".toml"):
         return read_preset_file(preset)
     return CostModel.preset(preset)
+
+
+def engine_limits(cost: StepCost) -> tuple[int, int]:
+    """``max_num_seqs`` and ``max_num_batched_tokens`` of the engine a preset models: a fitted engine's own, else
+    vLLM's defaults on a GPU (256, 8192)."""
+    if isinstance(cost, FittedCost):
+        return cost.engine.max_num_seqs, cost.engine.max_num_batched_tokens
+    return 256, 8192
