@@ -5,11 +5,13 @@ of the step) with KV that binds (``--num-gpu-blocks-override``). First the regis
 telemetry: the exploring ``logging`` policy serves training steps of another seed, ``kvpilot train`` fits a bundle
 on that telemetry, ``promote`` makes it the champion. Then, for each policy (vllm-default, the rules, with the
 champion's length model where they predict lengths, ``learned-prior`` and the champion served as ``registry``)
-and stock vLLM (no ``--scheduler-cls``), a server starts once and the step is replayed ``--runs`` times, each
-from a clean prefix cache, tool waits scaled by ``--time-scale``. ``kvpilot calibrate`` fits a preset to
-vllm-default's own steps, and the simulator predicts each policy's makespan on it at the same time scale.
+and stock vLLM (no ``--scheduler-cls``), the step is replayed in ``--runs`` rounds, each policy once a round on a
+fresh server in an order rotated by round, tool waits scaled by ``--time-scale``. ``kvpilot calibrate`` fits a
+preset to vllm-default's own steps, and the simulator predicts each policy's makespan on it at the same time
+scale.
 
-Printed side by side: measured median makespan and spread, the prediction, each one's ratio to vllm-default, the
+Printed side by side: measured median makespan and spread, the median over rounds of its ratio to vllm-default's
+in the same round (the machine drifts over twenty minutes, less within a round), the prediction and its ratio, the
 hook's share of the engine's step time, the share of engine time spent prefilling again what an unlimited cache
 would have kept (re-prefill), and every request's telemetry row.
 
@@ -173,18 +175,26 @@ def main() -> None:
     served = {p: rule(p, lengths) for p in policies} | extra
     if not args.no_stock:
         served["stock vLLM"] = Served(None)
-    measured: dict[str, list[dict]] = {}
-    for name, how in served.items():
-        t0 = time.perf_counter()
-        try:
-            measured[name] = serve_and_replay(args.out / name.replace(" ", "-"), how.policy, workload, args.runs,
-                                              args.time_scale, args.kv_blocks, how.env, args.model)
-        except RuntimeError as e:  # a server that did not start: the others still run
-            print(f"{name:>16}: not measured: {str(e).splitlines()[0]}", flush=True)
-            continue
-        spans = [r["makespan_s"] for r in measured[name]]
-        print(f"{name:>16}: makespans {', '.join(f'{s:.2f}' for s in spans)} s "
-              f"(failed {sum(r['failed'] for r in measured[name])}; {time.perf_counter() - t0:.0f} s)", flush=True)
+    measured: dict[str, list[dict]] = {name: [] for name in served}
+    # Rounds, each policy once per round in a rotated order, so a drift of the machine (runs of one policy move
+    # 10-15% over twenty minutes here) falls on every policy alike; ratios are taken within a round.
+    names = list(served)
+    for k in range(args.runs):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            if name not in measured:
+                continue
+            how = served[name]
+            t0 = time.perf_counter()
+            try:
+                run = serve_and_replay(args.out / name.replace(" ", "-"), how.policy, workload, 1, args.time_scale,
+                                       args.kv_blocks, how.env, args.model)[0]
+            except RuntimeError as e:  # a server that did not start: the others still run
+                print(f"{name:>16}: not measured: {str(e).splitlines()[0]}", flush=True)
+                del measured[name]
+                continue
+            measured[name].append(run)
+            print(f"round {k + 1}/{args.runs} {name:>16}: makespan {run['makespan_s']:.2f} s (failed {run['failed']}; "
+                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
 
     cal = calibrate([args.out / "vllm-default" / "telemetry"], CalibrateConfig(name=f"cpu-{args.model.name}"))
     preset = args.out / f"cpu-{args.model.name}.toml"
@@ -215,12 +225,15 @@ def main() -> None:
             row["simulated_s"] = sim.summary.metrics.makespan_s
         rows.append(row)
     base = next(r for r in rows if r["policy"] == "vllm-default")
+    for r in rows:  # the median over rounds of the makespan over vllm-default's in the same round
+        r["paired_ratio"] = statistics.median(a["makespan_s"] / b["makespan_s"]
+                                              for a, b in zip(measured[r["policy"]], measured["vllm-default"]))
     print(f"\n{'policy':>16} {'measured':>9} {'spread':>15} {'x default':>9} {'simulated':>9} {'x default':>9} "
           f"{'sim/meas':>8} {'hook/step':>9} {'re-prefill':>10}")
     for r in rows:
         sim = r.get("simulated_s")
         print(f"{r['policy']:>16} {r['median_s']:9.2f} {r['min_s']:7.2f}-{r['max_s']:<7.2f} "
-              f"{r['median_s'] / base['median_s']:9.3f} "
+              f"{r['paired_ratio']:9.3f} "
               + (f"{sim:9.2f} {sim / base['simulated_s']:9.3f} {sim / r['median_s']:8.3f} {r['hook_share']:9.2%} "
                  f"{r['reprefill_share']:10.2%}  telemetry rows {r['telemetry_rows']}/{r['requests']}" if sim else
                  f"  failures: {r['failures']}" if r["failed"] else ""))

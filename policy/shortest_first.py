@@ -77,7 +77,7 @@ def _shortest_first(idx: np.ndarray, lr: np.ndarray, preempted: np.ndarray, sinc
     return got
 
 
-_compiled = numba.njit(cache=False, nogil=True)(_shortest_first) if numba is not None else None
+_compiled = numba.njit(cache=False)(_shortest_first) if numba is not None else None
 _warm = False
 
 

@@ -78,7 +78,7 @@ def _flatten(booster, nodes: list[tuple]) -> list[int]:
 
 if numba is not None:
 
-    @numba.njit(cache=False, nogil=True)
+    @numba.njit(cache=False)
     def _walk(X, roots, model_of_tree, nodes, catmask, out):
         n = X.shape[0]
         out[:, :] = 0.0
