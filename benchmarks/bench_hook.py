@@ -317,7 +317,7 @@ def sessions_table(engine, steps, sizes):
         gc.collect()
         gc.disable()
         try:
-            for i in range(steps):
+            for _ in range(steps):
                 for k, drive in drivers.items():
                     dt, st = drive(True)
                     times[k].append(dt)
@@ -338,7 +338,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--running", type=int, nargs="*", default=[32, 128, 512])
-    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="schedule() timed by wall or thread CPU time")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="schedule() timed by wall or thread CPU time")
     a = ap.parse_args(argv)
     global clock
     clock = CLOCKS[a.clock]

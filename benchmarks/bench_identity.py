@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in args.tokens:
         prompt = engine.prompt_tokens(f"p{n}", n - 40)
         ids = {"kvpilot_session_id": "s", "kvpilot_turn": 1}
-        vllm_us = _median_us(lambda: engine.make_request("h", prompt, 8), args.reps)
+        vllm_us = _median_us(lambda p=prompt: engine.make_request("h", p, 8), args.reps)
         prev = engine.make_request(f"prev{n}", prompt, 24)
         prev.append_output_token_ids(engine.output_tokens(prev.request_id, 24))
         ident.finished(prev, ident.meta(prev))
@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         fresh = engine.make_request("x", engine.prompt_tokens(f"x{n}", n), 8)
         explicit = engine.make_request("e", prompt, 8, extra_args=ids)
         assert ident.meta(nxt).session_id == prev.request_id and ident.meta(fresh).session_id == "x"
-        ids_us = _median_us(lambda: ident.meta(explicit), args.reps)
-        fresh_us = _median_us(lambda: ident.meta(fresh), args.reps)
-        cont_us = _median_us(lambda: ident.meta(nxt), args.reps)
+        ids_us = _median_us(lambda r=explicit: ident.meta(r), args.reps)
+        fresh_us = _median_us(lambda r=fresh: ident.meta(r), args.reps)
+        cont_us = _median_us(lambda r=nxt: ident.meta(r), args.reps)
         print(f"{n:>13,} {vllm_us:>13.1f} {ids_us:>8.1f} {fresh_us:>9.1f} {cont_us:>13.1f} "
               f"{ids_us / vllm_us:>9.3f} {fresh_us / vllm_us:>11.3f} {cont_us / vllm_us:>10.3f}")
 

@@ -372,7 +372,8 @@ def tier_table(engine, model: Path, sizes: list[int], steps: int, tier_share: fl
           f"{turn_tokens[1]} tokens, a tier of {tier_share:g}x the GPU's blocks (full: it evicts), {WAITING} more "
           f"sessions than running; {steps} steps, in runs of {block} per scheduler after {warmup} untimed; wall ms")
     head = (f"{'running':>7} | {'stock':>7} {'p99':>7} | {'learned':>7} {'p99':>7} {'ratio':>6} | "
-            f"{'decide':>7} {'p99':>7} {'/stock':>6} | {'mean':>7} {'/stock':>6} | {'lru':>6} {'net':>7} {'/stock':>6} | "
+            f"{'decide':>7} {'p99':>7} {'/stock':>6} | {'mean':>7} {'/stock':>6} | "
+            f"{'lru':>6} {'net':>7} {'/stock':>6} | "
             f"{'side':>7} {'whole':>7} {'/stock':>6} | {'tier orders/step':>16}")
     print(head)
     print("-" * len(head))
@@ -456,7 +457,7 @@ def main(argv=None):
             t = r["times"]
             sm = statistics.median(t["stock"])
 
-            def ratio(k):
+            def ratio(k, t=t):
                 return statistics.median(x / y for x, y in zip(t[k], t["stock"], strict=True))
 
             pm = statistics.median(r["policy"])
@@ -467,7 +468,8 @@ def main(argv=None):
             print(
                 f"{n:>7} | {sm * MS:>7.3f} | {statistics.median(t['default']) * MS:>7.3f} {ratio('default'):>6.3f} | "
                 f"{statistics.median(t['full']) * MS:>7.3f} {ratio('full'):>6.3f} | "
-                f"{statistics.median(t['learned']) * MS:>7.3f} {p99(t['learned']) * MS:>7.3f} {ratio('learned'):>6.3f} | "
+                f"{statistics.median(t['learned']) * MS:>7.3f} {p99(t['learned']) * MS:>7.3f} "
+                f"{ratio('learned'):>6.3f} | "
                 f"{statistics.median(t['eager']) * MS:>7.3f} {ratio('eager'):>6.3f} | "
                 f"{dm * MS:>7.3f} {p99(r['decision']['learned']) * MS:>7.3f} {dm / sm:>6.3f} | "
                 f"{em * MS:>7.3f} {em / sm:>6.3f} | {pm * MS:>7.3f} {pm / sm:>6.3f} | "
@@ -498,7 +500,8 @@ def main(argv=None):
             ))
         for n, s in rows:
             m, q = preempt_time(s, clock)
-            print(f"one preemption decision over {n} running (candidates + preempt()): {m * MS:.3f} ms [p99 {q * MS:.3f}]")
+            print(f"one preemption decision over {n} running (candidates + preempt()): "
+                  f"{m * MS:.3f} ms [p99 {q * MS:.3f}]")
         if a.tier_running:
             tier_table(engine, model, a.tier_running, a.tier_steps, a.tier_share, tuple(a.tier_turn_tokens), a.block,
                        a.warmup)

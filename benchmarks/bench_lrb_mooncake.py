@@ -128,7 +128,8 @@ def run(requests: int | None, share: float, policies: tuple[str, ...] = POLICIES
     hit = {r["policy"]: r["prefix_hit_rate"] for r in out["rows"]}
     gap = hit["oracle"] - hit["vllm-default"] if {"oracle", "vllm-default"} <= set(hit) else None
     out["gap"] = gap
-    out["gap_closed"] = (hit["lrb-online"] - hit["vllm-default"]) / gap if gap and gap > 0 and "lrb-online" in hit else None
+    out["gap_closed"] = ((hit["lrb-online"] - hit["vllm-default"]) / gap
+                         if gap and gap > 0 and "lrb-online" in hit else None)
     return out
 
 

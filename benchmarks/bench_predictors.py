@@ -67,7 +67,7 @@ def bench_scoring(bundle, X_len: np.ndarray, X_reuse: np.ndarray, cands) -> None
             model.use_lightgbm() if engine == "lightgbm" else model.compile()
             for n in (1, 64, 256):
                 x = X[:n]
-                med, mn = _time(lambda: model.predict_features(x), 400 if n < 256 else 200)
+                med, mn = _time(lambda x=x, model=model: model.predict_features(x), 400 if n < 256 else 200)
                 print(f"{name:<8}{engine:<10}{n:>5}{med * 1e6:>10.1f} [{mn * 1e6:>5.0f}]"
                       f"{med * 1e6 / n:>10.2f} [{mn * 1e6 / n:>5.1f}]")
                 if engine == "compiled" and n == 256:
@@ -78,7 +78,7 @@ def bench_scoring(bundle, X_len: np.ndarray, X_reuse: np.ndarray, cands) -> None
         for n in (1, 64, 256):
             cs = cands[:n]
 
-            def call():
+            def call(cs=cs):
                 m._cache.clear()
                 m.predict(cs)
             med, mn = _time(call, 200)

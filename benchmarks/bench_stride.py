@@ -115,7 +115,8 @@ def report(results: Path, strides: list[int], kvs: list[float], policies: list[s
                     hit1 = r1["prefix_hit_rate"] / d1["prefix_hit_rate"] if d1["prefix_hit_rate"] else float("nan")
                     if hit == hit and hit1 == hit1:
                         worst_hit[k] = max(worst_hit.get(k, 0.0), abs(hit / hit1 - 1))
-                g = (lambda key, fmt: format(r1[key], fmt) if r1 else "-")
+                def g(key: str, fmt: str, r1=r1) -> str:
+                    return format(r1[key], fmt) if r1 else "-"
                 print(f"{p:<14} {kv:>4g} {k:>3} {r['makespan_s']:>9.1f} {g('makespan_s', '8.1f'):>8} "
                       f"{ratio:>6.3f} {ratio1:>6.3f} {r['preemptions']:>7} {g('preemptions', 'd'):>6} "
                       f"{r['prefix_hit_rate']:>6.3f} {g('prefix_hit_rate', '.3f'):>6} "

@@ -7,8 +7,8 @@ on that telemetry, ``promote`` makes it the champion. Then, for each policy (vll
 champion's length model where they predict lengths, ``learned-prior`` and the champion served as ``registry``)
 and stock vLLM (no ``--scheduler-cls``), the step is replayed in ``--runs`` rounds, each policy once a round on a
 fresh server in an order rotated by round, tool waits scaled by ``--time-scale``. ``kvpilot calibrate`` fits a
-preset to vllm-default's own steps, and the simulator predicts each policy's makespan on it at the same time
-scale.
+preset to vllm-default's own steps and the client's round trip (given the replayed workload), and the simulator
+predicts each policy's makespan on it at the same time scale.
 
 Printed side by side: measured median makespan and spread, the median over rounds of its ratio to vllm-default's
 in the same round (the machine drifts over twenty minutes, less within a round), the prediction and its ratio, the
@@ -16,6 +16,7 @@ hook's share of the engine's step time, the share of engine time spent prefillin
 would have kept (re-prefill), and every request's telemetry row.
 
     python -m benchmarks.real_engine -o /tmp/real-engine [--policies vllm-default,seer] [--runs 3] [--no-champion]
+    python -m benchmarks.real_engine -o /tmp/real-engine --analyse-only   # calibrate and simulate again, no serving
 
 Needs ``.venv-engine`` (``make install-engine``). Times are two CPU cores' and a random-weight model's: compare
 ratios, and the spread of one policy's runs.
@@ -124,6 +125,31 @@ def train_champion(out: Path, args: argparse.Namespace) -> Path:
     return out / "train" / "policy"
 
 
+def measure(served: dict[str, Served], workload, args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Each policy's replays (``replay``'s summaries), in rounds: each policy once per round in a rotated order,
+    so a drift of the machine (runs of one policy move 10-15% over twenty minutes here) falls on every policy
+    alike; ratios are taken within a round."""
+    measured: dict[str, list[dict]] = {name: [] for name in served}
+    names = list(served)
+    for k in range(args.runs):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            if name not in measured:
+                continue
+            how = served[name]
+            t0 = time.perf_counter()
+            try:
+                run = serve_and_replay(args.out / name.replace(" ", "-"), how.policy, workload, 1, args.time_scale,
+                                       args.kv_blocks, how.env, args.model)[0]
+            except RuntimeError as e:  # a server that did not start: the others still run
+                print(f"{name:>16}: not measured: {str(e).splitlines()[0]}", flush=True)
+                del measured[name]
+                continue
+            measured[name].append(run)
+            print(f"round {k + 1}/{args.runs} {name:>16}: makespan {run['makespan_s']:.2f} s (failed {run['failed']}; "
+                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    return measured
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-o", "--out", type=Path, required=True)
@@ -139,6 +165,8 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=2, help="RL steps the logging policy serves for training")
     ap.add_argument("--no-stock", action="store_true", help="skip stock vLLM")
     ap.add_argument("--no-champion", action="store_true", help="skip the registry loop (logging, train, promote)")
+    ap.add_argument("--analyse-only", action="store_true",
+                    help="serve nothing: calibrate and simulate again on the runs measured.json in -o holds")
     args = ap.parse_args()
     args.out = args.out.resolve()
 
@@ -164,7 +192,7 @@ def main() -> None:
     if not args.no_champion:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{args.out / 'mlruns.db'}"
         os.chdir(args.out)  # MLflow's default artifact root is relative to the working directory
-        bundle = train_champion(args.out, args)
+        bundle = args.out / "train" / "policy" if args.analyse_only else train_champion(args.out, args)
         lengths = str(bundle / "predictors")  # the rules' lengths: the champion's LightGBM length model
         options = {"model": str(bundle)}
         extra["learned-prior"] = Served("learned-prior", {"KVPILOT_POLICY_OPTIONS": json.dumps(options)},
@@ -175,28 +203,15 @@ def main() -> None:
     served = {p: rule(p, lengths) for p in policies} | extra
     if not args.no_stock:
         served["stock vLLM"] = Served(None)
-    measured: dict[str, list[dict]] = {name: [] for name in served}
-    # Rounds, each policy once per round in a rotated order, so a drift of the machine (runs of one policy move
-    # 10-15% over twenty minutes here) falls on every policy alike; ratios are taken within a round.
-    names = list(served)
-    for k in range(args.runs):
-        for name in names[k % len(names):] + names[:k % len(names)]:
-            if name not in measured:
-                continue
-            how = served[name]
-            t0 = time.perf_counter()
-            try:
-                run = serve_and_replay(args.out / name.replace(" ", "-"), how.policy, workload, 1, args.time_scale,
-                                       args.kv_blocks, how.env, args.model)[0]
-            except RuntimeError as e:  # a server that did not start: the others still run
-                print(f"{name:>16}: not measured: {str(e).splitlines()[0]}", flush=True)
-                del measured[name]
-                continue
-            measured[name].append(run)
-            print(f"round {k + 1}/{args.runs} {name:>16}: makespan {run['makespan_s']:.2f} s (failed {run['failed']}; "
-                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    measured_file = args.out / "measured.json"
+    if args.analyse_only:
+        measured = {k: v for k, v in json.loads(measured_file.read_text()).items() if k in served}
+    else:
+        measured = measure(served, workload, args)
+        measured_file.write_text(json.dumps(measured, indent=1))
 
-    cal = calibrate([args.out / "vllm-default" / "telemetry"], CalibrateConfig(name=f"cpu-{args.model.name}"))
+    cal = calibrate([args.out / "vllm-default" / "telemetry"],
+                    CalibrateConfig(name=f"cpu-{args.model.name}", workload=wl_path, time_scale=args.time_scale))
     preset = args.out / f"cpu-{args.model.name}.toml"
     write_preset_file(cal.cost, preset, cal.fit_record())
     print(cal.render(), flush=True)
@@ -220,9 +235,11 @@ def main() -> None:
             row["reprefill_share"] = max(0.0, again) * cal.cost.prefill_token_s / busy
             row["telemetry_rows"] = read_telemetry(tel, "requests", ["request_id"]).num_rows
             row["requests"] = sum(r["requests"] for r in runs)
-            sim = run_simulation(workload, how.sim_policy or how.policy, policy_options=how.sim_options,
-                                 preset=str(preset), progress=False, time_scale=args.time_scale)
-            row["simulated_s"] = sim.summary.metrics.makespan_s
+            # as many simulated runs as measured ones, each its own draws of the client's round trips
+            row["simulated_s"] = statistics.median(
+                run_simulation(workload, how.sim_policy or how.policy, policy_options=how.sim_options,
+                               preset=str(preset), progress=False, time_scale=args.time_scale,
+                               round_trip_seed=k).summary.metrics.makespan_s for k in range(len(runs)))
         rows.append(row)
     base = next(r for r in rows if r["policy"] == "vllm-default")
     for r in rows:  # the median over rounds of the makespan over vllm-default's in the same round

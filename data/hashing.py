@@ -1,4 +1,5 @@
-"""Deterministic 64-bit mixing shared by the workload generator and the simulator's token expansion; vLLM's KV block size."""
+"""Deterministic 64-bit mixing shared by the workload generator and the simulator's token expansion; vLLM's KV
+block size."""
 
 from __future__ import annotations
 

@@ -67,7 +67,8 @@ class RequestMeta:
     ``kvpilot_prompt_id``, ``kvpilot_expected_pause_s``, ``kvpilot_weight_version``, ``kvpilot_max_tokens``).
     ``prompt_id`` names the
     dataset prompt, stable across RL steps when the prompt recurs. The session identity (``session_id``,
-    ``turn``, ``tool``, ``expected_pause_s``) may also come from vLLM's typed ``Request.session_id``, a kvpilot KV-hint action, or
+    ``turn``, ``tool``, ``expected_pause_s``) may also come from vLLM's typed ``Request.session_id``, a kvpilot
+    KV-hint action, or
     (session and turn) the block-hash chain (``docs/session-identity.md``).
     """
 

@@ -277,8 +277,8 @@ def _short_domains() -> dict[str, DomainConfig]:
 def swe_domain(share: float) -> DomainConfig:
     """A coding agent in a sandbox (read files, run tests, edit): long sessions whose context grows to 32k-64k.
 
-    Calibration (public figures, as collected in the project's field notes): turns 29 / 56 / 85 at p50 / p90 / p99, at least
-    5 and at most 99 in recorded coding-agent RL sessions (NVIDIA-NeMo/RL issue 3663; SWE RL caps trajectories
+    Calibration (public figures, as collected in the project's field notes): turns 29 / 56 / 85 at p50 / p90 / p99,
+    at least 5 and at most 99 in recorded coding-agent RL sessions (NVIDIA-NeMo/RL issue 3663; SWE RL caps trajectories
     at 100 steps, NeMo Gym / Nemotron SWE-RL), and turn counts shared within a GRPO group (the same task);
     context cap 64k (DeepSWE trains at 64k; Nemotron SWE-RL at 131k: raise ``max_context_tokens``); a few
     hundred output tokens per turn (a thought and one tool call); tool latency of 0.26-3.2 s per action

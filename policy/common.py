@@ -21,7 +21,6 @@
 * :func:`furthest_first` orders prefixes by predicted next use, the furthest
   first (never used = ``inf`` first), ties broken by LRU (least recently
   freed first), then by id, so an order is deterministic.
-* :func:`check_positive` validates a numeric option.
 
 Everything here is plain Python and cheap: dictionary look-ups per candidate
 and at most one ``predict`` call per engine step, over the requests not seen
@@ -47,7 +46,6 @@ __all__ = [
     "group_size",
     "group_progress",
     "PredictedLengthPolicy",
-    "check_positive",
     "admission_limit",
     "top_ids",
     "furthest_first",
@@ -59,15 +57,6 @@ def resolve_length_predictor(spec: Any, workload: Any = None, *, policy: str = "
     return resolve_predictor(LENGTH_PREDICTOR, spec, workload, policy=policy)
 
 
-def check_positive(name: str, value: Any, *, allow_none: bool = False, allow_zero: bool = False) -> Optional[float]:
-    """Validate a numeric option (JSON-able: int or float)."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"option {name} must be a finite number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"option {name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return float(value)
 
 
 def admission_limit(state: EngineState, n: int) -> int:

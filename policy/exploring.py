@@ -14,11 +14,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from policy.common import check_positive
 from policy.interface import AdmissionDecision, CandidateRequest, EngineState, PreemptionDecision
 from policy.learned import RUNTIME_DEFAULTS
 from policy.learned_bundle import read_predictor
 from policy.learned_sampler import Sampler
+from policy.options import check_positive
 
 __all__ = ["LOGGING_ADMIT", "LOGGING_PREEMPT", "LoggingPolicy"]
 

@@ -7,7 +7,8 @@ and a preemption score from its :data:`policy.learned_features.FEATURES`.
 (default) ranks by the length model's predicted remaining output, shortest first, moved by the trained
 ``admission_residual`` where it has one (weights on standardised features and on the admission head, learned by
 simulation: :mod:`training.policy_search`); ``"scorer"`` by the admission score. ``learned-prior``
-(:data:`PRIOR`) is the same bundle with no trained network deciding anything. The victim is the one with the highest preemption score when ``preempt`` is on (``kvpilot
+(:data:`PRIOR`) is the same bundle with no trained network deciding anything. The victim is the one with the highest
+preemption score when ``preempt`` is on (``kvpilot
 train`` turns it on when the logs hold preemption decisions), else vLLM's tail victim. ``mode="log"``: a
 Plackett-Luce sample of the scores at ``temperature`` mixed with a uniform draw at rate ``epsilon``; the
 logged ``propensity`` is the exact probability of the logged action (the first admitted request, or the
@@ -48,7 +49,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from policy.common import admission_limit, check_positive, furthest_first
+from policy.common import admission_limit, furthest_first
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
@@ -70,6 +71,7 @@ from policy.learned_features import ENGINE_X, FEATURES, WAIT_X, X
 from policy.learned_sampler import Sampler
 from policy.learned_scorer import ADMIT, PREEMPT, NumpyScorer
 from policy.learned_table import engine_raw
+from policy.options import check_positive
 from policy.predictors import OnlineNextUse
 from policy.session_reuse import SessionStateNextUse, TrainedNextUse
 

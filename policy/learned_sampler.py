@@ -17,10 +17,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from policy.common import LengthCache, admission_limit, check_positive
+from policy.common import LengthCache, admission_limit
 from policy.interface import CandidateRequest, EngineState, Event, EventKind, Policy, PolicyState, StateMismatch
 from policy.learned_features import ENGINE_RAW, RAW, R
 from policy.learned_table import FeatureTable
+from policy.options import check_positive
 
 __all__ = ["StepPhase", "candidate_raw", "Sampler", "STATE_KIND", "STATE_VERSION"]
 

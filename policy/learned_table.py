@@ -53,7 +53,8 @@ from policy.shortest_first import MAX_TAKE, compiled_shortest_first
 
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
 _PREEMPTIONS = R["preemptions"]
-_SCHEDULED, _PREEMPTED, _FINISHED = EventKind.SCHEDULED, EventKind.PREEMPTED, EventKind.FINISHED  # (plain names: cheaper)
+# (plain names: cheaper)
+_SCHEDULED, _PREEMPTED, _FINISHED = EventKind.SCHEDULED, EventKind.PREEMPTED, EventKind.FINISHED
 _ARRIVED = EventKind.ARRIVED
 #: Rows beyond which a table that receives no FINISHED events starts afresh.
 MAX_ROWS = 1 << 17

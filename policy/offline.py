@@ -166,7 +166,8 @@ def train_policy(
         runtime["gpu_eviction"] = config.gpu_eviction
     elif levers["async"]:  # the GPU's evictions by group age too, under asynchronous RL only
         runtime["gpu_eviction"] = "async"
-    cfg["preempt"], cfg["offload"], cfg["gpu_eviction"] = runtime["preempt"], runtime["offload"], runtime["gpu_eviction"]
+    cfg["preempt"], cfg["offload"], cfg["gpu_eviction"] = (runtime["preempt"], runtime["offload"],
+                                                           runtime["gpu_eviction"])
     cfg["runtime"] = runtime
     trained_on = {"logs": [str(p) for p in log_dirs], "predictors": str(predictors_dir), "split": split,
                   "decisions_train": int(len(train)), "decisions_test": int(len(test)),

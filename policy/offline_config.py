@@ -72,7 +72,7 @@ class OfflineConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
                 raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
             if not low <= v <= high:
-                want = (f"> 0" if 0 < low < 1e-5 else f">= {low:g}") + (f" and <= {high:g}" if high < _INF else "")
+                want = ("> 0" if 0 < low < 1e-5 else f">= {low:g}") + (f" and <= {high:g}" if high < _INF else "")
                 raise ValueError(f"{name} must be {want}, got {v!r}")
         if not isinstance(self.shuffle_rewards, bool):
             raise ValueError(f"shuffle_rewards must be true or false, got {self.shuffle_rewards!r}")

@@ -32,8 +32,8 @@ from typing import Optional
 
 import numpy as np
 
-from policy.baselines._tool_pauses import ToolLatencies
 from policy.interface import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
+from policy.tool_latency import ToolLatencies
 
 #: Admissions over which the admission rate is measured.
 RATE_WINDOW = 256

@@ -153,7 +153,8 @@ def prompt_key(prompt_id, group_id, step=None):
 # ---------------------------------------------------------------- input preparation
 
 
-def prepare_requests(requests: pa.Table | pd.DataFrame, workload: pa.Table | pd.DataFrame | None = None) -> pd.DataFrame:
+def prepare_requests(requests: pa.Table | pd.DataFrame,
+                     workload: pa.Table | pd.DataFrame | None = None) -> pd.DataFrame:
     """A telemetry requests frame with the columns features need, sorted by arrival; workload joined if given."""
     df = requests.to_pandas() if isinstance(requests, pa.Table) else requests.copy()
     missing = [c for c in _COLUMNS if c not in df.columns and c != "block_hashes"]
@@ -189,8 +190,8 @@ def prepare_requests(requests: pa.Table | pd.DataFrame, workload: pa.Table | pd.
     df["turn"] = df["turn"].fillna(0).astype(int)
     df["step"] = df["step"].fillna(0).astype(int)
     df["pkey"] = [prompt_key(p, g, s) for p, g, s in zip(df["prompt_id"], df["group_id"], df["step"])]
-    df["rkey"] = [g if g is not None and g == g else (f"h{int(l)}" if l == l else None)
-                  for g, l in zip(df["group_id"], df["lead"])]
+    df["rkey"] = [g if g is not None and g == g else (f"h{int(lead)}" if lead == lead else None)
+                  for g, lead in zip(df["group_id"], df["lead"])]
     df["y"] = np.log1p(df["output_tokens"].astype(float))
     done = df["finish_s"].notna() & (df["finish_reason"] != "abort")
     df["done"] = done

@@ -24,8 +24,8 @@ import numpy as np
 import pandas as pd
 
 from data.records import CandidateRequest, Event, EventKind
-from predictors.features import LENGTH_CATEGORICAL, LENGTH_FEATURES, Vocab, feature_matrix, length_features, prompt_key
 from predictors.compiled import CompiledScoring
+from predictors.features import LENGTH_CATEGORICAL, LENGTH_FEATURES, Vocab, feature_matrix, length_features, prompt_key
 from predictors.model_io import DEFAULT_TREES, load_boosters, read_manifest, training_threads, write_model
 
 KIND = "length"

@@ -53,8 +53,8 @@ import math
 import random
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -294,7 +294,8 @@ class OnlineReuseLearner:
         return [float(k.hits), now_s - max(k.last, since), *gaps, *edc]
 
     def features(self, p: CachedPrefix, tail: int, now_s: float) -> list[float]:
-        """:data:`ONLINE_REUSE_FEATURES` of the tail of ``p`` starting at block ``tail``, at ``now_s`` (known past only)."""
+        """:data:`ONLINE_REUSE_FEATURES` of the tail of ``p`` starting at block ``tail``, at ``now_s``
+        (known past only)."""
         nan = math.nan
         hashes = p.block_hashes
         n = len(hashes)
@@ -319,7 +320,8 @@ class OnlineReuseLearner:
         return out
 
     def next_use_s(self, prefixes: Sequence[CachedPrefix], now_s: float) -> list[float]:
-        """:class:`policy.predictors.ReusePredictor`: a next-use time that only ranks (``now + H / p``); inf before a model."""
+        """:class:`policy.predictors.ReusePredictor`: a next-use time that only ranks
+        (``now + H / p``); inf before a model."""
         p = self.reuse_probability(prefixes, tail_starts(prefixes), now_s)
         if p is None:
             return [math.inf] * len(prefixes)

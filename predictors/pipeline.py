@@ -69,8 +69,7 @@ class Bundle:
             b = json.loads(bfile.read_text())
             kinds = {"domain_mean": DomainMeanBaseline, "prompt_history": PromptHistoryBaseline}
             lb = [kinds[k].from_json(v) for k, v in b.get("length", {}).items() if k in kinds]
-            for k, v in b.get("reuse", {}).items():
-                rb.append(BinnedRate.from_json(v))
+            rb += [BinnedRate.from_json(v) for v in b.get("reuse", {}).values()]
         return cls(length, reuse, lb, rb, session=session)
 
 
@@ -249,7 +248,8 @@ def render_session(S: dict) -> list[str]:
              f"  tool_median latency alone ({mark[ok['next_use']]})",
              f"  {'':<28}{'median AE':<14}{nu['model']['median_ae']:>10.3f}{nu['tool_median']['median_ae']:>10.3f}"]
     for d, v in c.get("per_domain", {}).items():
-        lines.append(f"  continue on {d} (n={v['n']}): AUC {v['model']['auc']:.3f} vs {v['turn_count_prior']['auc']:.3f}"
+        lines.append(f"  continue on {d} (n={v['n']}): AUC {v['model']['auc']:.3f}"
+                     f" vs {v['turn_count_prior']['auc']:.3f}"
                      f", log loss {v['model']['log_loss']:.4f} vs {v['turn_count_prior']['log_loss']:.4f}")
     return lines
 

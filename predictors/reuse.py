@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from data.records import CachedPrefix, Event, EventKind, OwnerState
+from predictors.compiled import CompiledScoring
 from predictors.features import (
     EDC_HALF_LIVES_S,
     FINISH_CODES,
@@ -34,7 +35,6 @@ from predictors.features import (
     feature_matrix,
     reuse_rows,
 )
-from predictors.compiled import CompiledScoring
 from predictors.model_io import DEFAULT_TREES, load_boosters, read_manifest, training_threads, write_model
 
 KIND = "reuse"

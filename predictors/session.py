@@ -180,12 +180,15 @@ class SessionModel(CompiledScoring):
         X_all[:, _TOOL] = np.nan
         init = _init_scores(tm, prior, R["domain_name"], R["turn"], R["tool_key"])
         lat = lgb.train({**p, "objective": "regression_l1"},
-                        lgb.Dataset(calls[list(SESSION_FEATURES)].to_numpy(np.float32), init_score=np.ascontiguousarray(init[(R["cont"] > 0).to_numpy(), 0]),
+                        lgb.Dataset(calls[list(SESSION_FEATURES)].to_numpy(np.float32),
+                                    init_score=np.ascontiguousarray(init[(R["cont"] > 0).to_numpy(), 0]),
                                     label=np.log1p(calls["latency_s"].to_numpy(float)), **kw), num_trees)
         cont = lgb.train({**p, "objective": "binary"},
-                         lgb.Dataset(X_all, label=R["cont"].to_numpy(float), init_score=np.ascontiguousarray(init[:, 1]), **kw), num_trees)
+                         lgb.Dataset(X_all, label=R["cont"].to_numpy(float),
+                                     init_score=np.ascontiguousarray(init[:, 1]), **kw), num_trees)
         rem = lgb.train({**p, "objective": "regression_l1"},
-                        lgb.Dataset(X_all, label=np.log1p(R["remaining"].to_numpy(float)), init_score=np.ascontiguousarray(init[:, 2]), **kw),
+                        lgb.Dataset(X_all, label=np.log1p(R["remaining"].to_numpy(float)),
+                                    init_score=np.ascontiguousarray(init[:, 2]), **kw),
                         num_trees)
         offsets, default = _fit_queue_offsets(R)
         info = {"num_trees": num_trees, "params": p, "train_rows": len(R), "train_calls": len(calls)}

@@ -36,8 +36,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from policy.interface import DEFAULT_DECISION_BUDGET_S, Policy
 from policy.catalog import UnknownPolicyError, create_policy
+from policy.interface import DEFAULT_DECISION_BUDGET_S, Policy
 
 DEFAULT_MAX_PINNED_FRACTION = 0.25
 DEFAULT_MODEL_POLL_S = 60.0

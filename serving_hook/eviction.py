@@ -57,7 +57,8 @@ Design and costs (line numbers of vllm 0.33.0):
   (:meth:`EvictionPlan.cover`), so a step moves about the blocks it takes,
   not every cached block. The exclusive tail
   (:func:`~serving_hook.block_pool.exclusive_tail`) is the run of free cached
-  blocks at the end of the chain that no other cached chain goes through: the pool keeps the prefix tree of the cached blocks
+  blocks at the end of the chain that no other cached chain goes through: the
+  pool keeps the prefix tree of the cached blocks
   (``cache_full_blocks`` links each newly hashed block to the block before it
   in its request; a link goes when either block loses its hash), and the
   walk up from the deepest block stops at a branch point, at a block another

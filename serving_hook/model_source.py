@@ -247,7 +247,8 @@ class RegistryPolicy(Policy):
     """Serves the registry's model: delegates to the current version, swapped only by the scheduler.
 
     Declares the levers ``LearnedPolicy`` uses (the hook sets them up once, at start-up); a lever the
-    current model does not use answers ``None`` (vLLM's behaviour). Without a model, :attr:`has_model` is false and the hook falls back for the step.
+    current model does not use answers ``None`` (vLLM's behaviour). Without a model, :attr:`has_model` is
+    false and the hook falls back for the step.
     """
 
     name = "registry"

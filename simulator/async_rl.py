@@ -63,6 +63,7 @@ from simulator.config import AsyncRL, SimulationError, Trainer
 from simulator.drivers import StepDriver, Trajectory
 from simulator.metrics import StepRecord, TrainRecord, TrajectoryRecord
 from simulator.replica import Fleet, Replica
+from simulator.round_trip import RoundTrip
 from simulator.runner import ScriptedRunner
 from simulator.workload import PreparedWorkload
 
@@ -91,11 +92,11 @@ class AsyncDriver(StepDriver):
 
     def __init__(self, workload: PreparedWorkload, fleet: Fleet, clock: EventClock, runner: ScriptedRunner,
                  progress: Any = None, *, spec: AsyncRL, trainer: Trainer, session_ids: bool = True,
-                 tier_tokens: int = 0, session_contexts: Any = None) -> None:
+                 tier_tokens: int = 0, session_contexts: Any = None, round_trip: RoundTrip | None = None) -> None:
         if workload.trace:
             raise SimulationError("the async driver runs RL steps, not a trace replay (every arrival_s is set)")
         super().__init__(workload, fleet, clock, runner, None, progress, reset_at_weight_sync=False, trainer=trainer,
-                         session_ids=session_ids)
+                         session_ids=session_ids, round_trip=round_trip)
         self.spec = spec
         w = workload
         by_group: dict[tuple[int, str], list[Trajectory]] = {}

@@ -126,7 +126,8 @@ class Bound:
 def makespan_bound(prepared: PreparedWorkload, cost: StepCost, kv_blocks: int, *, replicas: int = 1,
                    preset: str = "", decode_stride: int = 1, max_num_seqs: int = 256) -> Bound:
     """The lower bound of every RL step of a (validated, prepared) workload; see the module docstring."""
-    for name, value, low in (("replicas", replicas, 1), ("kv_blocks", kv_blocks, 2), ("decode_stride", decode_stride, 1)):
+    for name, value, low in (("replicas", replicas, 1), ("kv_blocks", kv_blocks, 2),
+                             ("decode_stride", decode_stride, 1)):
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
     t = _Terms(prepared, cost)

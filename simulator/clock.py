@@ -15,13 +15,14 @@ import heapq
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["ARRIVE", "KICK", "RELEASE", "STEP_END", "SYNC_END", "TRAIN_END", "VERIFIED", "EventClock"]
+__all__ = ["ARRIVE", "FOLLOW_UP", "KICK", "RELEASE", "STEP_END", "SYNC_END", "TRAIN_END", "VERIFIED", "EventClock"]
 
 #: Event kinds: a request arrives (its workload row), a replica's engine step ends or its next one may start
 #: (the replica), a verification or scoring parse ends (the trajectory), an RL step is released (its index);
-#: the asynchronous driver's trainer ends a training step, or a weight update ends (:mod:`simulator.async_rl`).
-ARRIVE, STEP_END, VERIFIED, RELEASE, KICK, TRAIN_END, SYNC_END = range(7)
-_PRIORITY = (0, 0, 0, 0, 1, 0, 0)  # by kind: lower first at equal time
+#: the asynchronous driver's trainer ends a training step, or a weight update ends (:mod:`simulator.async_rl`);
+#: the client has a finished request's response, a round trip after the engine finished it (its trajectory, row).
+ARRIVE, STEP_END, VERIFIED, RELEASE, KICK, TRAIN_END, SYNC_END, FOLLOW_UP = range(8)
+_PRIORITY = (0, 0, 0, 0, 1, 0, 0, 0)  # by kind: lower first at equal time
 
 
 class EventClock:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policy.interface import Policy
+from simulator.errors import SimulationError
 from simulator.fitted_cost import StepCost, engine_limits, load_cost
 from simulator.routers import Router, make_router
 from simulator.sizing import blocks_for_fraction, min_blocks_for
@@ -35,10 +36,6 @@ PolicySpec = str | Callable[[], Policy] | Policy
 #: simulation measures decisions in simulated time, and benchmarks/bench_hook.py
 #: measures their wall-clock cost.
 SIM_DECISION_BUDGET_S = 1.0
-
-
-class SimulationError(ValueError):
-    """A bad simulation configuration or workload (raised before simulating) or a stalled run."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +245,15 @@ class SimConfig:
     trainer: Trainer | None = None
     #: Factor on the workload's tool and verifier latencies (``replay --time-scale``'s meaning; 0: no waits).
     time_scale: float = 1.0
+    #: Seconds from the engine finishing a request to the client's next request of that trajectory (the HTTP
+    #: response back, the next request in), added to every tool and scoring follow-up; None: draws from a fitted
+    #: preset's measured round trip (``kvpilot calibrate --workload``), else 0 (at once).
+    round_trip_s: float | None = None
+    #: The seed of the run's round-trip draws (several seeds: several runs of one client, as a server's runs).
+    round_trip_seed: int = 0
+    #: What each run draws its round trips from (:class:`simulator.round_trip.RoundTrip`): ``round_trip_s``, or
+    #: the preset's measured quantiles.
+    round_trip_quantiles_s: tuple[float, ...] = field(init=False, repr=False)
     #: The preset's step-cost model.
     cost: StepCost = field(init=False, repr=False)
 
@@ -263,9 +269,14 @@ class SimConfig:
             object.__setattr__(self, "max_num_seqs", seqs)
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", tokens)
-        t = self.time_scale
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise SimulationError(f"time_scale must be a number >= 0, got {t!r}")
+        for name in ("time_scale", "round_trip_s"):
+            t = getattr(self, name)
+            if (t is not None or name == "time_scale") and (
+                    isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0):
+                raise SimulationError(f"{name} must be a number >= 0, got {t!r}")
+        measured = getattr(self.cost, "round_trip_quantiles_s", ())
+        fixed = self.round_trip_s
+        object.__setattr__(self, "round_trip_quantiles_s", (float(fixed),) if fixed is not None else measured or (0.0,))
         if self.kv_blocks is not None and self.kv_fraction is not None:
             raise SimulationError("give at most one of kv_blocks and kv_fraction (--kv-blocks, --kv-fraction)")
         if self.kv_fraction is not None and not self.kv_fraction > 0:

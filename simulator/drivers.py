@@ -38,10 +38,11 @@ import math
 from typing import Any
 
 from simulator import engine
-from simulator.clock import ARRIVE, RELEASE, VERIFIED, EventClock
+from simulator.clock import ARRIVE, FOLLOW_UP, RELEASE, VERIFIED, EventClock
 from simulator.config import Overprovision, SimulationError, Trainer
 from simulator.metrics import StepRecord, TrainRecord, TrajectoryRecord
 from simulator.replica import Fleet
+from simulator.round_trip import RoundTrip
 from simulator.runner import ScriptedRunner
 from simulator.workload import PreparedWorkload
 
@@ -103,8 +104,12 @@ class StepDriver:
 
     def __init__(self, workload: PreparedWorkload, fleet: Fleet, clock: EventClock, runner: ScriptedRunner,
                  overprovision: Overprovision | None, progress: Any = None, *, reset_at_weight_sync: bool = True,
-                 session_ids: bool = True, trainer: Trainer | None = None) -> None:
+                 session_ids: bool = True, trainer: Trainer | None = None,
+                 round_trip: RoundTrip | None = None) -> None:
         self.workload = w = workload
+        #: Seconds from an engine finishing a request to its client's next request of the trajectory (the
+        #: response's way back and the next request's way in); None or zero: at once.
+        self.round_trip = round_trip if round_trip else None
         #: Send each request's session identity (``kvpilot_session_id``, ``kvpilot_turn``, ``kvpilot_tool``);
         #: False sends none, as verl and AReaL do, and the hook infers sessions from the block-hash chain.
         self.session_ids = session_ids
@@ -216,6 +221,18 @@ class StepDriver:
             if traj.outstanding == 0:
                 self._traj_done(traj, traj.end)
             return
+        if self.round_trip is not None:
+            self.clock.push(t + self.round_trip.draw(), FOLLOW_UP, (traj, row))
+        else:
+            self.follow_up((traj, row), t)
+
+    def follow_up(self, finished: tuple[Trajectory, int], t: float) -> None:
+        """The client has the response of a trajectory's request (``finished``: the trajectory, the row) at ``t``:
+        the next turn after its tool, or verification and scoring, or (scoring) the parse."""
+        traj, row = finished
+        if traj.aborted:  # while the response was on its way back
+            return
+        w = self.workload
         if w.kind[row] != "rollout":  # a scoring request: parse its score, then the trajectory may end
             self.clock.push(t + (w.verify_latency_s[row] or 0.0), VERIFIED, traj)
             return

@@ -10,8 +10,10 @@ step costs, for a step that schedules anything (the terms of :mod:`simulator.cos
 
 Linear, so a step priced for several iterations (the decode stride) and the makespan bound's sums are exact.
 The preset also records the engine: vLLM's KV blocks, their size, ``max_num_seqs`` and
-``max_num_batched_tokens``. The simulator's blocks are 16 tokens; a preset of another block size is modelled
-with the same KV capacity in tokens. A fitted engine has no host tier (vLLM refuses its native CPU offloading
+``max_num_batched_tokens``; and, where calibrate was given the replayed workload, the client's round trip (from a
+finished request to the trajectory's next one, tool wait aside), which the simulator adds to every follow-up.
+The simulator's blocks are 16 tokens; a preset of another block size is modelled with the same KV capacity in
+tokens. A fitted engine has no host tier (vLLM refuses its native CPU offloading
 on a CPU engine): runs on it have the tier off whatever ``offload_gib`` says.
 """
 
@@ -58,6 +60,10 @@ class FittedCost(IterationPricing):
     gpu: None = None
     model: None = None
     host_tier: bool = False
+    #: The client's round trip between a finished request and the trajectory's next one, measured with
+    #: ``kvpilot calibrate --workload``: its quantiles at 0, 5, ..., 100% (``[client]``; empty: not measured),
+    #: which the simulator draws each follow-up's from (:class:`simulator.round_trip.RoundTrip`).
+    round_trip_quantiles_s: tuple[float, ...] = ()
 
     def step_time(self, prefill_tokens: int, prefill_context_tokens: int, decode_seqs: int,
                   decode_context_tokens: int) -> float:
@@ -105,6 +111,8 @@ def write_preset_file(cost: FittedCost, path: str | Path, fit: dict[str, Any] | 
              f"name = {_toml(cost.name)}", "", "[engine]"]
     lines += [f"{k} = {_toml(v)}" for k, v in asdict(cost.engine).items()]
     lines += ["", "[cost]"] + [f"{k} = {_toml(getattr(cost, k))}" for k in _COST_FIELDS]
+    if cost.round_trip_quantiles_s:
+        lines += ["", "[client]", f"round_trip_quantiles_s = {_toml(list(cost.round_trip_quantiles_s))}"]
     if fit:
         lines += ["", "[fit]"] + [f"{k} = {_toml(v)}" for k, v in fit.items()]
     Path(path).write_text("\n".join(lines) + "\n")
@@ -147,7 +155,14 @@ def read_preset_file(path: str | Path) -> FittedCost:
         return value
 
     engine = EngineShape(**{f.name: number("engine", f.name, True) for f in fields(EngineShape)})
+    trip = section("client").get("round_trip_quantiles_s") if "client" in doc else []  # [client]: optional
+    if not (isinstance(trip, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                           and math.isfinite(v) and v >= 0 for v in trip)
+            and all(a <= b for a, b in zip(trip, trip[1:]))):
+        raise PresetFileError(f"{path}: field client.round_trip_quantiles_s must be a list of non-decreasing "
+                              f"numbers >= 0, got {trip!r}")
     return FittedCost(name=str(doc.get("name", path.stem)), engine=engine,
+                      round_trip_quantiles_s=tuple(float(v) for v in trip),
                       **{k: float(number("cost", k, False)) for k in _COST_FIELDS})
 
 

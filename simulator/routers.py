@@ -90,13 +90,13 @@ class Router(ABC):
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
         """The ``index`` of the replica, among ``replicas``, that gets ``request``."""
 
-    def on_routed(self, request: RouteRequest, replica: int) -> None:
+    def on_routed(self, request: RouteRequest, replica: int) -> None:  # noqa: B027 (a no-op unless a router listens)
         """``request`` was placed on ``replica``."""
 
-    def on_kv_event(self, replica: int, kind: str, block_hashes: Sequence[int]) -> None:
+    def on_kv_event(self, replica: int, kind: str, block_hashes: Sequence[int]) -> None:  # noqa: B027 (a no-op unless a router listens)
         """``replica`` stored, removed or cleared (``kind``) the KV blocks ``block_hashes``."""
 
-    def on_session_end(self, stream: str) -> None:
+    def on_session_end(self, stream: str) -> None:  # noqa: B027 (a no-op unless a router listens)
         """The trajectory ``stream`` ended (done or aborted): none of its requests will come again."""
 
 

@@ -72,8 +72,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from simulator.cost_model import prefill_attention_pairs
-from simulator.fitted_cost import StepCost
 from simulator.engine import EOS_TOKEN_ID
+from simulator.fitted_cost import StepCost
 from simulator.summary import GpuSeconds
 from simulator.workload import PreparedWorkload
 

@@ -38,15 +38,23 @@ import pyarrow as pa
 from simulator import engine
 from simulator.async_rl import AsyncDriver
 from simulator.bound import makespan_bound, throughput_bound
-from simulator.clock import ARRIVE, KICK, RELEASE, STEP_END, SYNC_END, TRAIN_END, VERIFIED, EventClock
+from simulator.clock import ARRIVE, FOLLOW_UP, KICK, RELEASE, STEP_END, SYNC_END, TRAIN_END, VERIFIED, EventClock
 from simulator.config import Overprovision, PolicySpec, SimConfig, SimulationError
 from simulator.drivers import StepDriver
 from simulator.metrics import StepRecord, TrajectoryRecord, rl_summary, summarize
 from simulator.replica import Fleet, Replica, build_replicas
+from simulator.round_trip import RoundTrip
 from simulator.routers import Router
 from simulator.runner import ScriptedRunner
-from simulator.summary import (AsyncDriverStats, MakespanBoundSummary, OffloadSummary, RunMetrics, RunSummary,
-                               SyncDriverStats, ThroughputBoundSummary)
+from simulator.summary import (
+    AsyncDriverStats,
+    MakespanBoundSummary,
+    OffloadSummary,
+    RunMetrics,
+    RunSummary,
+    SyncDriverStats,
+    ThroughputBoundSummary,
+)
 from simulator.tail import TailBatchingDriver, tail_batching_spec
 from simulator.workload import PreparedWorkload, prepare_workload
 
@@ -194,6 +202,7 @@ class Simulation:
             bound=self.makespan_bound(metrics.simulated_s), offload=offload, gpu=gpu, trained=trained,
             driver=self.driver_stats(), throughput_bound=self.throughput_bound(trained.trajectories_per_s),
             workload_source=self.workload.source, time_scale=config.time_scale,
+            round_trip_s=RoundTrip(config.round_trip_quantiles_s).median_s,
         )
 
     def makespan_bound(self, simulated_s: float) -> MakespanBoundSummary:
@@ -275,28 +284,29 @@ class Simulation:
             bar = tqdm(total=w.num_rows, file=sys.stderr, unit="req", desc="simulating", mininterval=0.5,
                        dynamic_ncols=True)
         handlers = {}
+        trip = RoundTrip(config.round_trip_quantiles_s, config.round_trip_seed)  # each run its own draws
         if config.driver == "async":
             spec = config.async_rl.resolved(self.session_contexts)
             driver = AsyncDriver(w, fleet, clock, runner, bar, spec=spec, trainer=config.trainer,
                                  session_ids=config.session_ids, tier_tokens=self.offload_blocks * 16 * len(replicas),
-                                 session_contexts=self.session_contexts)
+                                 session_contexts=self.session_contexts, round_trip=trip)
             handlers = {TRAIN_END: driver.trained, SYNC_END: driver.synced}
         elif self.tail is not None:
             driver = TailBatchingDriver(w, fleet, clock, runner, None, bar, spec=self.tail,
                                         reset_at_weight_sync=not config.keep_cache_across_steps,
-                                        session_ids=config.session_ids)
+                                        session_ids=config.session_ids, round_trip=trip)
         else:
             driver = StepDriver(w, fleet, clock, runner, config.overprovision, bar,
                                 reset_at_weight_sync=not config.keep_cache_across_steps,
                                 session_ids=config.session_ids,
-                                trainer=None if w.trace else config.trainer)
+                                trainer=None if w.trace else config.trainer, round_trip=trip)
         self.driver, self.fleet = driver, fleet
         fleet.on_finished = driver.finished
         driver.start()
         t_start = time.perf_counter()
         try:
             clock.run({ARRIVE: driver.submit, STEP_END: fleet.end_step, VERIFIED: driver.verified,
-                       RELEASE: driver.release, KICK: fleet.kicked, **handlers})
+                       RELEASE: driver.release, KICK: fleet.kicked, FOLLOW_UP: driver.follow_up, **handlers})
         finally:
             if bar is not None:
                 bar.close()

@@ -15,32 +15,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from simulator.tokens import VLLM_BLOCK_SIZE, WorkloadTokens
+from simulator.tokens import VLLM_BLOCK_SIZE
 
 if TYPE_CHECKING:
     from simulator.workload import PreparedWorkload
 
 NULL_BLOCKS = 1  # vLLM's block pool keeps block 0 as the null block
-
-
-def blocks_needed(tokens: WorkloadTokens, streams: np.ndarray, block_size: int = VLLM_BLOCK_SIZE) -> int:
-    """Distinct blocks holding the given streams at once at full length (shared full blocks once)."""
-    keys, in_prompts = tokens.stream_keys(streams, block_size)
-    full = -(-tokens.stream_length[streams] // block_size)  # blocks of each stream, its partial tail included
-    return int(np.unique(keys).size + (full - in_prompts).sum())  # blocks past the prompts are the stream's own
-
-
-def workload_need(workload: PreparedWorkload) -> int:
-    """Distinct vLLM blocks of the largest step (or the whole trace) at full length, nothing evicted."""
-    tokens = workload.tokens
-    streams = np.arange(len(tokens.stream_names))
-    if workload.trace:
-        return blocks_needed(tokens, streams)
-    step_of_stream = np.zeros(streams.size, np.int64)
-    step_of_stream[tokens.stream] = workload.step
-    return max((blocks_needed(tokens, streams[step_of_stream == s]) for s in np.unique(step_of_stream)), default=0)
 
 
 def blocks_for_fraction(workload: PreparedWorkload, fraction: float) -> int:

@@ -233,6 +233,8 @@ class RunSummary:
     workload_source: dict | None = None
     #: The factor on the workload's tool and verifier latencies (:attr:`simulator.config.SimConfig.time_scale`).
     time_scale: float = 1.0
+    #: Median seconds from a finished request to its trajectory's next one (:class:`simulator.round_trip.RoundTrip`).
+    round_trip_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as ``summary.json`` holds it: every field by name, sub-records' fields inline."""

@@ -196,6 +196,12 @@ class WorkloadTokens:
                            block_size) for lo, hi in zip(np.r_[0, chunk_end[:-1]], chunk_end)]
         return (np.concatenate(keys) if keys else np.empty(0, np.uint64)), lengths // block_size
 
+    def blocks_needed(self, streams: np.ndarray, block_size: int = VLLM_BLOCK_SIZE) -> int:
+        """Distinct blocks holding ``streams`` at once at full length (shared full blocks once)."""
+        keys, in_prompts = self.stream_keys(streams, block_size)
+        full = -(-self.stream_length[streams] // block_size)  # blocks of each stream, its partial tail included
+        return int(np.unique(keys).size + (full - in_prompts).sum())  # blocks past the prompts are the stream's own
+
     def _ranges(self, streams: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """Concatenated ids of stream positions [start, start + length) for each (stream, length, start)."""
         # Member pieces: range i meets member k of its stream on [P_(k-1), P_k); past the last, the extension.

@@ -8,7 +8,7 @@ WORKLOAD schema (:data:`data.schemas.WORKLOAD`): at least one request,
 ``arrival_s`` on every row (a trace replay) or on none (RL steps), at least
 one output token per request (vLLM generates one), and streams whose requests
 agree on their shared blocks (:class:`simulator.tokens.WorkloadTokens`). A
-failure is a :class:`~simulator.config.SimulationError`. Everything downstream
+failure is a :class:`~simulator.errors.SimulationError`. Everything downstream
 (the drivers, KV sizing, the summary) reads the prepared object and checks
 nothing again; an evaluation prepares its workload once and runs every case on it.
 """
@@ -29,8 +29,7 @@ from data.errors import DataValidationError
 from data.io import read_workload, source_of
 from data.schemas import WORKLOAD
 from data.validate import validate_table
-from simulator.config import SimulationError
-from simulator.sizing import workload_need
+from simulator.errors import SimulationError
 from simulator.tokens import WorkloadTokens
 
 __all__ = ["PreparedWorkload", "Session", "load_workload", "prepare_workload"]
@@ -101,8 +100,15 @@ class PreparedWorkload:
 
     @functools.cached_property
     def kv_need(self) -> int:
-        """vLLM blocks of the largest step (or the trace), nothing evicted (:func:`simulator.sizing.workload_need`)."""
-        return workload_need(self)
+        """Distinct vLLM blocks of the largest step (or the whole trace) at full length, nothing evicted (the
+        ``--kv-fraction`` base, :mod:`simulator.sizing`)."""
+        tokens = self.tokens
+        streams = np.arange(len(tokens.stream_names))
+        if self.trace:
+            return tokens.blocks_needed(streams)
+        step_of_stream = np.zeros(streams.size, np.int64)
+        step_of_stream[tokens.stream] = self.step
+        return max((tokens.blocks_needed(streams[step_of_stream == s]) for s in np.unique(step_of_stream)), default=0)
 
     def xargs(self, row: int, session_ids: bool = True) -> dict[str, Any]:
         """Row ``row``'s metadata as the hook reads it (the ``kvpilot_*`` ``vllm_xargs``); ``session_ids=False``

@@ -15,17 +15,18 @@ import math
 import pyarrow as pa
 import pytest
 
-from policy.common import (
-    LengthCache,
-    remaining_tokens,
-    resolve_length_predictor,
-)
 from policy.baselines.heddle import ProgressivePriorityPolicy
 from policy.baselines.priority import VllmPriorityPolicy
 from policy.baselines.rolloutpipe import FrontierGroupPolicy
 from policy.baselines.seer import LongestGroupFirstPolicy
 from policy.baselines.sjf import ShortestPredictedFirstPolicy
 from policy.baselines.sortedrl import SortedRLPolicy
+from policy.catalog import create_policy
+from policy.common import (
+    LengthCache,
+    remaining_tokens,
+    resolve_length_predictor,
+)
 from policy.interface import (
     CandidateRequest,
     EngineState,
@@ -35,7 +36,6 @@ from policy.interface import (
     RequestStatus,
 )
 from policy.predictors import DomainMeanLengthPredictor, OracleLengthPredictor
-from policy.catalog import create_policy
 from tests.hooks import hook_scheduler as _hook
 
 NAMES = ("vllm-priority", "sjf-predicted", "sortedrl", "heddle", "rolloutpipe", "seer")

@@ -20,12 +20,12 @@ import pyarrow as pa
 import pytest
 
 from data.schemas import WORKLOAD
-from policy.baselines._tool_pauses import quantile
 from policy.baselines.continuum import ToolPauseTTLPolicy
 from policy.baselines.kvflow import NextUseEvictionPolicy
 from policy.baselines.lrb import SampledNextUseEvictionPolicy
 from policy.baselines.marconi import FlopsAwareEvictionPolicy
 from policy.baselines.oracle import HindsightOraclePolicy
+from policy.catalog import create_policy
 from policy.interface import (
     CachedPrefix,
     CandidateRequest,
@@ -38,7 +38,7 @@ from policy.interface import (
     RetentionAction,
 )
 from policy.predictors import OracleReusePredictor, row_key
-from policy.catalog import create_policy
+from policy.tool_latency import quantile
 from tests.hooks import hook_scheduler as _hook
 
 INF = math.inf

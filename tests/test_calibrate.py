@@ -116,6 +116,36 @@ def test_time_scale_scales_the_waits(known_run, tmp_path):
     assert res.exit_code == 2 and "time_scale must be a number >= 0" in said(res)
 
 
+def test_calibrate_measures_the_client_round_trip_and_the_simulator_adds_it(known_run, tmp_path):
+    """A run whose client answers each finished turn 50 ms late: calibrate given the workload finds those 50 ms
+    (the tool waits, at replay's time scale, aside), and the simulator on the fitted preset adds them again."""
+    from simulator.simulation import run_simulation
+
+    tmp, preset, _ = known_run
+    wl = tmp / "workload.parquet"
+    late = run_simulation(small_workload(), "vllm-default", preset=str(preset), out_dir=tmp_path / "late",
+                          progress=False, time_scale=0.5, round_trip_s=0.05)
+    at_once = run_simulation(small_workload(), "vllm-default", preset=str(preset), progress=False, time_scale=0.5)
+    assert late.summary.round_trip_s == 0.05 and at_once.summary.round_trip_s == 0.0
+    assert late.summary.metrics.makespan_s > at_once.summary.metrics.makespan_s  # a follow-up on its critical path
+    out = tmp_path / "fitted.toml"
+    res = cli("calibrate", "--telemetry", tmp_path / "late", "-o", out, "--workload", wl, "--time-scale", "0.5")
+    assert res.exit_code == 0, res.output
+    assert "client round trip: median 50.00 ms, p90 50.00 ms" in said(res)
+    assert read_preset_file(out).round_trip_quantiles_s == pytest.approx((0.05,) * 21, abs=1e-6)
+    again = run_simulation(small_workload(), "vllm-default", preset=str(out), progress=False, time_scale=0.5)
+    assert again.summary.round_trip_s == pytest.approx(0.05, abs=1e-6)
+    assert again.summary.metrics.makespan_s == pytest.approx(late.summary.metrics.makespan_s, rel=0.01)
+    # without --workload it is not measured, and the preset says 0
+    res = cli("calibrate", "--telemetry", tmp_path / "late", "-o", tmp_path / "plain.toml")
+    assert res.exit_code == 0 and "round trip: not measured" in said(res)
+    assert read_preset_file(tmp_path / "plain.toml").round_trip_quantiles_s == ()
+    # a workload that is not there
+    res = cli("calibrate", "--telemetry", tmp_path / "late", "-o", tmp_path / "x.toml",
+              "--workload", tmp_path / "missing.parquet")
+    assert res.exit_code == 2 and "missing.parquet" in said(res)
+
+
 def test_bad_input_gets_a_named_error(known_run, tmp_path):
     tmp, preset, _ = known_run
     # telemetry with no steps
@@ -143,3 +173,22 @@ def test_bad_input_gets_a_named_error(known_run, tmp_path):
             assert res.exit_code == 2 and message.split(" must")[0] in said(res), (command, res.output)
     res = cli("calibrate", "--telemetry", tmp / "run", "-o", tmp_path / "preset.json")
     assert res.exit_code == 2 and "ends in .toml" in said(res)
+
+
+def test_round_trips_are_drawn_from_the_measured_quantiles(known_run, tmp_path):
+    from simulator.round_trip import RoundTrip
+
+    quantiles = tuple(0.01 * i for i in range(21))  # uniform on [0, 0.2]
+    a, b = RoundTrip(quantiles, seed=1), RoundTrip(quantiles, seed=1)
+    draws = [a.draw() for _ in range(2000)]
+    assert draws == [b.draw() for _ in range(2000)]  # one seed, one sequence: a run is deterministic
+    assert 0.0 <= min(draws) and max(draws) <= 0.2 and abs(sorted(draws)[1000] - 0.1) < 0.01
+    assert RoundTrip((0.03,)).draw() == 0.03 and not RoundTrip((0.0,)) and RoundTrip(quantiles).median_s == 0.1
+    with pytest.raises(ValueError, match="non-decreasing"):
+        RoundTrip((0.2, 0.1))
+    # the preset's [client] section is checked like the rest
+    _, preset, _ = known_run
+    bad = tmp_path / "bad.toml"
+    bad.write_text(Path(preset).read_text() + "\n[client]\nround_trip_quantiles_s = [0.2, 0.1]\n")
+    with pytest.raises(PresetFileError, match="client.round_trip_quantiles_s must be a list of non-decreasing"):
+        read_preset_file(bad)

@@ -130,7 +130,8 @@ def test_evaluate_grid(vllm_engine: Any, workload_path: Path, tmp_path: Path) ->
     assert len(rows) == 9 and {(r["policy"], r["kv_fraction"], r["replicas"]) for r in rows} == {
         (p, k, 1) for p in [DEFAULT, *POLICIES] for k in (0.3, 0.6, 1e-4)}
     keys = {"policy", "kv_fraction", "replicas", "router", "error", "makespan_s", "prefix_hit_rate",
-            "recomputed_tokens",            "tokens_per_s", "trajectory_p99_s", "tail_bubble_s", "makespan_per_step_s", "group_completion_s",
+            "recomputed_tokens", "tokens_per_s", "trajectory_p99_s", "tail_bubble_s",
+            "makespan_per_step_s", "group_completion_s",
             "makespan_ratio_vs_default", "recompute_ratio_vs_default", "hit_rate_ratio_vs_default",
             "bound_s", "bound_total_s", "makespan_over_bound", "gap_closed", "gpu_decode_s", "gpu_idle_s"}
     default = {r["kv_fraction"]: r for r in rows if r["policy"] == DEFAULT}
@@ -187,7 +188,8 @@ def test_cli_sweeps_the_cpu_tier(vllm_engine: Any, workload_path: Path, tmp_path
     got = {(r["policy"], r["tier_gib"]): r for r in rows}
     assert set(got) == {(DEFAULT, None), ("vllm-offload", 0.01), ("vllm-offload", 0.5)}
     small, big = got[("vllm-offload", 0.01)], got[("vllm-offload", 0.5)]
-    assert small["offload_gib"] == 0.01 and big["offload_gib"] == 0.5 and small["offload_blocks"] < big["offload_blocks"]
+    assert small["offload_gib"] == 0.01 and big["offload_gib"] == 0.5 \
+        and small["offload_blocks"] < big["offload_blocks"]
     assert got[(DEFAULT, None)]["offload_blocks"] == 0
     assert (out / "runs" / "vllm-offload-kv0.3-off0.5-r1" / "summary.json").is_file()
     assert "tier 0.01 GiB" in res.output
@@ -229,7 +231,8 @@ def test_cli_kv_total_gives_each_replica_count_the_same_kv(vllm_engine: Any, wor
     out = tmp_path / "evaltotal"
     base = ["evaluate", "-w", str(workload_path), "-o", str(out), "--policies", "vllm-default", "--no-progress"]
     res = CliRunner().invoke(app, [*base, "--kv-fractions", "0.5", "--kv-total", "1"])
-    assert res.exit_code == 2 and "KV fractions per replica or KV totals for the fleet, not both" in res.output, res.output
+    assert res.exit_code == 2 and "KV fractions per replica or KV totals for the fleet, not both" in res.output, \
+        res.output
     res = CliRunner().invoke(app, [*base, "--kv-total", "1", "--replicas", "1,2", "--decode-stride", "4"])
     assert res.exit_code == 0, res.output
     assert "1 fleet KV size(s)" in res.output

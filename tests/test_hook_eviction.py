@@ -15,8 +15,8 @@ import pytest
 
 from policy.interface import EvictionDecision, Policy
 from serving_hook import block_pool, eviction
-
-from tests.hooks import hook_scheduler as _hook, stock_scheduler as _stock
+from tests.hooks import hook_scheduler as _hook
+from tests.hooks import stock_scheduler as _stock
 
 pytestmark = pytest.mark.vllm
 

@@ -18,8 +18,8 @@ from policy.interface import (
     RetentionAction,
     RetentionDecision,
 )
-
-from tests.hooks import hook_scheduler as _hook, stock_scheduler as _stock
+from tests.hooks import hook_scheduler as _hook
+from tests.hooks import stock_scheduler as _stock
 
 pytestmark = pytest.mark.vllm
 

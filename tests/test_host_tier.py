@@ -111,7 +111,7 @@ def test_only_the_warning_right_after_a_skipped_store_is_dropped():
     skip whose warning never came (the connector's level off) must not hide the next real refusal."""
     import logging
 
-    from serving_hook.host_tier import _FILTER, _BypassLogFilter, KVPilotCachePolicy
+    from serving_hook.host_tier import _FILTER, KVPilotCachePolicy, _BypassLogFilter
 
     def warning() -> logging.LogRecord:
         return logging.LogRecord("vllm", logging.WARNING, __file__, 1, "Request %s: cannot store chunks", ("x",), None)

@@ -3,6 +3,8 @@
 Read from the source with ``ast`` (nothing is imported): every ``import`` statement, at module level or inside a
 function, and every string literal that names one of our modules (``"pkg.module"`` or ``"pkg.module:attr"``, as
 lazy factories and ``importlib`` take them). vLLM is imported only by the serving hook and the simulator's engine.
+Inside a layer, modules import each other without a cycle (function-local and type-only imports count), and a
+module whose name starts with ``_`` is imported only from its own package.
 """
 
 from __future__ import annotations
@@ -79,8 +81,113 @@ def violations(root: Path = ROOT) -> list[str]:
     return bad
 
 
+def _modules(root: Path) -> dict[str, Path]:
+    """Our modules by dotted name (a package by its own name) -> file."""
+    out = {}
+    for layer in LAYERS:
+        for path in (root / layer).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imported(node: ast.AST, modules: dict[str, Path]) -> list[str]:
+    """The modules of ours an import statement loads (``from pkg import name``: ``pkg.name`` where that is a
+    module, else ``pkg``); an unknown dotted name counts as its nearest known parent."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                 for a in node.names]
+    else:
+        return []
+    out = []
+    for name in names:
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        if name in modules:
+            out.append(name)
+    return out
+
+
+def import_graph(root: Path = ROOT) -> tuple[dict[str, set[str]], list[str]]:
+    """(module -> the modules of ours it imports, the imports of another package's ``_private`` modules as
+    ``file:line: message``)."""
+    modules = _modules(root)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    private = []
+    for mod, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for target in _imported(node, modules):
+                if target == mod:
+                    continue
+                graph[mod].add(target)
+                package, _, last = target.rpartition(".")
+                if last.startswith("_") and not last.startswith("__") and not (mod + ".").startswith(package + "."):
+                    rel = path.relative_to(root).as_posix()
+                    private.append(f"{rel}:{node.lineno}: imports {target}, private to {package}")
+    return graph, private
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
 def test_no_import_runs_against_the_layer_order() -> None:
     assert violations() == []
+
+
+def test_no_import_cycle_and_no_other_package_s_private_module() -> None:
+    graph, private = import_graph()
+    assert cycles(graph) == []
+    assert private == []
+
+
+def test_the_check_finds_a_cycle_and_a_private_import(tmp_path: Path) -> None:
+    for name in LAYERS:
+        (tmp_path / name).mkdir()
+    (tmp_path / "policy" / "baselines").mkdir()
+    (tmp_path / "policy" / "a.py").write_text("from policy.b import B\n")
+    (tmp_path / "policy" / "b.py").write_text("def f():\n    from policy.c import C\n")  # function-local
+    (tmp_path / "policy" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                              "    from policy.a import A\n")  # type-only
+    (tmp_path / "policy" / "baselines" / "_helpers.py").write_text("X = 1\n")
+    (tmp_path / "policy" / "baselines" / "mine.py").write_text("from policy.baselines._helpers import X\n")
+    (tmp_path / "policy" / "learned.py").write_text("from policy.baselines._helpers import X\n")
+    graph, private = import_graph(tmp_path)
+    assert cycles(graph) == [["policy.a", "policy.b", "policy.c"]]
+    assert private == ["policy/learned.py:1: imports policy.baselines._helpers, private to policy.baselines"]
 
 
 @pytest.mark.parametrize(

@@ -189,8 +189,8 @@ def test_a_preempted_request_goes_back_first_then_the_starved() -> None:
         return c
 
     for mode in ("serve", "log"):
-        pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="scorer", mode=mode, epsilon=0.0,
-                            max_wait_steps=None, max_wait_s=3.0)
+        pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="scorer", mode=mode,
+                            epsilon=0.0, max_wait_steps=None, max_wait_s=3.0)
         waiting = [_cand(i) for i in range(4)]
         first = pol.admit(waiting, _state(1, 0.0))
         assert first.order[0] == "r3"  # the longest predicted, by score
@@ -205,7 +205,8 @@ def test_a_preempted_request_goes_back_first_then_the_starved() -> None:
         assert mode == "serve" or dec.propensity == 1.0  # deterministic, so logged as such
         # r0 starves (3 s since first seen): after the preempted request, before the scored rest
         assert pol.admit(queue, _state(3, 3.5)).order[:3] == ["r1", "r0", "r2"], mode
-    off = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="scorer", resume_preempted=False)
+    off = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths), admission="scorer",
+                        resume_preempted=False)
     waiting = [_cand(i) for i in range(4)]
     off.admit(waiting, _state(1, 0.0))
     off.on_event(Event(EventKind.PREEMPTED, 1.0, "r1", waiting[1].meta))
@@ -293,8 +294,8 @@ class StubNextUse:
 
 
 def test_shortest_admission_orders_by_predicted_remaining_whatever_the_scores() -> None:
-    """``admission="shortest"`` (the default): the length model's predicted remaining output, shortest first, after the preempted
-    (the same precedence as the scorer's order); the scorer would have put the longest first."""
+    """``admission="shortest"`` (the default): the length model's predicted remaining output, shortest first, after the
+    preempted (the same precedence as the scorer's order); the scorer would have put the longest first."""
     lengths = {f"r{i}": 100.0 * (i + 1) for i in range(5)}
     waiting = [_cand(i) for i in (3, 0, 4, 1, 2)]
     pol = LearnedPolicy(_state_dict(remaining_weight=1.0), FixedLengths(lengths))
@@ -346,11 +347,10 @@ def test_the_trained_admission_residual_moves_the_prior_order() -> None:
 @pytest.fixture(scope="module")
 def predictors_dir(tmp_path_factory) -> Path:
     """A length model trained on a tiny workload's true lengths (no simulation needed)."""
+    from data.io import write_workload
     from predictors.logs import load_logs
     from predictors.pipeline import train_bundle
     from tests.learned_logs import tiny_workload
-
-    from data.io import write_workload
 
     d = tmp_path_factory.mktemp("pred")
     write_workload(tiny_workload(5), d / "w.parquet")
@@ -417,9 +417,9 @@ def test_the_host_tier_reuse_predictor_is_the_session_state_by_default_or_online
         policy_dir: Path, tmp_path: Path, predictors_dir: Path) -> None:
     from policy.predictors import OnlineNextUse
     from policy.session_reuse import SessionStateNextUse
+    from predictors.features import prepare_requests
     from predictors.reuse import ReuseModel
     from tests.test_predictors_features import fake_telemetry, small_workload
-    from predictors.features import prepare_requests
 
     tier = LearnedPolicy.load(policy_dir, offload=True)
     assert tier.uses_host_eviction and isinstance(tier.reuse, SessionStateNextUse)

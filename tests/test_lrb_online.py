@@ -13,13 +13,13 @@ import math
 
 import pytest
 
-from policy.baselines.lrb_online import OnlineLrbEvictionPolicy
-from policy.interface import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
-from policy.catalog import create_policy
 from data.records import tail_starts
+from policy.baselines.lrb_online import OnlineLrbEvictionPolicy
+from policy.catalog import create_policy
+from policy.interface import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
 from predictors.online_reuse import ONLINE_REUSE_FEATURES, OnlineReuseLearner
-
-from tests.hooks import hook_scheduler as _hook, stock_scheduler as _stock
+from tests.hooks import hook_scheduler as _hook
+from tests.hooks import stock_scheduler as _stock
 
 H = 10.0  # horizon (s) of the scenario; the fake clock moves 1 s per engine step
 
@@ -87,7 +87,6 @@ def test_starts_as_lru_then_learns_to_keep_the_hot_prefix(vllm_engine):
     engine = vllm_engine
     clock = Clock()
     policy = _policy()
-    first = None
 
     # before any label: LRU (evict answers None), the cache as stock vLLM leaves it
     s, hot = _learn(engine, policy, clock, rounds=2)

@@ -4,7 +4,6 @@ of the same POLICY_DIR loaded directly (``--policy learned --policy-options '{"m
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -14,8 +13,8 @@ from training import registry as reg
 pytestmark = pytest.mark.vllm
 
 #: Keys that legitimately differ: the policy's name, wall-clock timings, and the registry's own report.
-NOT_COMPARED = {"policy", "wall_s", "scheduler_s", "hook_s", "router_s", "simulator_overhead", "setup_s", "model_version",
-                "model_swaps"}
+NOT_COMPARED = {"policy", "wall_s", "scheduler_s", "hook_s", "router_s", "simulator_overhead", "setup_s",
+                "model_version", "model_swaps"}
 
 
 def test_registry_champion_reproduces_the_direct_policy(vllm_engine, tmp_path, monkeypatch):
@@ -41,8 +40,8 @@ def test_registry_champion_reproduces_the_direct_policy(vllm_engine, tmp_path, m
     write_workload(generate(small_config(11, prompts=4, group=4, steps=1)), workload)
     common = ["simulate", "--workload", str(workload), "--kv-fraction", "0.3", "--json", "--no-progress"]
     runner = CliRunner()
-    direct = runner.invoke(app, [*common, "--policy", "learned", "--policy-options", json.dumps({"model": str(policy_dir)}),
-                                 "-o", str(tmp_path / "direct")])
+    direct = runner.invoke(app, [*common, "--policy", "learned", "--policy-options",
+                                 json.dumps({"model": str(policy_dir)}), "-o", str(tmp_path / "direct")])
     assert direct.exit_code == 0, direct.output
     served = runner.invoke(app, [*common, "--policy", "registry", "-o", str(tmp_path / "registry")])
     assert served.exit_code == 0, served.output
@@ -51,7 +50,8 @@ def test_registry_champion_reproduces_the_direct_policy(vllm_engine, tmp_path, m
     assert b["policy"] == "registry" and b["model_version"] == "1" and b["model_swaps"] == 0 == b["model_failures"]
     assert b["hook_fallbacks"] == 0
     assert a["preemptions"] > 0  # the learned policy's preemption lever was exercised
-    assert {k: v for k, v in a.items() if k not in NOT_COMPARED} == {k: v for k, v in b.items() if k not in NOT_COMPARED}
+    assert {k: v for k, v in a.items() if k not in NOT_COMPARED} == {
+        k: v for k, v in b.items() if k not in NOT_COMPARED}
 
 
 def test_a_missing_champion_runs_vllms_behaviour_and_is_counted(vllm_engine, tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ import dataclasses
 
 import pytest
 
-from policy.interface import OwnerState, Policy, Retention, RetentionAction, RetentionDecision, AdmissionDecision
+from policy.interface import AdmissionDecision, OwnerState, Policy, Retention, RetentionAction, RetentionDecision
 from tests.hooks import hook_scheduler, stock_scheduler
 
 pytestmark = pytest.mark.vllm
@@ -102,7 +102,8 @@ def _session_run(engine, policy, offload_blocks: int):
     from simulator.cost_model import CostModel
     from simulator.offload import OffloadWorker
 
-    cls = hook_scheduler(policy, kv_block_bytes=1_000_000, host_link_gbps=1.0) if policy is not None else stock_scheduler()
+    cls = (hook_scheduler(policy, kv_block_bytes=1_000_000, host_link_gbps=1.0) if policy is not None
+           else stock_scheduler())
     cfg = engine.make_vllm_config(num_blocks=40, offload_blocks=offload_blocks)
     s = engine.make_scheduler(cls, num_blocks=40, vllm_config=cfg)
     clock = Clock()

@@ -51,8 +51,9 @@ def test_inert_without_kvpilot_enable(load_plugins, vllm_engine, monkeypatch):
 
 
 def test_enable_installs_the_hook_and_it_schedules(load_plugins, vllm_engine, monkeypatch):
-    from serving_hook import KVPilotAsyncScheduler, KVPilotScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
+
+    from serving_hook import KVPilotAsyncScheduler, KVPilotScheduler
 
     monkeypatch.setenv("KVPILOT_ENABLE", "1")
     load_plugins()

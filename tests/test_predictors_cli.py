@@ -53,7 +53,8 @@ def test_train_then_eval_json(run_dir, tmp_path):
     ev = json.loads(res.stdout)
     assert ev["length"]["mae"] == pytest.approx(rep["length"]["mae"])
     assert ev["reuse"]["brier"] == pytest.approx(rep["reuse"]["brier"])
-    assert ev["session"]["continue"]["model"]["log_loss"] == pytest.approx(rep["session"]["continue"]["model"]["log_loss"])
+    assert ev["session"]["continue"]["model"]["log_loss"] == pytest.approx(
+        rep["session"]["continue"]["model"]["log_loss"])
     assert ev["length"]["baselines"]["prompt_history"]["pinball_p50"] == pytest.approx(
         rep["length"]["baselines"]["prompt_history"]["pinball_p50"])
 

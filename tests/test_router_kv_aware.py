@@ -229,7 +229,8 @@ def _replay(rows: list[tuple[str, int, list[int]]]):
     cols: dict[str, list] = {f.name: [] for f in WORKLOAD.schema}
     for rid, arrival, hashes in rows:
         row = {
-            "request_id": rid, "session_id": rid, "kind": "rollout", "step": 0, "prompt_id": rid, "group_id": rid, "group_size": 1,
+            "request_id": rid, "session_id": rid, "kind": "rollout", "step": 0, "prompt_id": rid, "group_id": rid,
+            "group_size": 1,
             "sample_index": 0, "turn": 0, "domain": "math", "paradigm": "math_verifier", "prompt_tokens": 64,
             "output_tokens": 4, "max_tokens": 4, "finish_reason": "stop", "block_size": 32, "block_hashes": hashes,
             "tool": None, "tool_latency_s": None, "tool_tokens": None, "verify_latency_s": None,

@@ -95,7 +95,8 @@ def test_online_next_use_ranks_nothing_before_its_first_model():
 def test_plugin_reads_the_scheduler_class_from_the_command_line():
     from serving_hook.plugin import scheduler_cls_arg
 
-    assert scheduler_cls_arg(["x", "--scheduler-cls", "serving_hook.KVPilotScheduler"]) == "serving_hook.KVPilotScheduler"
+    assert scheduler_cls_arg(["x", "--scheduler-cls", "serving_hook.KVPilotScheduler"]) == \
+        "serving_hook.KVPilotScheduler"
     assert scheduler_cls_arg(["x", "--scheduler_cls=serving_hook.KVPilotAsyncScheduler"]) == \
         "serving_hook.KVPilotAsyncScheduler"
     assert scheduler_cls_arg(["x", "--model", "m"]) is None
@@ -134,7 +135,8 @@ def test_an_idle_held_step_waits_only_when_every_queued_request_is_held(vllm_eng
         sampled = []
         for rid in out.num_scheduled_tokens:
             r = s.requests[rid]
-            sampled.append([] if r.num_computed_tokens < r.num_tokens else [engine.output_token(rid, r.num_output_tokens)])
+            sampled.append([] if r.num_computed_tokens < r.num_tokens
+                           else [engine.output_token(rid, r.num_output_tokens)])
         kv_out = worker.finished(time.time() + 1.0)  # every transfer done by the next step
         s.update_from_output(out, engine.model_runner_output(list(out.num_scheduled_tokens), sampled, kv_out))
 

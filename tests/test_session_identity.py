@@ -17,7 +17,7 @@ from tests.hooks import hook_scheduler
 
 pytestmark = pytest.mark.vllm
 
-P, O, TOOL = 40, 30, 20  # prompt, output and tool-result tokens of the hand-driven sessions
+P, OUT, TOOL = 40, 30, 20  # prompt, output and tool-result tokens of the hand-driven sessions
 
 
 class Seen(VllmDefaultPolicy):
@@ -55,12 +55,12 @@ class Driver:
     def run(self, rid: str, prompt: list[int], **kwargs: Any) -> Any:
         """Serve ``rid`` to completion; the metadata the policy saw."""
         e = self.engine
-        self.sched.add_request(e.make_request(rid, prompt, O, arrival_time=0.0, **kwargs))
+        self.sched.add_request(e.make_request(rid, prompt, OUT, arrival_time=0.0, **kwargs))
         for _ in range(200):
             if not self.sched.has_requests():
                 break
             self.runner.step(self.sched)
-        self.contexts[rid] = list(prompt) + e.output_tokens(rid, O)
+        self.contexts[rid] = list(prompt) + e.output_tokens(rid, OUT)
         return self.policy.meta[rid]
 
     def next_prompt(self, rid: str, tool_key: str) -> list[int]:
@@ -168,16 +168,16 @@ def test_chain_memory_is_bounded(vllm_engine: Any) -> None:
     ident = SessionIdentity(e.BLOCK_SIZE, max_chains=2)
     reqs = {}
     for k in range(3):
-        r = reqs[k] = e.make_request(f"r{k}", e.prompt_tokens(f"p{k}", P), O)
+        r = reqs[k] = e.make_request(f"r{k}", e.prompt_tokens(f"p{k}", P), OUT)
         ident.finished(_completed(e, r), ident.meta(r))
-    nxt = {k: e.make_request(f"n{k}", list(reqs[k].all_token_ids) + e.prompt_tokens("t", TOOL), O) for k in range(3)}
+    nxt = {k: e.make_request(f"n{k}", list(reqs[k].all_token_ids) + e.prompt_tokens("t", TOOL), OUT) for k in range(3)}
     assert [ident.continued(nxt[k]) for k in range(3)] == [None, ("r1", 0), ("r2", 0)]
     assert len(ident._tips) == 2
 
 
 def _completed(engine: Any, request: Any) -> Any:
-    """``request`` with its ``O`` output tokens appended (as the engine does, hashing new full blocks)."""
-    request.append_output_token_ids(engine.output_tokens(request.request_id, O))
+    """``request`` with its ``OUT`` output tokens appended (as the engine does, hashing new full blocks)."""
+    request.append_output_token_ids(engine.output_tokens(request.request_id, OUT))
     return request
 
 

@@ -127,7 +127,7 @@ def random_runs(vllm_engine: Any) -> list[tuple[pa.Table, Simulation, Any]]:
     """Small random workloads (seeded), each at a KV size small enough to preempt."""
     rng = np.random.default_rng(2024)
     runs = []
-    for i in range(RANDOM_RUNS):
+    for _ in range(RANDOM_RUNS):
         shares = tuple(float(x) for x in rng.dirichlet([2.0, 2.0, 2.0]))
         cfg = small_config(int(rng.integers(0, 1000)), prompts=int(rng.integers(4, 9)), group=int(rng.integers(2, 6)),
                            steps=int(rng.integers(1, 3)), shares=shares)

@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from data.errors import DataValidationError
+from data.schemas import WORKLOAD
 from data.stats import render_stats, workload_stats
 from data.synth import PRESETS, SynthConfig, generate, swe_domain
 from data.validate import validate_table
-from data.errors import DataValidationError
-from data.schemas import WORKLOAD
 
 SWE = swe_domain(share=1.0)
 #: Only swe sessions, enough of them for percentiles: 2 steps x 48 prompts x 8 samples.

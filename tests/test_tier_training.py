@@ -122,6 +122,8 @@ def test_changing_the_trained_model_changes_the_tier_order() -> None:
 def test_tier_training_replays_the_log_and_keeps_a_model_only_where_it_wins(vllm_engine, tmp_path: Path) -> None:
     """On a tiny logged agentic workload over a small CPU tier: the loop replays it under the rule and under the
     fitted model, records labelled snapshots, and the bundle serves the model exactly when it beat the rule."""
+    import dataclasses
+
     from data.synth import SynthConfig, generate
     from policy.learned import LearnedPolicy
     from policy.learned_bundle import TIER_REUSE_DIR
@@ -131,8 +133,6 @@ def test_tier_training_replays_the_log_and_keeps_a_model_only_where_it_wins(vllm
     from predictors.pipeline import train_bundle
     from simulator.simulation import run_simulation
     from training.tier_training import train_tier
-
-    import dataclasses
 
     workload = generate(dataclasses.replace(SynthConfig.preset("agentic"), steps=1, prompts_per_step=3,
                                             group_size=4, seed=3))

@@ -129,7 +129,8 @@ def workload_stats(
 ) -> None:
     """Describe a workload: counts, token percentiles per domain, and prefix sharing."""
     from data.io import read_workload
-    from data.stats import render_stats, workload_stats as compute
+    from data.stats import render_stats
+    from data.stats import workload_stats as compute
 
     with reported(*_INPUT_ERRORS):
         stats = compute(read_workload(path))
@@ -472,8 +473,15 @@ def evaluate_cmd(
     max_groups: MaxGroupsOpt = None,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
-    from training.evaluate import (DEFAULT_KV_FRACTIONS, EvaluationError, build_cases, check_run, evaluate,
-                                   resolve_policies, resolve_routers)
+    from training.evaluate import (
+        DEFAULT_KV_FRACTIONS,
+        EvaluationError,
+        build_cases,
+        check_run,
+        evaluate,
+        resolve_policies,
+        resolve_routers,
+    )
 
     totals = _number_list(kv_total, float, "--kv-total") if kv_total is not None else None
     kvs: list | None = None if totals is not None else list(DEFAULT_KV_FRACTIONS)
@@ -538,7 +546,8 @@ def evaluate_cmd(
             f"makespan {r['makespan_s']:.2f} s/step  x{ratio:.3f} vs default (whole run x{whole:.3f})  "
             f"x{_fmt_gap(r.get('makespan_over_bound'), 3)} bound  gap closed {_fmt_gap(r.get('gap_closed'))}  "
             f"hit {r['prefix_hit_rate']:.3f}  recomputed {r['recomputed_tokens']}"
-            + (f"  offload load {r['offload_load_bytes'] / 2**30:.1f} GiB store {r['offload_store_bytes'] / 2**30:.1f} GiB"
+            + (f"  offload load {r['offload_load_bytes'] / 2**30:.1f} GiB"
+               f" store {r['offload_store_bytes'] / 2**30:.1f} GiB"
                if r.get("offload_blocks") else "")
             if ratio is not None and whole is not None else f"makespan {r['makespan_s']:.2f} s/step")
         kv = "gpu" if r["kv_fraction"] is None else f"{r['kv_fraction']:g}"
@@ -705,8 +714,8 @@ def promote_cmd(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
     """Move the `champion` alias to a version if it is no worse than the champion on makespan and recompute."""
-    from training.promote import PromotionError, promote, render_comparison
     from serving_hook.model_registry import RegistryError
+    from training.promote import PromotionError, promote, render_comparison
 
     heldout, follow = _heldout(workload, seed, kv_fraction, preset, offload_gib)
     with reported(PromotionError, RegistryError):
@@ -762,6 +771,11 @@ def calibrate_cmd(
     out: Annotated[Path, typer.Option("-o", "--out", help="The preset file to write (PRESET.toml).")],
     holdout: Annotated[float, typer.Option("--holdout", help="Share of steps held out to score the fit.")] = 0.2,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out split.")] = 0,
+    workload: Annotated[Optional[Path], typer.Option(
+        "--workload", help="The workload the telemetry's client replayed: measures the client's round trip "
+        "(a finished turn to the next one, tool wait aside), which the simulator adds to every follow-up.")] = None,
+    time_scale: Annotated[float, typer.Option("--time-scale", help="replay's --time-scale for --workload's tool "
+                                              "waits.")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the fit as one JSON object.")] = False,
 ) -> None:
     """Fit the simulator's step-cost model to an engine's measured steps; write a preset for --preset."""
@@ -771,7 +785,8 @@ def calibrate_cmd(
     if out.suffix != ".toml":
         raise fail(f"-o {out}: a preset file's name ends in .toml (how --preset tells it from a named preset)")
     with reported(*_INPUT_ERRORS):  # CalibrationError is a ValueError
-        result = calibrate(telemetry, CalibrateConfig(holdout=holdout, seed=seed, name=out.stem))
+        result = calibrate(telemetry, CalibrateConfig(holdout=holdout, seed=seed, name=out.stem,
+                                                      workload=workload, time_scale=time_scale))
         write_preset_file(result.cost, out, result.fit_record())
     typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.render())
     console.print(f"preset in {out}: --preset {out} --kv-fractions gpu models this engine", highlight=False)

@@ -146,8 +146,8 @@ def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | No
     print(render_comparison(gate), flush=True)
 
     stage(5, "vLLM default and the baselines on the held-out workload")
-    base = evaluate(heldout_wl, list(cfg.baselines), out_dir / "baselines", kv_fractions=[cfg.kv_fraction], jobs=cfg.jobs,
-                    sim_options=cfg.sim_options or None)
+    base = evaluate(heldout_wl, list(cfg.baselines), out_dir / "baselines", kv_fractions=[cfg.kv_fraction],
+                    jobs=cfg.jobs, sim_options=cfg.sim_options or None)
 
     stage(6, "the hook serving models:/kvpilot@champion from the registry (policy `registry`)")
     before_uri = os.environ.get("KVPILOT_MODEL_URI")
@@ -194,7 +194,8 @@ def before_after(baseline_rows: list[dict[str, Any]], served: dict[str, Any], di
         rows.append(dict(best, label=f"best baseline: {best['policy']}"))
     prior = next((r for r in direct_rows if r["policy"] == CANDIDATE_PRIOR), None)
     if prior is not None:
-        rows.append(dict(prior, policy="learned-prior", label="learned-prior: the trained version with no trained network"))
+        rows.append(dict(prior, policy="learned-prior",
+                         label="learned-prior: the trained version with no trained network"))
     rows.append(dict(served, policy="registry", label=f"kvpilot champion v{champion} from the registry (after)"))
     direct = next((r for r in direct_rows if r["policy"] == CANDIDATE), None)
     if direct is not None:
@@ -209,8 +210,8 @@ def before_after(baseline_rows: list[dict[str, Any]], served: dict[str, Any], di
 
 #: The table's ratios to vLLM default and the metric each divides.
 RATIOS = {"makespan_ratio": "makespan_s", "simulated_ratio": "simulated_s", "recompute_ratio": "recomputed_tokens"}
-_COLUMNS = ("makespan_s", "makespan_ratio", "makespan_over_bound", "gap_closed", "simulated_s", "simulated_ratio", "recomputed_tokens", "recompute_ratio",
-            "preemptions", "prefix_hit_rate", "trajectory_p99_s")
+_COLUMNS = ("makespan_s", "makespan_ratio", "makespan_over_bound", "gap_closed", "simulated_s", "simulated_ratio",
+            "recomputed_tokens", "recompute_ratio", "preemptions", "prefix_hit_rate", "trajectory_p99_s")
 
 
 def render_rows(rows: list[dict[str, Any]]) -> str:

@@ -148,7 +148,8 @@ def resolve_policies(policies: str | Sequence[str]) -> list[str]:
     """Policy names from a comma list or a sequence (``all``: see :data:`NOT_IN_ALL`); vllm-default first.
 
     ``all`` expands in place, so names beside it are added to it (``all,learned`` runs the baselines and the
-    learned policy); ``learned`` brings ``learned-prior`` before it. Unknown names raise :class:`EvaluationError` naming the known ones."""
+    learned policy); ``learned`` brings ``learned-prior`` before it. Unknown names raise :class:`EvaluationError`
+    naming the known ones."""
     import serving_hook  # noqa: F401 - registers the policy "registry" (the hook serving the MLflow champion)
     from policy.baselines import BASELINES
     from policy.catalog import known_policies
@@ -707,7 +708,8 @@ def plot_reports(rows: list[dict[str, Any]], out: Path, trajectory_s: dict[str, 
     files = []
     for fname, key, ylabel, title in (
             ("makespan.png", "simulated_s", "workload makespan (s, simulated)", "Makespan vs KV size"),
-            ("hit_rate.png", "prefix_hit_rate", "prefix hit rate (cached / prompt tokens)", "Prefix hit rate vs KV size"),
+            ("hit_rate.png", "prefix_hit_rate", "prefix hit rate (cached / prompt tokens)",
+             "Prefix hit rate vs KV size"),
             ("recompute.png", "recomputed_tokens", "recomputed tokens (tokens)", "Recompute vs KV size")):
         fig, axes = plt.subplots(1, len(reps), figsize=(5.2 * len(reps) + 1.5, 4.2), squeeze=False)
         for ax, r in zip(axes[0], reps):

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+import pandas as pd  # (mlflow.pyfunc, imported below, imports it anyway)
+
 from serving_hook.model_registry import (
     ARTIFACT_DIR,
     CHAMPION,
@@ -30,8 +32,6 @@ from serving_hook.model_registry import (
     resolve_version,
     tracking_uri,
 )
-
-import pandas as pd  # (mlflow.pyfunc, imported below, imports it anyway)
 
 if TYPE_CHECKING:  # mlflow takes seconds to import: only when used
     from mlflow.entities import Run

@@ -55,8 +55,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._eviction import check_number
-from policy.baselines._tool_pauses import MAX_SESSIONS, PauseEventsMixin, SessionPins, ToolLatencies
+from policy.baselines._tool_pauses import PauseEventsMixin, SessionPins
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
@@ -68,6 +67,8 @@ from policy.interface import (
     RetentionAction,
     RetentionDecision,
 )
+from policy.options import check_number
+from policy.tool_latency import MAX_SESSIONS, ToolLatencies
 
 
 class ToolPauseTTLPolicy(PauseEventsMixin, Policy):

@@ -44,7 +44,6 @@ from typing import Any, Optional
 from policy.common import (
     LengthCache,
     admission_limit,
-    check_positive,
     resolve_length_predictor,
     top_ids,
 )
@@ -57,6 +56,7 @@ from policy.interface import (
     Policy,
     PreemptionDecision,
 )
+from policy.options import check_positive
 
 
 class ProgressivePriorityPolicy(Policy):

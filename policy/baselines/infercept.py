@@ -45,8 +45,7 @@ import enum
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._eviction import check_number
-from policy.baselines._tool_pauses import PauseEventsMixin, SessionPins, ToolLatencies
+from policy.baselines._tool_pauses import PauseEventsMixin, SessionPins
 from policy.interface import (
     CachedPrefix,
     EngineState,
@@ -56,6 +55,8 @@ from policy.interface import (
     RetentionAction,
     RetentionDecision,
 )
+from policy.options import check_number
+from policy.tool_latency import ToolLatencies
 
 __all__ = ["Choice", "InterceptWastePolicy", "InterceptWasteOffloadPolicy"]
 

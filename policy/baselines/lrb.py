@@ -38,9 +38,10 @@ import random
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._eviction import ReuseEventsMixin, check_count, resolve_reuse_predictor
+from policy.baselines._eviction import ReuseEventsMixin, resolve_reuse_predictor
 from policy.common import furthest_first
 from policy.interface import CachedPrefix, EngineState, EvictionDecision, Policy
+from policy.options import check_count
 
 
 class SampledNextUseEvictionPolicy(ReuseEventsMixin, Policy):

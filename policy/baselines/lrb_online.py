@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from data.records import tail_starts
-from policy.baselines._eviction import check_count
 from policy.baselines.lrb import SampledNextUseEvictionPolicy
 from policy.interface import CachedPrefix, EngineState, EvictionDecision
+from policy.options import check_count
 from predictors.online_reuse import OnlineReuseLearner
 
 

@@ -41,8 +41,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._eviction import check_count
 from policy.interface import CachedPrefix, EngineState, EvictionDecision, Policy
+from policy.options import check_count
 
 
 def _check_positive(name: str, value: Any, allow_zero: bool = False) -> float:

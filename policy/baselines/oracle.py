@@ -66,7 +66,6 @@ from data.hashing import VLLM_BLOCK_SIZE
 from data.records import tail_starts
 from policy.baselines._eviction import resolve_reuse_predictor
 from policy.common import furthest_first, resolve_length_predictor
-from policy.predictors import row_key
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
@@ -81,6 +80,7 @@ from policy.interface import (
     RetentionAction,
     RetentionDecision,
 )
+from policy.predictors import row_key
 
 ADMISSION_RULES = ("srpt", "lpt", "chain", "fcfs")
 EVICTION_MODES = ("prefix", "block")

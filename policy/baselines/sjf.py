@@ -37,8 +37,9 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.common import PredictedLengthPolicy, admission_limit, check_positive, top_ids
+from policy.common import PredictedLengthPolicy, admission_limit, top_ids
 from policy.interface import AdmissionDecision, CandidateRequest, EngineState, PreemptionDecision
+from policy.options import check_positive
 
 
 class ShortestPredictedFirstPolicy(PredictedLengthPolicy):

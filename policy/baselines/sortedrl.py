@@ -43,11 +43,11 @@ from typing import Any, Optional
 from policy.common import (
     PredictedLengthPolicy,
     admission_limit,
-    check_positive,
     group_progress,
     top_ids,
 )
 from policy.interface import AdmissionDecision, CandidateRequest, EngineState, PreemptionDecision
+from policy.options import check_positive
 
 
 class SortedRLPolicy(PredictedLengthPolicy):

@@ -43,8 +43,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from policy.baselines._eviction import check_number
-from policy.baselines._tool_pauses import MAX_SESSIONS, PauseEventsMixin, SessionPins, ToolLatencies
+from policy.baselines._tool_pauses import PauseEventsMixin, SessionPins
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
@@ -58,6 +57,8 @@ from policy.interface import (
     RetentionAction,
     RetentionDecision,
 )
+from policy.options import check_number
+from policy.tool_latency import MAX_SESSIONS, ToolLatencies
 
 __all__ = ["WorkingSetAdmissionPolicy", "WorkingSetOffloadPolicy"]
 
