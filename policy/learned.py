@@ -85,25 +85,21 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "epsilon": 0.1,
     "max_wait_steps": 20_000,
     "max_wait_s": 300.0,
-    # A preempted request is admitted before the scored order (vLLM's precedence). Measured on a held-out agentic
-    # step at KV 0.1 (docs/results/2026-12-03-learned-heldout-agentic.md): a policy whose order left a
-    # preempted turn waiting out max_wait_s ran 956 s without the rule, 819 s with it; one whose order did not,
-    # 795 s without and 816 s with. A bound on a failure mode, at a small cost where there is none.
+    # A preempted request is admitted before the scored order (vLLM's precedence): a bound on an order that leaves
+    # a preempted turn waiting out max_wait_s (docs/results/2026-12-03-learned-heldout-agentic.md).
     "resume_preempted": True,
     # The admission scores of a step are the last step's while no row's wait time or the engine state has moved
     # by more than this share of its standard deviation (LearnedPolicy.scores): most steps admit nobody and
     # change the input by a hair, and the features and the forward pass are most of a decision's time. 0: they
     # are computed in every step.
     "rescore_tol": 0.01,
-    # Off by default: vLLM's own victim (the tail of the running list) is used. The learned preemption head
-    # picked costly victims: measured, its victims' recompute was about 2x that of vLLM's tail victim (issue #7).
+    # Off by default: vLLM's own victim (the tail of the running list); the learned preemption head's victims
+    # recomputed more (docs/results).
     "preempt": False,
     # The CPU offload tier (vLLM's native KV offloading; the simulator builds the engines with it, serving needs
     # ``--kv-offloading-size``): a paused session's context comes back from host memory instead of being
-    # recomputed. On the agentic preset at KV 0.2 the tier alone takes vLLM from 4.31x to 1.64x the bound. Off by
-    # default: with it, the admission order learned by LPT imitation lost to one learned from shuffled outcomes
-    # (tests/test_offline.py's loop), and hindsight LPT itself starved near-finished sessions, whose contexts
-    # then left both tiers (agentic preset, KV 0.2: 915 s per step against vllm-offload's 710 s).
+    # recomputed. Off by default, so a bundle serves on an engine without the tier; `kvpilot train` sets it where
+    # the logs ran over one (docs/results).
     "offload": False,
     # Over the tier, the host-tier eviction order (Policy.evict_host) comes from a reuse predictor: the owner whose
     # predicted next use is furthest leaves first, and a store further off than all the full tier holds is skipped
@@ -118,23 +114,20 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # prefix reuse model, predictors/reuse). Measured in docs/results/.
     "reuse_predictor": "session-state",
     # GPU eviction: off, vLLM's LRU frees cached blocks. On, the cached prefix whose predicted next use (the
-    # ``reuse_predictor``) is furthest leaves first. With hindsight next uses this lever won nothing over LRU where
-    # memory binds (SRPT with every cache lever 3,378.7 s, with the host-tier order alone 3,369.8 s,
-    # docs/results/2026-12-04-memory-binds-admission.md); the ``learned-gpu-evict`` ablation row measures it.
+    # ``reuse_predictor``) is furthest leaves first; it won nothing over LRU where memory binds
+    # (docs/results/2026-12-04-memory-binds-admission.md; the ``learned-gpu-evict`` ablation row measures it).
     # "async": on only where the requests carry weight versions (asynchronous RL), where the youngest group's
     # contexts leave first (``group_age``); vLLM's LRU elsewhere. ``kvpilot train`` sets it from async logs.
     "gpu_eviction": False,
     # Under asynchronous RL (requests that carry ``kvpilot_weight_version``): the oldest GRPO group's requests are
     # admitted first, and the youngest group's cached contexts leave the CPU tier (and, with ``gpu_eviction``, GPU
-    # memory) first (policy/group_age.py). Measured at H200-32B, GPU capacity, 64 GiB tier, keep, eta 2:
-    # docs/results/2026-12-05-async-32b-oldest-group-first.md. Without weight versions nothing changes.
+    # memory) first (policy/group_age.py; docs/results/2026-12-05-async-32b-oldest-group-first.md). Without weight
+    # versions nothing changes.
     "group_age": True,
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
-    # exploring policy's "shortest" component, deterministic) or "scorer" (the learned MLP's admission head).
-    # Measured with the same trained policy on held-out agentic steps (same document), shortest-first ran 0.83x
-    # the scorer's makespan at H200-32B (GPU capacity, 64 GiB tier), 0.82x at H200-7B (KV 0.1, 16 GiB) and 1.01x
-    # where the tier holds the working set (H200-7B, KV 0.2, 64 GiB; both within 1.5% of vllm-offload there).
-    # In ``log`` mode the admission order is the scorer's Plackett-Luce sample either way (it explores).
+    # exploring policy's "shortest" component, deterministic) or "scorer" (the learned MLP's admission head), which
+    # shortest-first beat where memory binds (docs/results/2026-12-04-memory-binds-admission.md). In ``log`` mode the
+    # admission order is the scorer's Plackett-Luce sample either way (it explores).
     "admission": "shortest",
     # The trained admission residual: weights on the candidates' standardised features (names of FEATURES) and on
     # the scorer's admission head standardised over the queue ("scorer"), added to the prior's key

@@ -52,8 +52,8 @@ class OfflineConfig:
     threads: int = 1
     #: whether the trained policy chooses preemption victims with its preemption head (``policy.json``'s runtime
     #: option ``preempt``). None (default): when the logs hold preemption decisions, i.e. every lever found in the
-    #: logs is learned (issue #30); False: vLLM's own victim (the tail of the running list), as issue #7 measured
-    #: the head's victims recomputing about 2x vLLM's. The head is trained either way.
+    #: logs is learned; False: vLLM's own victim (the tail of the running list), whose victims recompute about half
+    #: what the head's do (docs/results). The head is trained either way.
     preempt: Optional[bool] = None
     #: whether the trained policy runs over vLLM's CPU offload tier (``policy.json``'s runtime option ``offload``).
     #: None (default): when the logs were taken over one (their ``steps`` stored blocks to it), so the plain recipe

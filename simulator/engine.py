@@ -33,7 +33,7 @@ torch that every simulator process printed and that say nothing about a
 simulation (:data:`START_UP_NOISE`); it imports no vLLM itself, so it can do so
 first.
 
-Issue 4's simulator extends this module; keep its functions stable.
+The simulator (:mod:`simulator.replica`, :mod:`simulator.runner`) builds on this module; keep its functions stable.
 """
 
 from __future__ import annotations

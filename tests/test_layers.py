@@ -213,3 +213,28 @@ def test_the_check_finds_an_upward_reference(tmp_path: Path, layer: str, source:
     (tmp_path / "data" / "ok.py").write_text("import json\nfrom data.records import Event\n")
     got = violations(tmp_path)
     assert len(got) == 1 and found in got[0] and got[0].startswith(f"{layer}/bad.py:"), got
+
+
+#: An issue tracker's number in the library's code or comments (``issue #7``, ``(#30)``, ``Issue 4's``): the why
+#: belongs in the code's own words, and measured results in docs/results/.
+_ISSUE_REFERENCE = re.compile(r"\b[Ii]ssues? #?\d+|\(#\d+\)")
+
+
+def issue_references(root: Path = ROOT) -> list[str]:
+    """``file:line`` of every issue number in the layers' source (another project's, named with it, is a citation)."""
+    out = []
+    for layer in LAYERS:
+        for path in sorted((root / layer).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                m = _ISSUE_REFERENCE.search(line)
+                if m and "/" not in line[max(0, m.start() - 20):m.start()]:  # "NeMo/RL issue 3663" cites
+                    out.append(f"{path.relative_to(root).as_posix()}:{i}")
+    return out
+
+
+def test_no_issue_numbers_in_the_library(tmp_path: Path) -> None:
+    assert issue_references() == []
+    for name in LAYERS:
+        (tmp_path / name).mkdir()
+    (tmp_path / "policy" / "a.py").write_text("X = 1  # as issue #7 measured\nY = 2  # (NeMo/RL issue 3663)\n")
+    assert issue_references(tmp_path) == ["policy/a.py:1"]

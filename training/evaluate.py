@@ -32,7 +32,7 @@ It writes, under ``out_dir``:
   ``None`` when either side failed or the default's value is 0 (1.0 when both
   are 0); ``makespan_ratio_vs_round_robin_default`` (several replicas only): the makespan over
   vllm-default's behind ``round-robin`` at the same KV fraction and replicas (``None`` when that case
-  is not in the grid), issue #19's router criterion; beside them the run's lower bound (``bound_s``, ``bound_total_s``,
+  is not in the grid), the router's criterion; beside them the run's lower bound (``bound_s``, ``bound_total_s``,
   ``makespan_over_bound``: :mod:`simulator.bound`) and ``gap_closed``, the share
   of vllm-default's gap to the bound the policy closes (:func:`gap_closed`). A KV
   fraction of ``None`` (``--kv-fractions gpu``) is the preset GPU's own capacity:
@@ -82,7 +82,7 @@ DEFAULT_DECODE_STRIDE = 32
 #: KV fractions per replica of a grid that gives neither fractions nor fleet totals.
 DEFAULT_KV_FRACTIONS = (0.1, 0.2, 0.4)
 
-#: Registered policies that ``--policies all`` leaves out, so that ``all`` is the baselines (issue #5's thirteen,
+#: Registered policies that ``--policies all`` leaves out, so that ``all`` is the baselines (the field's thirteen,
 #: InferCept, the working set and vLLM native offload, and the CPU-tier variants of continuum, kvflow, infercept
 #: and working-set):
 #: those that need a trained model (``learned`` and its ablations, :data:`policy.learned.ABLATIONS`:
@@ -97,7 +97,7 @@ RATIOS = {
     "hit_rate_ratio_vs_default": "prefix_hit_rate",
     "simulated_ratio_vs_default": "simulated_s",
 }
-#: At several replicas: the makespan over vllm-default's behind round-robin (issue #19's router criterion).
+#: At several replicas: the makespan over vllm-default's behind round-robin (the router's criterion).
 RR_RATIO = "makespan_ratio_vs_round_robin_default"
 #: Summary keys that are lists or dicts (kept in summary.json, left out of the tables).
 _NON_SCALAR = ("makespan_per_step_s", "group_completion_s", "tail_bubble_per_step_s", "bound_per_step_s")
