@@ -4,7 +4,10 @@ For each case the script starts ``vllm serve`` on a real architecture (Qwen2.5-7
 here; ``--load-format dummy``: random weights, no download; ``--skip-tokenizer-init``: prompts as token ids)
 with the kvpilot hook, replays the workload with ``kvpilot replay`` (:mod:`training.replay`), stops the
 server, and simulates the same workload with the same policy on the cost-model preset (``--preset``). It
-prints the measured and simulated makespans and their ratio: the cost model's calibration on that GPU.
+prints the measured and simulated makespans and their ratio: the cost model's calibration on that GPU. Then
+``kvpilot calibrate`` fits a preset to the ``vllm-default`` case's own steps and client round trips (its
+telemetry and the workload replayed), and the cases without the tier are simulated on that preset too (a fitted
+preset has no host tier).
 
 Cases: ``vllm-default`` (the hook, zero-cost), ``vllm-offload`` (vLLM's native CPU offload,
 ``--kv-offloading-size``) and ``champion`` (policy ``registry`` serving ``models:/kvpilot@champion`` over the
@@ -13,7 +16,8 @@ offload tier; skipped when the registry, ``MLFLOW_TRACKING_URI``, has none).
     python benchmarks/gpu_replay.py                      # on a GPU machine, the project's venv (vLLM 0.33)
     python benchmarks/gpu_replay.py --dry-run --prompts 2   # anywhere: workload, commands, simulations only
 
-Not run on a GPU in the session that wrote it (no device was lent); the dry path was run on a CPU.
+Not run on a GPU in the session that wrote it (no device was lent); the dry path was run on a CPU, and the
+calibration step on the CPU server's telemetry (benchmarks/real_engine.py's).
 """
 
 from __future__ import annotations
@@ -118,15 +122,16 @@ def run_server_case(cmd: list[str], env: dict[str, str], log: Path, workload: An
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def simulate(workload: Any, policy: str, preset: str, offload_gib: float, offload: bool) -> Optional[float]:
-    """The simulator's mean step makespan for the same workload and policy (None: it cannot run, e.g. no
-    champion in the registry)."""
+def simulate(workload: Any, policy: str, preset: str, offload_gib: float, offload: bool,
+             time_scale: float = 1.0) -> Optional[float]:
+    """The simulator's mean step makespan for the same workload, policy and time scale (None: it cannot run, e.g.
+    no champion in the registry)."""
     from simulator.config import SimulationError
     from simulator.simulation import run_simulation
 
     try:
         result = run_simulation(workload, policy, preset=preset, offload_gib=offload_gib if offload else 0.0,
-                                progress=False)
+                                progress=False, time_scale=time_scale)
     except (SimulationError, ValueError) as e:
         print(f"  simulation of {policy} skipped: {e}", file=sys.stderr)
         return None
@@ -145,6 +150,26 @@ def champion_missing() -> Optional[str]:
     except model_registry.RegistryError as e:
         return str(e)
     return None
+
+
+def calibrate_on(out: Path, wl_path: Path, workload: Any, rows: list[dict], args: argparse.Namespace) -> None:
+    """``kvpilot calibrate`` on the measured ``vllm-default`` case (its steps, and the client's round trips on the
+    workload replayed); each case without the tier simulated again on that preset (``calibrated_makespan_s``)."""
+    from simulator.fitted_cost import write_preset_file
+    from training.calibrate import CalibrateConfig, calibrate
+
+    base = next((r for r in rows if r["case"] == "vllm-default" and r["measured_makespan_s"]), None)
+    if base is None:
+        print("\ncalibration: needs a measured vllm-default case (not with --dry-run)", flush=True)
+        return
+    cal = calibrate([out / "telemetry-vllm-default"],
+                    CalibrateConfig(name="gpu-calibrated", workload=wl_path, time_scale=args.time_scale))
+    preset = out / "gpu-calibrated.toml"
+    write_preset_file(cal.cost, preset, cal.fit_record())
+    print(f"\ncalibrated on vllm-default's steps ({preset}):\n{cal.render()}", flush=True)
+    for r in rows:
+        if not r["offload"]:
+            r["calibrated_makespan_s"] = simulate(workload, r["policy"], str(preset), 0.0, False, args.time_scale)
 
 
 def main() -> None:
@@ -175,7 +200,8 @@ def main() -> None:
     print(f"workload {wl_path}: {workload.num_rows} requests, {len(workload.sessions)} trajectories; "
           f"preset {args.preset}; working folder {out}")
     rows = []
-    for case in [c.strip() for c in args.cases.split(",") if c.strip()]:
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    for case in cases:
         if case not in CASES:
             sys.exit(f"unknown case {case!r}; known: {', '.join(CASES)}")
         policy, offload = CASES[case]
@@ -183,7 +209,8 @@ def main() -> None:
             print(f"\n[{case}] skipped: {why}", flush=True)
             continue
         cmd = server_command(model, free_port(), max_len, args.offload_gib, offload)
-        env = dict(os.environ, KVPILOT_POLICY=policy, PYTHONPATH=str(ROOT), VLLM_SERVER_DEV_MODE="1")
+        env = dict(os.environ, KVPILOT_POLICY=policy, PYTHONPATH=str(ROOT), VLLM_SERVER_DEV_MODE="1",
+                   KVPILOT_TELEMETRY_DIR=str(out / f"telemetry-{case}"))
         if policy == "registry":
             env.setdefault("KVPILOT_MODEL_URI", "models:/kvpilot@champion")
         print(f"\n[{case}] KVPILOT_POLICY={policy} {' '.join(cmd)}", flush=True)
@@ -195,14 +222,18 @@ def main() -> None:
             print(f"  measured: makespan {measured:.2f} s, {summary['requests']} requests "
                   f"({summary['failed']} failed), hit rate {summary['prefix_hit_rate']:.3f}, "
                   f"{summary['preemptions']} preemptions", flush=True)
-        simulated = simulate(workload, policy, args.preset, args.offload_gib, offload)
-        rows.append({"case": case, "measured_makespan_s": measured, "simulated_makespan_s": simulated,
+        simulated = simulate(workload, policy, args.preset, args.offload_gib, offload, args.time_scale)
+        rows.append({"case": case, "policy": policy, "offload": offload, "measured_makespan_s": measured,
+                     "simulated_makespan_s": simulated,
                      "measured_over_simulated": measured / simulated if measured and simulated else None})
-    print("\ncase           measured_s  simulated_s  measured/simulated")
+    calibrate_on(out, wl_path, workload, rows, args)
+    print("\ncase           measured_s  simulated_s  measured/simulated  calibrated_s  measured/calibrated")
     for r in rows:
         m, s, q = r["measured_makespan_s"], r["simulated_makespan_s"], r["measured_over_simulated"]
+        c = r.get("calibrated_makespan_s")
         print(f"{r['case']:<14} {'-' if m is None else f'{m:.2f}':>10}  {'-' if s is None else f'{s:.2f}':>11}  "
-              f"{'-' if q is None else f'{q:.3f}':>18}")
+              f"{'-' if q is None else f'{q:.3f}':>18}  {'-' if c is None else f'{c:.2f}':>12}  "
+              f"{'-' if not (m and c) else f'{m / c:.3f}':>19}")
     (out / "gpu_replay.json").write_text(json.dumps(rows, indent=2))
     print(f"\n{out / 'gpu_replay.json'}")
 
