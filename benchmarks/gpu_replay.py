@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -209,8 +210,10 @@ def main() -> None:
             print(f"\n[{case}] skipped: {why}", flush=True)
             continue
         cmd = server_command(model, free_port(), max_len, args.offload_gib, offload)
-        env = dict(os.environ, KVPILOT_POLICY=policy, PYTHONPATH=str(ROOT), VLLM_SERVER_DEV_MODE="1",
-                   KVPILOT_TELEMETRY_DIR=str(out / f"telemetry-{case}"))
+        env = dict(os.environ, KVPILOT_POLICY=policy, PYTHONPATH=str(ROOT), VLLM_SERVER_DEV_MODE="1")
+        if case == "vllm-default" and not args.dry_run:  # the calibration's steps; the other cases log nothing
+            shutil.rmtree(out / "telemetry-vllm-default", ignore_errors=True)
+            env["KVPILOT_TELEMETRY_DIR"] = str(out / "telemetry-vllm-default")
         if policy == "registry":
             env.setdefault("KVPILOT_MODEL_URI", "models:/kvpilot@champion")
         print(f"\n[{case}] KVPILOT_POLICY={policy} {' '.join(cmd)}", flush=True)
@@ -226,7 +229,11 @@ def main() -> None:
         rows.append({"case": case, "policy": policy, "offload": offload, "measured_makespan_s": measured,
                      "simulated_makespan_s": simulated,
                      "measured_over_simulated": measured / simulated if measured and simulated else None})
-    calibrate_on(out, wl_path, workload, rows, args)
+    (out / "gpu_replay.json").write_text(json.dumps(rows, indent=2))  # the measured runs, before anything can fail
+    try:
+        calibrate_on(out, wl_path, workload, rows, args)
+    except (OSError, ValueError) as e:  # CalibrationError and PresetFileError are ValueErrors
+        print(f"\ncalibration failed: {e}", flush=True)
     print("\ncase           measured_s  simulated_s  measured/simulated  calibrated_s  measured/calibrated")
     for r in rows:
         m, s, q = r["measured_makespan_s"], r["simulated_makespan_s"], r["measured_over_simulated"]

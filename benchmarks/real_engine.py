@@ -181,7 +181,8 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     wl_path = args.out / "heldout.parquet"
-    write_workload(agentic_steps(args.seed, args.prompts, args.group_size, args.max_tokens), wl_path)
+    if not args.analyse_only:  # (the runs analysed again are of the workload they replayed)
+        write_workload(agentic_steps(args.seed, args.prompts, args.group_size, args.max_tokens), wl_path)
     workload = load_workload(wl_path)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     print(f"held-out step: {workload.num_rows} requests, {len(workload.sessions)} sessions; KV {args.kv_blocks} "

@@ -57,8 +57,6 @@ def resolve_length_predictor(spec: Any, workload: Any = None, *, policy: str = "
     return resolve_predictor(LENGTH_PREDICTOR, spec, workload, policy=policy)
 
 
-
-
 def admission_limit(state: EngineState, n: int) -> int:
     """How many waiting requests an admission order needs to list this step.
 

@@ -375,8 +375,8 @@ class OnlineNextUse:
 
 
 def _session_state(_: Any) -> Any:
-    """``"session-state"``: :class:`policy.session_reuse.SessionStateNextUse` (imported here: it reads the tool
-    latencies of :mod:`policy.baselines._tool_pauses`, which imports this module)."""
+    """``"session-state"``: :class:`policy.session_reuse.SessionStateNextUse` (imported when asked for, as the
+    other predictors' models are)."""
     from policy.session_reuse import SessionStateNextUse
 
     return SessionStateNextUse()

@@ -159,8 +159,12 @@ class AsyncDriver(StepDriver):
         super().submit(row, t)
 
     def _context(self, traj: Trajectory) -> int:
-        """A session's context now: the prompt of its latest turn (sent, held or on its tool)."""
-        return self.workload.prompt_tokens[traj.turns[max(traj.next_turn - 1, 0)]]
+        """A session's context now: the prompt of its latest turn (sent, held or on its tool), and its output while
+        the response is on its way back to the client."""
+        w = self.workload
+        if traj.returning is not None:
+            return w.prompt_tokens[traj.returning] + w.output_tokens[traj.returning]
+        return w.prompt_tokens[traj.turns[max(traj.next_turn - 1, 0)]]
 
     def _holds(self, traj: Trajectory) -> bool:
         """working-set: whether ``traj``'s next turn waits (:func:`policy.group_width.working_set_holds`)."""
@@ -345,12 +349,19 @@ class AsyncDriver(StepDriver):
                 self.kv_by_age[self.version - traj.version] += reqs[rid].num_computed_tokens
 
     def _count_paused_sessions(self) -> None:
-        """The context of sessions paused on a tool, whose cached blocks a reset drops."""
+        """The context of sessions paused on a tool (or with a turn's response on its way back), whose cached
+        blocks a reset drops."""
         w = self.workload
         for traj in self.trajectories:
-            if traj.waiting_row is not None and not traj.done and not traj.aborted:
+            if traj.done or traj.aborted:
+                continue
+            if traj.waiting_row is not None:
                 prev = traj.turns[traj.next_turn - 2]
-                self.reprefill_tokens += w.prompt_tokens[prev] + w.output_tokens[prev]
+            elif traj.returning is not None and w.kind[traj.returning] == "rollout":
+                prev = traj.returning
+            else:
+                continue
+            self.reprefill_tokens += w.prompt_tokens[prev] + w.output_tokens[prev]
 
     def _abort_all(self, rep: Replica, t: float) -> None:
         """abort: every request on the engine is aborted (to be resubmitted with its tokens so far) and the prefix

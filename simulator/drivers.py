@@ -12,7 +12,8 @@ Drivers
   step s-1 ends, all its turn-0 requests at once; it ends when every trajectory
   of it and its verification are done.
 * **Multi-turn sessions**: a turn that is not its session's last returns, after
-  its ``tool_latency_s``, as the next turn (a new request whose prompt extends
+  the client's round trip (:mod:`simulator.round_trip`; 0 unless set) and its
+  ``tool_latency_s``, as the next turn (a new request whose prompt extends
   the context). Its chain shares the previous turn's blocks, so it hits the
   cache only if they were kept.
 * **Verification and scoring**: when a trajectory's last turn ends, its verifier
@@ -59,6 +60,7 @@ class Trajectory:
         "live",
         "next_turn",
         "outstanding",
+        "returning",
         "scoring",
         "session",
         "start",
@@ -81,6 +83,7 @@ class Trajectory:
         self.live: set[str] = set()  # request ids of its requests submitted and not finished
         self.done = False
         self.waiting_row: int | None = None  # a next turn in flight (tool call), not yet submitted
+        self.returning: int | None = None  # a finished request's row whose response is on its way to the client
         self.version = 0  # the weight version it started at
 
 
@@ -99,8 +102,8 @@ class StepState:
 
 class StepDriver:
     """Synchronous RL steps (or a trace replay), multi-turn tool pauses, verification and scoring,
-    over-provisioning; the event handlers :meth:`submit`, :meth:`verified`, :meth:`release` and
-    :meth:`finished` (the fleet's ``on_finished``)."""
+    over-provisioning; the event handlers :meth:`submit`, :meth:`verified`, :meth:`release`, :meth:`follow_up`
+    and :meth:`finished` (the fleet's ``on_finished``)."""
 
     def __init__(self, workload: PreparedWorkload, fleet: Fleet, clock: EventClock, runner: ScriptedRunner,
                  overprovision: Overprovision | None, progress: Any = None, *, reset_at_weight_sync: bool = True,
@@ -202,7 +205,8 @@ class StepDriver:
         return None
 
     def finished(self, request_id: str, t: float) -> None:
-        """An engine finished ``request_id`` at ``t``: the next turn, verification and scoring, or the end."""
+        """An engine finished ``request_id`` at ``t``: its client has the response a round trip later
+        (:meth:`follow_up`: the next turn, verification and scoring, or the end)."""
         w = self.workload
         row = self.row(request_id)
         self.finished_count[row] += 1
@@ -222,6 +226,7 @@ class StepDriver:
                 self._traj_done(traj, traj.end)
             return
         if self.round_trip is not None:
+            traj.returning = row
             self.clock.push(t + self.round_trip.draw(), FOLLOW_UP, (traj, row))
         else:
             self.follow_up((traj, row), t)
@@ -230,6 +235,7 @@ class StepDriver:
         """The client has the response of a trajectory's request (``finished``: the trajectory, the row) at ``t``:
         the next turn after its tool, or verification and scoring, or (scoring) the parse."""
         traj, row = finished
+        traj.returning = None
         if traj.aborted:  # while the response was on its way back
             return
         w = self.workload

@@ -202,7 +202,7 @@ class Simulation:
             bound=self.makespan_bound(metrics.simulated_s), offload=offload, gpu=gpu, trained=trained,
             driver=self.driver_stats(), throughput_bound=self.throughput_bound(trained.trajectories_per_s),
             workload_source=self.workload.source, time_scale=config.time_scale,
-            round_trip_s=RoundTrip(config.round_trip_quantiles_s).median_s,
+            round_trip_s=0.0 if self.workload.trace else RoundTrip(config.round_trip_quantiles_s).median_s,
         )
 
     def makespan_bound(self, simulated_s: float) -> MakespanBoundSummary:

@@ -192,3 +192,19 @@ def test_round_trips_are_drawn_from_the_measured_quantiles(known_run, tmp_path):
     bad.write_text(Path(preset).read_text() + "\n[client]\nround_trip_quantiles_s = [0.2, 0.1]\n")
     with pytest.raises(PresetFileError, match="client.round_trip_quantiles_s must be a list of non-decreasing"):
         read_preset_file(bad)
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_every_driver_waits_the_round_trip_and_stays_deterministic(driver):
+    """A follow-up waits the client's round trip in the synchronous and the asynchronous driver alike; one seed
+    gives one run."""
+    from simulator.simulation import run_simulation
+
+    def run(trip: float, seed: int = 0):
+        return run_simulation(small_workload(), "vllm-default", progress=False, driver=driver, round_trip_s=trip,
+                              round_trip_seed=seed, kv_fraction=0.5).summary
+
+    at_once, late, again = run(0.0), run(0.2), run(0.2)
+    assert late.round_trip_s == 0.2 and at_once.round_trip_s == 0.0
+    assert late.metrics.makespan_s > at_once.metrics.makespan_s
+    assert again.metrics.makespan_s == late.metrics.makespan_s

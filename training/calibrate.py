@@ -54,6 +54,8 @@ class CalibrateConfig:
             raise CalibrationError(f"--holdout must be in (0, 1), got {self.holdout}")
         if not self.time_scale >= 0:
             raise CalibrationError(f"--time-scale must be >= 0, got {self.time_scale}")
+        if self.workload is None and self.time_scale != 1.0:
+            raise CalibrationError("--time-scale scales --workload's tool waits: give the workload the client replayed")
         if self.min_steps < 10:
             raise CalibrationError(f"min_steps must be >= 10, got {self.min_steps}")
 
@@ -136,12 +138,14 @@ def _engine(steps: pa.Table, sources: Sequence[str]) -> EngineShape:
 def round_trip(dirs: Sequence[Path], workload: Path, time_scale: float) -> tuple[tuple[float, ...], int]:
     """(quantiles at 0, 5, ..., 100%, follow-ups) of the seconds from the engine finishing a turn to the session's
     next turn arriving, less the workload's tool wait at ``time_scale``, over the requests telemetry of ``dirs``
-    (each replay of ``workload`` in a folder is its own run: a session's turns pair in arrival order, turn k with
-    turn k + 1)."""
+    (a session's turns pair in arrival order, turn k with turn k + 1, so the replays of ``workload`` a folder holds
+    must not overlap in time: a server's runs one after another, as ``replay`` and ``benchmarks/real_engine.py``
+    make them, not several simulations, whose clocks each start at 0)."""
     from simulator.workload import load_workload
 
     wl = load_workload(workload)
-    wait = {(s, t): (x or 0.0) * time_scale for s, t, x in zip(wl.session_id, wl.turn, wl.tool_latency_s)}
+    wait = {(s, t): (x or 0.0) * time_scale for s, t, x, k in zip(wl.session_id, wl.turn, wl.tool_latency_s, wl.kind)
+            if k == "rollout"}  # the agent's turns: a scoring request follows no tool
     gaps = []
     for d in dirs:
         tdir = next(c for c in (Path(d) / "telemetry", Path(d)) if (c / "steps").is_dir())
@@ -154,7 +158,8 @@ def round_trip(dirs: Sequence[Path], workload: Path, time_scale: float) -> tuple
                 gaps.append(b["arrival_s"] - a["finish_s"] - wait[key])
     if not gaps:
         raise CalibrationError(f"no session of {workload} has two turns in the telemetry ({', '.join(map(str, dirs))}):"
-                               " is it the workload these servers replayed?")
+                               " is it the workload these servers replayed, and did the client send session ids "
+                               "(kvpilot_session_id, as kvpilot replay does)?")
     return tuple(float(v) for v in np.quantile(np.maximum(gaps, 0.0), np.linspace(0, 1, 21))), len(gaps)
 
 

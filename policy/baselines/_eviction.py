@@ -24,10 +24,6 @@ def resolve_reuse_predictor(spec: Any, workload: Any = None, *, policy: str = "p
     return resolve_predictor(REUSE_PREDICTOR, spec, workload, policy=policy)
 
 
-
-
-
-
 class ReuseEventsMixin:
     """Forwards every event to ``self.reuse.observe`` (when the predictor has one)."""
 

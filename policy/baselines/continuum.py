@@ -12,7 +12,7 @@ call). Reported JCT more than 8x better on SWE-bench / BFCL agents.
 
 **Mechanism as implemented.**
 
-* *Tool latency, learned online* (:mod:`policy.baselines._tool_pauses`, shared
+* *Tool latency, learned online* (:mod:`policy.tool_latency`, shared
   with InferCept and the working set). ``TOOL_CALL_STARTED`` (a turn with tool
   metadata finished) starts a clock for its session; ``TOOL_CALL_ENDED`` (the
   session's next turn arrived) stops it. The last ``window`` latencies of each
@@ -75,7 +75,7 @@ class ToolPauseTTLPolicy(PauseEventsMixin, Policy):
     """Pin a tool-paused turn's prefix for a TTL from the tool's latency; keep programs' arrival order.
 
     ``latency_options`` (``ttl_quantile``, ``prior_ttl_s``, ``min_observations``, ``window``, ``min_ttl_s``,
-    ``max_ttl_s``) configure the learned tool latencies (:class:`policy.baselines._tool_pauses.ToolLatencies`).
+    ``max_ttl_s``) configure the learned tool latencies (:class:`policy.tool_latency.ToolLatencies`).
     """
 
     name = "continuum"

@@ -16,7 +16,7 @@ length and the context size, and re-evaluates the preserved requests at every it
   context): ``blocks x offload_load_s_per_block x blocks`` (the context waits for its load).
 
 Preserve answers ``PROTECT`` with a TTL (the ``ttl_quantile`` of the tool's learned latency, clamped:
-continuum's, :mod:`policy.baselines._tool_pauses`), discard ``DEMOTE`` (first in line for eviction), swap
+continuum's, :mod:`policy.tool_latency`), discard ``DEMOTE`` (first in line for eviction), swap
 ``OFFLOAD`` (the GPU copy goes first; the return loads from the tier). Ties go to preserve, then swap. The
 expected pause is the **mean** of the tool's learned latencies (the tool's, else all tools', else the
 prior ``prior_ttl_s``).
@@ -77,7 +77,7 @@ class InterceptWastePolicy(PauseEventsMixin, Policy):
     """Per paused prefix, the least-waste choice of preserve (pin), swap (offload) and discard (demote).
 
     ``latency_options`` (``ttl_quantile``, ``prior_ttl_s``, ``min_observations``, ``window``, ``min_ttl_s``,
-    ``max_ttl_s``) configure the learned tool latencies (:class:`policy.baselines._tool_pauses.ToolLatencies`).
+    ``max_ttl_s``) configure the learned tool latencies (:class:`policy.tool_latency.ToolLatencies`).
     """
 
     name = "infercept"

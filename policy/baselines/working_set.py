@@ -26,7 +26,7 @@ last, including its tool pauses (the next turn reads it all again).
   With no session active and none admitted yet, the first new session is admitted even if it does not fit,
   so the policy never holds everything (liveness does not rest on the hook's maximum hold time).
 * *Retention.* A paused session's blocks are part of its working set: ``PROTECT`` with a TTL learned as
-  continuum does (:mod:`policy.baselines._tool_pauses`), released once its next turn is scheduled. With
+  continuum does (:mod:`policy.tool_latency`), released once its next turn is scheduled. With
   ``offload`` (``working-set-offload``), a paused prefix whose pin would take the pinned blocks past half
   of the KV cache is ``OFFLOAD`` ed instead (its return loads from the CPU tier).
 
@@ -67,7 +67,7 @@ class WorkingSetAdmissionPolicy(PauseEventsMixin, Policy):
     """Hold new sessions whose expected working set does not fit beside the active ones; pin paused sessions.
 
     ``latency_options`` (``ttl_quantile``, ``prior_ttl_s``, ``min_observations``, ``window``, ``min_ttl_s``,
-    ``max_ttl_s``) configure the learned tool latencies (:class:`policy.baselines._tool_pauses.ToolLatencies`);
+    ``max_ttl_s``) configure the learned tool latencies (:class:`policy.tool_latency.ToolLatencies`);
     ``min_observations`` and ``window`` also apply to the learned final contexts.
     """
 
