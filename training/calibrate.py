@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.io import read_telemetry
+from predictors.logs import telemetry_dir
 from simulator.fitted_cost import EngineShape, FittedCost
 
 __all__ = ["CalibrateConfig", "Calibration", "CalibrationError", "calibrate", "read_steps", "round_trip"]
@@ -148,7 +149,9 @@ def round_trip(dirs: Sequence[Path], workload: Path, time_scale: float) -> tuple
             if k == "rollout"}  # the agent's turns: a scoring request follows no tool
     gaps = []
     for d in dirs:
-        tdir = next(c for c in (Path(d) / "telemetry", Path(d)) if (c / "steps").is_dir())
+        tdir = telemetry_dir(Path(d))
+        if tdir is None:
+            raise CalibrationError(f"{d}: no requests telemetry (expected {d}/requests or {d}/telemetry/requests)")
         q = read_telemetry(tdir, "requests", ["session_id", "turn", "arrival_s", "finish_s"]).to_pylist()
         q.sort(key=lambda r: (r["session_id"] or "", r["arrival_s"]))
         for a, b in zip(q, q[1:]):
