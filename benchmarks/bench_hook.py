@@ -58,6 +58,8 @@ import time
 import zlib
 from pathlib import Path
 
+from simulator import fake_runner
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 for _v in ("KVPILOT_POLICY", "KVPILOT_POLICY_OPTIONS", "KVPILOT_TELEMETRY_DIR"):
@@ -94,14 +96,14 @@ def build(engine, cls, running, mode, meta=group_meta):
         max_num_seqs=running if mode == "seq" else running + WAITING,
         max_num_batched_tokens=max(8192, running * PROMPT),
     )
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
 
     def add(lo, hi):
         for i in range(lo, hi):
             s.add_request(
                 engine.make_request(
                     f"r{i}",
-                    engine.prompt_tokens(f"bench-{i}", PROMPT),
+                    fake_runner.prompt_tokens(f"bench-{i}", PROMPT),
                     100_000,
                     arrival_time=float(i),
                     extra_args=meta(i),
@@ -230,7 +232,7 @@ def sessions_build(engine, cls, running, tier_share=4.0, host_policy=False, turn
                                   offload_blocks=int(tier_share * blocks), host_policy=host_policy)
     s = engine.make_scheduler(cls, num_blocks=blocks, vllm_config=cfg)
     worker = OffloadWorker(cost, cost.kv_block_bytes(16))
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     now = [0.0]
     if hasattr(s, "kvpilot_clock"):
         s.kvpilot_clock = lambda: now[0]
@@ -248,7 +250,7 @@ def sessions_build(engine, cls, running, tier_share=4.0, host_policy=False, turn
         s.add_request(engine.make_request(rid, p, out, arrival_time=now[0], extra_args=meta))
 
     for i in range(n):
-        prompts[f"s{i}"] = engine.prompt_tokens(f"sess-{i}", PROMPT)
+        prompts[f"s{i}"] = fake_runner.prompt_tokens(f"sess-{i}", PROMPT)
         add(f"s{i}", 0)
 
     k = 0  # the engine step
@@ -273,12 +275,12 @@ def sessions_build(engine, cls, running, tier_share=4.0, host_policy=False, turn
                     rid = o.request_id
                     sid, turn = rid.rsplit("-t", 1)
                     if int(turn) < SESSION_TURNS - 1:  # the tool runs; the next turn holds the whole context
-                        prompts[sid] = prompts[sid] + engine.output_tokens(rid, lengths[rid]) + \
-                            engine.prompt_tokens(f"{rid}-tool", 16)
+                        prompts[sid] = prompts[sid] + fake_runner.output_tokens(rid, lengths[rid]) + \
+                            fake_runner.prompt_tokens(f"{rid}-tool", 16)
                         returns.append((k + SESSION_PAUSE_STEPS, sid, int(turn) + 1))
                     else:  # a new session takes its place
                         new = f"{sid}n"
-                        prompts[new] = engine.prompt_tokens(f"sess-{new}", PROMPT)
+                        prompts[new] = fake_runner.prompt_tokens(f"sess-{new}", PROMPT)
                         returns.append((k, new, 0))
         if timed:
             return dt, getattr(s, "kvpilot_stats", None)

@@ -18,6 +18,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from simulator import fake_runner
+
 
 def _median_us(fn: Callable[[], object], reps: int) -> float:
     times = []
@@ -40,20 +42,20 @@ def main(argv: list[str] | None = None) -> None:
 
     ident = SessionIdentity(engine.BLOCK_SIZE)
     for k in range(args.chains):
-        r = engine.make_request(f"f{k}", engine.prompt_tokens(f"f{k}", 64), 24)
-        r.append_output_token_ids(engine.output_tokens(r.request_id, 24))
+        r = engine.make_request(f"f{k}", fake_runner.prompt_tokens(f"f{k}", 64), 24)
+        r.append_output_token_ids(fake_runner.output_tokens(r.request_id, 24))
         ident.finished(r, ident.meta(r))
     print(f"{'prompt tokens':>13} {'vllm hash us':>13} {'ids us':>8} {'fresh us':>9} {'continued us':>13} "
           f"{'ids/hash':>9} {'fresh/hash':>11} {'cont/hash':>10}")
     for n in args.tokens:
-        prompt = engine.prompt_tokens(f"p{n}", n - 40)
+        prompt = fake_runner.prompt_tokens(f"p{n}", n - 40)
         ids = {"kvpilot_session_id": "s", "kvpilot_turn": 1}
         vllm_us = _median_us(lambda p=prompt: engine.make_request("h", p, 8), args.reps)
         prev = engine.make_request(f"prev{n}", prompt, 24)
-        prev.append_output_token_ids(engine.output_tokens(prev.request_id, 24))
+        prev.append_output_token_ids(fake_runner.output_tokens(prev.request_id, 24))
         ident.finished(prev, ident.meta(prev))
-        nxt = engine.make_request("n", list(prev.all_token_ids) + engine.prompt_tokens("tool", 16), 8)
-        fresh = engine.make_request("x", engine.prompt_tokens(f"x{n}", n), 8)
+        nxt = engine.make_request("n", list(prev.all_token_ids) + fake_runner.prompt_tokens("tool", 16), 8)
+        fresh = engine.make_request("x", fake_runner.prompt_tokens(f"x{n}", n), 8)
         explicit = engine.make_request("e", prompt, 8, extra_args=ids)
         assert ident.meta(nxt).session_id == prev.request_id and ident.meta(fresh).session_id == "x"
         ids_us = _median_us(lambda r=explicit: ident.meta(r), args.reps)

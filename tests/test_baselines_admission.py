@@ -36,6 +36,7 @@ from policy.interface import (
     RequestStatus,
 )
 from policy.predictors import DomainMeanLengthPredictor, OracleLengthPredictor
+from simulator import fake_runner
 from tests.hooks import hook_scheduler as _hook
 
 NAMES = ("vllm-priority", "sjf-predicted", "sortedrl", "heddle", "rolloutpipe", "seer")
@@ -501,7 +502,7 @@ class _Run:
         self.s = engine.make_scheduler(_hook(policy), num_blocks=num_blocks, max_num_seqs=max_num_seqs)
         # a fixed clock: arrival times are small numbers, wait_s = 10 - arrival
         self.s.kvpilot_clock = clock if clock is not None else _FixedClock(10.0)
-        self.runner = engine.FakeRunner()
+        self.runner = fake_runner.FakeRunner()
         self.admitted: list[str] = []
         self.finished: dict[str, int] = {}
         self.preempted: list[list[str]] = []
@@ -511,7 +512,7 @@ class _Run:
         self.s.add_request(
             self.engine.make_request(
                 rid,
-                self.engine.prompt_tokens(rid, 20),
+                fake_runner.prompt_tokens(rid, 20),
                 max_tokens,
                 arrival_time=arrival,
                 extra_args=extra,
@@ -555,7 +556,7 @@ def test_vllm_priority_admits_and_preempts_by_priority(vllm_engine):
     for i, prio in enumerate((0, 5, 1, 0)):
         r.s.add_request(
             vllm_engine.make_request(
-                f"r{i}", vllm_engine.prompt_tokens(f"v{i}", 31), 8, arrival_time=float(i), priority=prio
+                f"r{i}", fake_runner.prompt_tokens(f"v{i}", 31), 8, arrival_time=float(i), priority=prio
             )
         )
     while not r.preempted:
@@ -593,7 +594,7 @@ def test_sjf_preempts_longest_predicted(vllm_engine):
     for i, t in enumerate((0.0, 0.0, 9.0, 9.0)):
         r.s.add_request(
             vllm_engine.make_request(
-                f"r{i}", vllm_engine.prompt_tokens(f"v{i}", 31), 30 if i == 1 else 8, arrival_time=t
+                f"r{i}", fake_runner.prompt_tokens(f"v{i}", 31), 30 if i == 1 else 8, arrival_time=t
             )
         )
     while not r.preempted:

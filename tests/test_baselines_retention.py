@@ -39,6 +39,7 @@ from policy.interface import (
 )
 from policy.predictors import OracleReusePredictor, row_key
 from policy.tool_latency import quantile
+from simulator import fake_runner
 from tests.hooks import hook_scheduler as _hook
 
 INF = math.inf
@@ -399,7 +400,7 @@ def _run_prefixes(engine, s, runner, specs, clock=None, dt=0.0):
     """Run one request per (name, n_tokens, extra_args), one after the other."""
     prompts = {}
     for name, n, extra in specs:
-        prompts[name] = engine.prompt_tokens(f"bl-{name}", n)
+        prompts[name] = fake_runner.prompt_tokens(f"bl-{name}", n)
         s.add_request(engine.make_request(name, prompts[name], 2, extra_args=extra))
         _run_until_done(s, runner)
         if clock is not None:
@@ -419,15 +420,15 @@ def _continuum_scenario(engine, tool_s):
     policy = ToolPauseTTLPolicy(prior_ttl_s=5.0)
     s = engine.make_scheduler(_hook(policy, max_pinned_fraction=0.5), num_blocks=13, max_num_seqs=4)
     s.kvpilot_clock = clock
-    runner = engine.FakeRunner()
-    p_prompt = engine.prompt_tokens("bl-agent", 64)
+    runner = fake_runner.FakeRunner()
+    p_prompt = fake_runner.prompt_tokens("bl-agent", 64)
     s.add_request(engine.make_request("P", p_prompt, 2, extra_args=_xa("agent", 0, "search")))
     _run_until_done(s, runner)
     runner.step(s)  # retention decision
     assert s.kvpilot_pinned_blocks == 4
     clock.t += tool_s
     for i in range(2):  # pressure while the tool runs: LRU alone would evict P (see test_hook_levers)
-        s.add_request(engine.make_request(f"F{i}", engine.prompt_tokens(f"bl-filler{i}", 100), 2))
+        s.add_request(engine.make_request(f"F{i}", fake_runner.prompt_tokens(f"bl-filler{i}", 100), 2))
         _run_until_done(s, runner)
     s.add_request(engine.make_request("P2", p_prompt + [7] * 10, 2, extra_args=_xa("agent", 1)))
     out = runner.step(s)
@@ -461,9 +462,9 @@ def _three_prefix_eviction(engine, policy_cls_or_none, specs):
     s = engine.make_scheduler(cls, num_blocks=13, max_num_seqs=4)
     if policy_cls_or_none is not None:
         s.kvpilot_clock = clock
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     prompts = _run_prefixes(engine, s, runner, specs)
-    s.add_request(engine.make_request("F", engine.prompt_tokens("bl-filler", 144), 1))
+    s.add_request(engine.make_request("F", fake_runner.prompt_tokens("bl-filler", 144), 1))
     _run_until_done(s, runner)
     return s, {k: _cached(engine, s, p + [1]) for k, p in prompts.items()}
 
@@ -508,8 +509,8 @@ def _block_belady_run(engine, policy):
     s = engine.make_scheduler(_hook(policy) if policy is not None else None, num_blocks=13, max_num_seqs=4)
     if policy is not None:
         s.kvpilot_clock = clock
-    runner = engine.FakeRunner()
-    parts = {k: engine.prompt_tokens(f"bb-{k}", n) for k, n in _BLOCK_TOKENS.items()}
+    runner = fake_runner.FakeRunner()
+    parts = {k: fake_runner.prompt_tokens(f"bb-{k}", n) for k, n in _BLOCK_TOKENS.items()}
     prompts, hits, after_f = {}, {}, {}
     for name, session, keys in _BLOCK_RUNS:
         prompts[name] = [t for k in keys for t in parts[k]]
@@ -591,9 +592,9 @@ def _marconi_run(engine, alpha):
     clock = FakeClock()
     s = engine.make_scheduler(_hook(FlopsAwareEvictionPolicy(alpha=alpha)), num_blocks=13, max_num_seqs=4)
     s.kvpilot_clock = clock
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     prompts = _run_prefixes(engine, s, runner, [("L", 96, None), ("S", 32, None)], clock=clock, dt=10.0)
-    s.add_request(engine.make_request("F", engine.prompt_tokens("bl-mfill", 96), 1))
+    s.add_request(engine.make_request("F", fake_runner.prompt_tokens("bl-mfill", 96), 1))
     _run_until_done(s, runner)
     return {k: _cached(engine, s, p + [1]) for k, p in prompts.items()}
 
@@ -613,9 +614,9 @@ def _lrb_run(engine, seed):
     policy = SampledNextUseEvictionPolicy(sample_size=2, seed=seed, reuse_predictor=StubReuse(table))
     s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
     s.kvpilot_clock = FakeClock()
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     prompts = _run_prefixes(engine, s, runner, [(f"P{i}", 32, None) for i in range(4)])
-    s.add_request(engine.make_request("F", engine.prompt_tokens("bl-lfill", 96), 1))
+    s.add_request(engine.make_request("F", fake_runner.prompt_tokens("bl-lfill", 96), 1))
     _run_until_done(s, runner)
     return policy, {k: _cached(engine, s, p + [1]) for k, p in prompts.items()}
 

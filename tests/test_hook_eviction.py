@@ -15,6 +15,7 @@ import pytest
 
 from policy.interface import EvictionDecision, Policy
 from serving_hook import block_pool, eviction
+from simulator import fake_runner
 from tests.hooks import hook_scheduler as _hook
 from tests.hooks import stock_scheduler as _stock
 
@@ -57,7 +58,7 @@ def _prefixes(engine, s, runner, names):
     """Run one 48-token request per name, one after the other (3 cached blocks each)."""
     prompts = {}
     for n in names:
-        prompts[n] = engine.prompt_tokens(f"ev-{n}", 48)
+        prompts[n] = fake_runner.prompt_tokens(f"ev-{n}", 48)
         s.add_request(engine.make_request(n, prompts[n], 2))
         _run_until_done(s, runner)
     for n in names:
@@ -69,9 +70,9 @@ def _two_prefix_scenario(engine, cls):
     """A then B are cached (12 usable blocks: 6 cached, 6 empty); a 144-token filler
     needs the 6 empty blocks and 3 cached ones."""
     s = engine.make_scheduler(cls, num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     prompts = _prefixes(engine, s, runner, ["A", "B"])
-    s.add_request(engine.make_request("F", engine.prompt_tokens("ev-filler", 144), 1))
+    s.add_request(engine.make_request("F", fake_runner.prompt_tokens("ev-filler", 144), 1))
     _run_until_done(s, runner)
     return s, prompts
 
@@ -104,16 +105,16 @@ def test_a_listed_prefix_loses_only_its_own_tail(vllm_engine):
     engine = vllm_engine
     policy = EvictPolicy(order=["B"])
     s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
-    shared = engine.prompt_tokens("ev-shared", 32)
-    prompts = {n: shared + engine.prompt_tokens(f"ev-tail-{n}", 16) for n in "AB"}
-    prompts["C"] = engine.prompt_tokens("ev-C", 48)
+    runner = fake_runner.FakeRunner()
+    shared = fake_runner.prompt_tokens("ev-shared", 32)
+    prompts = {n: shared + fake_runner.prompt_tokens(f"ev-tail-{n}", 16) for n in "AB"}
+    prompts["C"] = fake_runner.prompt_tokens("ev-C", 48)
     for n, p in prompts.items():
         s.add_request(engine.make_request(n, p, 2))
         _run_until_done(s, runner)
     children = s.kv_cache_manager.block_pool.kvpilot_children
     assert sorted(len(kids) for kids in children.values()) == [1, 1, 1, 2]  # s0 -> s1 -> {a, b}; c0 -> c1 -> c2
-    s.add_request(engine.make_request("F", engine.prompt_tokens("ev-filler112", 112), 1))
+    s.add_request(engine.make_request("F", fake_runner.prompt_tokens("ev-filler112", 112), 1))
     _run_until_done(s, runner)
     assert {n: _cached(engine, s, p + [1]) for n, p in prompts.items()} == {"A": 32, "B": 32, "C": 48}
     assert s.kvpilot_stats.evict_first_blocks == 1  # b only: s0 and s1 stay where LRU had them
@@ -124,9 +125,9 @@ def test_not_asked_without_eviction(vllm_engine):
     engine = vllm_engine
     policy = EvictPolicy(order=["A"])
     s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     p = _prefixes(engine, s, runner, ["A"])
-    s.add_request(engine.make_request("F", engine.prompt_tokens("ev-small", 64), 1))  # 4 of 8 empty blocks
+    s.add_request(engine.make_request("F", fake_runner.prompt_tokens("ev-small", 64), 1))  # 4 of 8 empty blocks
     _run_until_done(s, runner)
     assert policy.calls == []
     assert _cached(engine, s, p["A"] + [1]) == 48
@@ -135,10 +136,10 @@ def test_not_asked_without_eviction(vllm_engine):
 def _two_fillers_in_one_step(engine, policy, f2_name, f2_tokens):
     """A, B, C cached (9 blocks, 3 empty), then F1 (64 tokens) and F2 admitted in one step; prompts of A, B, C."""
     s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     p = _prefixes(engine, s, runner, ["A", "B", "C"])
-    s.add_request(engine.make_request("F1", engine.prompt_tokens("ev-f1", 64), 1))
-    s.add_request(engine.make_request("F2", engine.prompt_tokens(f2_name, f2_tokens), 1))
+    s.add_request(engine.make_request("F1", fake_runner.prompt_tokens("ev-f1", 64), 1))
+    s.add_request(engine.make_request("F2", fake_runner.prompt_tokens(f2_name, f2_tokens), 1))
     out = runner.step(s)
     assert sorted(d.req_id for d in out.scheduled_new_reqs) == ["F1", "F2"]
     _run_until_done(s, runner)
@@ -207,9 +208,9 @@ def test_decision_is_logged_as_retain_evict(vllm_engine):
     policy = EvictPolicy(order=["B"])
     s = engine.make_scheduler(_hook(policy), num_blocks=13, max_num_seqs=4)
     w = s.kvpilot_telemetry = _Writer()
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     _prefixes(engine, s, runner, ["A", "B"])
-    s.add_request(engine.make_request("F", engine.prompt_tokens("ev-filler", 144), 1))
+    s.add_request(engine.make_request("F", fake_runner.prompt_tokens("ev-filler", 144), 1))
     _run_until_done(s, runner)
     s.kvpilot_telemetry = None
     rows = [r for t, r in w.rows if t == "decisions"]
@@ -260,10 +261,10 @@ def test_index_tracks_cached_lengths_without_walking(vllm_engine, monkeypatch):
     engine = vllm_engine
     policy = EvictPolicy(order=[f"r{i}" for i in range(40)][::-1])  # newest first: not LRU
     s = engine.make_scheduler(_hook(policy), num_blocks=24, max_num_seqs=4)
-    runner = engine.FakeRunner()
-    shared = engine.prompt_tokens("ix-shared", 48)
+    runner = fake_runner.FakeRunner()
+    shared = fake_runner.prompt_tokens("ix-shared", 48)
     for i in range(40):
-        prompt = shared + engine.prompt_tokens(f"ix-{i % 7}", 16 + 16 * (i % 3))  # repeats: hits on cut chains
+        prompt = shared + fake_runner.prompt_tokens(f"ix-{i % 7}", 16 + 16 * (i % 3))  # repeats: hits on cut chains
         s.add_request(engine.make_request(f"r{i}", prompt, 20))
         if i % 3 == 2:
             _run_until_done(s, runner)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from policy.interface import AdmissionDecision, Policy, PreemptionDecision
+from simulator import fake_runner
 
 pytestmark = pytest.mark.vllm
 
@@ -19,7 +20,7 @@ NUM_BLOCKS = 41  # 40 usable blocks: enough pressure to preempt
 def _workload(engine):
     reqs = []
     for g in range(3):
-        prompt = engine.prompt_tokens(f"fb-{g}", 80)
+        prompt = fake_runner.prompt_tokens(f"fb-{g}", 80)
         for k in range(4):
             reqs.append((f"g{g}s{k}", prompt, 20 + 15 * k))
     return reqs
@@ -31,7 +32,7 @@ def _run(engine, cls, steps=400):
         s.add_request(
             engine.make_request(rid, prompt, n, arrival_time=float(i), extra_args={"kvpilot_group_id": rid[:2]})
         )
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     per_step = []
     preempted = 0
     for _ in range(steps):
@@ -274,8 +275,8 @@ def test_bad_metadata_never_reaches_vllm(vllm_engine):
 
     s = vllm_engine.make_scheduler(_hook(lambda: VllmDefaultPolicy(explicit=True)), num_blocks=32)
     for i, extra in enumerate([{"kvpilot_turn": "x"}, {"kvpilot_group_size": -3, "kvpilot_group_id": None}, {}]):
-        s.add_request(vllm_engine.make_request(f"m{i}", vllm_engine.prompt_tokens(f"m{i}", 20), 3, extra_args=extra))
-    runner = vllm_engine.FakeRunner()
+        s.add_request(vllm_engine.make_request(f"m{i}", fake_runner.prompt_tokens(f"m{i}", 20), 3, extra_args=extra))
+    runner = fake_runner.FakeRunner()
     for _ in range(20):
         runner.step(s)
         if not s.has_requests():

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import pytest
 
+from simulator import fake_runner
+
 pytestmark = pytest.mark.vllm
 
 NUM_BLOCKS = 161  # 160 usable blocks of 16 tokens: 2560 tokens of KV
@@ -31,7 +33,7 @@ def mixed_workload(engine):
     arrivals = []
     # GRPO: 6 groups x 4 samples share a prompt; groups arrive every 4 steps.
     for g in range(6):
-        prompt = engine.prompt_tokens(f"grpo-{g}", 96 + 24 * g)
+        prompt = fake_runner.prompt_tokens(f"grpo-{g}", 96 + 24 * g)
         for k in range(4):
             arrivals.append(
                 (
@@ -44,12 +46,12 @@ def mixed_workload(engine):
             )
     # Long singletons (reward-model scoring style), to add pressure.
     for j in range(4):
-        arrivals.append((6 + 9 * j, f"long{j}", engine.prompt_tokens(f"long-{j}", 400 + 50 * j), 16, None))
+        arrivals.append((6 + 9 * j, f"long{j}", fake_runner.prompt_tokens(f"long-{j}", 400 + 50 * j), 16, None))
     # Multi-turn sessions: turn 0 arrives now, later turns 3 steps after the previous ends.
     sessions = {}
     for s in range(4):
         sid = f"sess{s}"
-        prompt = engine.prompt_tokens(f"sess-{s}", 120 + 16 * s)
+        prompt = fake_runner.prompt_tokens(f"sess-{s}", 120 + 16 * s)
         sessions[sid] = {"turns": 3, "out": 20 + 6 * s, "tool_tokens": 40 + 8 * s}
         arrivals.append(
             (
@@ -76,7 +78,7 @@ def drive(engine, scheduler_cls, *, num_blocks=NUM_BLOCKS, setup=None):
         setup(sched)
     arrivals, sessions = mixed_workload(engine)
     pending = sorted(arrivals, key=lambda a: a[0])
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     prompts = {}
     per_step = []
     preemptions = hits = queries = 0
@@ -106,8 +108,8 @@ def drive(engine, scheduler_cls, *, num_blocks=NUM_BLOCKS, setup=None):
                     prompt, max_tokens, extra = prompts[o.request_id]
                     nxt = (
                         list(prompt)
-                        + engine.output_tokens(o.request_id, max_tokens)
-                        + engine.prompt_tokens(f"tool-{sid}-{t}", plan["tool_tokens"])
+                        + fake_runner.output_tokens(o.request_id, max_tokens)
+                        + fake_runner.prompt_tokens(f"tool-{sid}-{t}", plan["tool_tokens"])
                     )
                     last = t + 1 == plan["turns"] - 1
                     extra = {
@@ -231,9 +233,9 @@ def test_priority_scheduling_leaves_queue_levers_to_vllm(vllm_engine, caplog):
             cls, num_blocks=41, max_num_seqs=16, max_num_batched_tokens=256, policy="priority"
         )
         for i in range(12):
-            prompt = vllm_engine.prompt_tokens(f"prio-{i % 3}", 80)
+            prompt = fake_runner.prompt_tokens(f"prio-{i % 3}", 80)
             s.add_request(vllm_engine.make_request(f"p{i}", prompt, 20 + 9 * i, arrival_time=float(i), priority=i % 4))
-        runner = vllm_engine.FakeRunner()
+        runner = fake_runner.FakeRunner()
         steps = []
         while s.has_requests() and len(steps) < 500:
             steps.append(dict(runner.step(s).num_scheduled_tokens))

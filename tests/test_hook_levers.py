@@ -18,6 +18,7 @@ from policy.interface import (
     RetentionAction,
     RetentionDecision,
 )
+from simulator import fake_runner
 from tests.hooks import hook_scheduler as _hook
 from tests.hooks import stock_scheduler as _stock
 
@@ -50,8 +51,8 @@ def _admission_run(engine, cls, n=3):
     # max_num_seqs=1: exactly one request is admitted at a time.
     s = engine.make_scheduler(cls, num_blocks=64, max_num_seqs=1)
     for i in range(n):
-        s.add_request(engine.make_request(f"r{i}", engine.prompt_tokens(f"a{i}", 20), 3, arrival_time=float(i)))
-    runner = engine.FakeRunner()
+        s.add_request(engine.make_request(f"r{i}", fake_runner.prompt_tokens(f"a{i}", 20), 3, arrival_time=float(i)))
+    runner = fake_runner.FakeRunner()
     order = []
     for _ in range(40):
         out = runner.step(s)
@@ -117,8 +118,8 @@ def test_held_request_waits_and_comes_back(vllm_engine):
     s = engine.make_scheduler(_hook(policy), num_blocks=64, max_num_seqs=8)
     s.kvpilot_clock = lambda: 5.0  # within the starvation bound of every arrival
     for i in range(3):
-        s.add_request(engine.make_request(f"r{i}", engine.prompt_tokens(f"h{i}", 20), 4, arrival_time=float(i)))
-    runner = engine.FakeRunner()
+        s.add_request(engine.make_request(f"r{i}", fake_runner.prompt_tokens(f"h{i}", 20), 4, arrival_time=float(i)))
+    runner = fake_runner.FakeRunner()
     out = runner.step(s)
     # room for all three, but r1 is held back; the others run in the policy's order
     assert [d.req_id for d in out.scheduled_new_reqs] == ["r2", "r0"]
@@ -135,8 +136,8 @@ def test_held_requests_keep_policy_order(vllm_engine):
     s = engine.make_scheduler(_hook(policy), num_blocks=64, max_num_seqs=8)
     s.kvpilot_clock = lambda: 5.0
     for i in range(4):
-        s.add_request(engine.make_request(f"r{i}", engine.prompt_tokens(f"k{i}", 20), 4, arrival_time=float(i)))
-    out = engine.FakeRunner().step(s)
+        s.add_request(engine.make_request(f"r{i}", fake_runner.prompt_tokens(f"k{i}", 20), 4, arrival_time=float(i)))
+    out = fake_runner.FakeRunner().step(s)
     assert [d.req_id for d in out.scheduled_new_reqs] == ["r1"]
     assert [r.request_id for r in s.waiting] == ["r3", "r2", "r0"]
 
@@ -161,8 +162,8 @@ def _preemption_run(engine, cls):
     # second decode step every request needs a third block: r0 fails first.
     s = engine.make_scheduler(cls, num_blocks=9, max_num_seqs=8)
     for i in range(4):
-        s.add_request(engine.make_request(f"r{i}", engine.prompt_tokens(f"v{i}", 31), 8, arrival_time=float(i)))
-    runner = engine.FakeRunner()
+        s.add_request(engine.make_request(f"r{i}", fake_runner.prompt_tokens(f"v{i}", 31), 8, arrival_time=float(i)))
+    runner = fake_runner.FakeRunner()
     preempted = []
     for _ in range(6):
         out = runner.step(s)
@@ -228,8 +229,8 @@ def _retention_scenario(engine, cls, clock=None):
     s = engine.make_scheduler(cls, num_blocks=13, max_num_seqs=4)
     if clock is not None:
         s.kvpilot_clock = clock
-    runner = engine.FakeRunner()
-    p_prompt = engine.prompt_tokens("agent-ctx", 64)
+    runner = fake_runner.FakeRunner()
+    p_prompt = fake_runner.prompt_tokens("agent-ctx", 64)
     s.add_request(
         engine.make_request(
             "P", p_prompt, 2, extra_args={"kvpilot_session_id": "agent", "kvpilot_turn": 0, "kvpilot_tool": "search"}
@@ -238,7 +239,7 @@ def _retention_scenario(engine, cls, clock=None):
     _run_until_done(s, runner)
     assert _cached_tokens(engine, s, p_prompt + [5] * 10) == 64
     for i in range(2):
-        s.add_request(engine.make_request(f"F{i}", engine.prompt_tokens(f"filler{i}", 100), 2))
+        s.add_request(engine.make_request(f"F{i}", fake_runner.prompt_tokens(f"filler{i}", 100), 2))
         _run_until_done(s, runner)
     return s, runner, p_prompt
 
@@ -268,7 +269,7 @@ def test_ttl_protected_prompt_survives_pressure_then_expires(vllm_engine):
     assert s.kvpilot_pinned_blocks == 0
     assert s._kvp_retention.pins.num_released_expired == 1
     for i in range(2, 4):
-        s.add_request(engine.make_request(f"F{i}", engine.prompt_tokens(f"filler{i}", 100), 2))
+        s.add_request(engine.make_request(f"F{i}", fake_runner.prompt_tokens(f"filler{i}", 100), 2))
         _run_until_done(s, runner)
     assert _cached_tokens(engine, s, p_prompt + [5] * 10) == 0
 
@@ -280,14 +281,15 @@ def test_pins_released_under_pressure_before_preemption(vllm_engine):
     policy = RetainPolicy("agent", RetentionAction.PROTECT, ttl_s=1e6)
     s = engine.make_scheduler(_hook(policy, max_pinned_fraction=1.0), num_blocks=13, max_num_seqs=4)
     s.kvpilot_clock = clock
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     s.add_request(
-        engine.make_request("P", engine.prompt_tokens("agent-ctx", 64), 2, extra_args={"kvpilot_session_id": "agent"})
+        engine.make_request("P", fake_runner.prompt_tokens("agent-ctx", 64), 2,
+                            extra_args={"kvpilot_session_id": "agent"})
     )
     _run_until_done(s, runner)
     assert s.kvpilot_pinned_blocks == 4
     # one request that grows past the unpinned space: 100 prompt + 60 output = 10 blocks > 8 free
-    s.add_request(engine.make_request("G", engine.prompt_tokens("grow", 100), 60))
+    s.add_request(engine.make_request("G", fake_runner.prompt_tokens("grow", 100), 60))
     _run_until_done(s, runner)
     assert s.requests.get("G") is None
     assert s.kvpilot_stats.preemptions == 0
@@ -300,9 +302,10 @@ def test_pinned_blocks_are_capped(vllm_engine):
     policy = RetainPolicy("agent", RetentionAction.PROTECT, ttl_s=100.0)
     # cap: 25% of 12 blocks = 3 < 4 blocks of P
     s = engine.make_scheduler(_hook(policy, max_pinned_fraction=0.25), num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     s.add_request(
-        engine.make_request("P", engine.prompt_tokens("agent-ctx", 64), 2, extra_args={"kvpilot_session_id": "agent"})
+        engine.make_request("P", fake_runner.prompt_tokens("agent-ctx", 64), 2,
+                            extra_args={"kvpilot_session_id": "agent"})
     )
     _run_until_done(s, runner)
     runner.step(s)
@@ -312,9 +315,9 @@ def test_pinned_blocks_are_capped(vllm_engine):
 
 def _demotion_scenario(engine, cls):
     s = engine.make_scheduler(cls, num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
-    old = engine.prompt_tokens("old-ctx", 48)
-    new = engine.prompt_tokens("new-ctx", 48)
+    runner = fake_runner.FakeRunner()
+    old = fake_runner.prompt_tokens("old-ctx", 48)
+    new = fake_runner.prompt_tokens("new-ctx", 48)
     s.add_request(engine.make_request("OLD", old, 2))
     _run_until_done(s, runner)
     s.add_request(engine.make_request("NEW", new, 2, extra_args={"kvpilot_session_id": "demote-me"}))
@@ -324,7 +327,7 @@ def _demotion_scenario(engine, cls):
     assert _cached_tokens(engine, s, old + [1]) == 48
     assert _cached_tokens(engine, s, new + [1]) == 48
     # a filler that needs every unhashed block plus 3 cached ones
-    s.add_request(engine.make_request("F", engine.prompt_tokens("filler-d", 144), 1))
+    s.add_request(engine.make_request("F", fake_runner.prompt_tokens("filler-d", 144), 1))
     _run_until_done(s, runner)
     return s, old, new
 
@@ -347,9 +350,10 @@ def test_reset_prefix_cache_releases_pins(vllm_engine):
     engine = vllm_engine
     policy = RetainPolicy("agent", RetentionAction.PROTECT, ttl_s=100.0)
     s = engine.make_scheduler(_hook(policy, max_pinned_fraction=1.0), num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     s.add_request(
-        engine.make_request("P", engine.prompt_tokens("agent-ctx", 64), 2, extra_args={"kvpilot_session_id": "agent"})
+        engine.make_request("P", fake_runner.prompt_tokens("agent-ctx", 64), 2,
+                            extra_args={"kvpilot_session_id": "agent"})
     )
     _run_until_done(s, runner)
     runner.step(s)
@@ -368,12 +372,12 @@ def test_a_reset_vllm_refuses_keeps_the_pins_and_the_eviction_index(vllm_engine)
 
     policy = RetainAndIndex("agent", RetentionAction.PROTECT, ttl_s=100.0)
     s = engine.make_scheduler(_hook(policy, max_pinned_fraction=1.0), num_blocks=24, max_num_seqs=4)
-    runner = engine.FakeRunner()
-    ctx = engine.prompt_tokens("agent-ctx", 64)
+    runner = fake_runner.FakeRunner()
+    ctx = fake_runner.prompt_tokens("agent-ctx", 64)
     s.add_request(engine.make_request("P", ctx, 2, extra_args={"kvpilot_session_id": "agent"}))
     _run_until_done(s, runner)
     runner.step(s)
-    s.add_request(engine.make_request("B", engine.prompt_tokens("busy", 32), 50))
+    s.add_request(engine.make_request("B", fake_runner.prompt_tokens("busy", 32), 50))
     runner.step(s)
     assert s.kvpilot_pinned_blocks == 4 and s.running
     indexed = len(s._kvp_eviction.index)
@@ -400,14 +404,15 @@ def test_policy_releases_a_pin(vllm_engine):
     engine = vllm_engine
     policy = ReleaseOnNextFree("agent", RetentionAction.PROTECT, ttl_s=1e6)
     s = engine.make_scheduler(_hook(policy, max_pinned_fraction=1.0), num_blocks=13, max_num_seqs=4)
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     s.add_request(
-        engine.make_request("P", engine.prompt_tokens("agent-ctx", 64), 2, extra_args={"kvpilot_session_id": "agent"})
+        engine.make_request("P", fake_runner.prompt_tokens("agent-ctx", 64), 2,
+                            extra_args={"kvpilot_session_id": "agent"})
     )
     _run_until_done(s, runner)
     runner.step(s)
     assert s.kvpilot_pinned_blocks == 4
-    s.add_request(engine.make_request("X", engine.prompt_tokens("other", 20), 2))
+    s.add_request(engine.make_request("X", fake_runner.prompt_tokens("other", 20), 2))
     _run_until_done(s, runner)
     runner.step(s)  # X's blocks were freed: retain() sees X (freed) and P (pinned)
     assert policy.calls[-1][0][0] == "X" and policy.calls[-1][1][0] == "P"
@@ -430,16 +435,16 @@ def test_events_reach_the_policy(vllm_engine):
     engine = vllm_engine
     policy = Recorder()
     s = engine.make_scheduler(_hook(policy), num_blocks=9, max_num_seqs=8)
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     for i in range(4):  # the preemption scenario: two requests get preempted
-        s.add_request(engine.make_request(f"r{i}", engine.prompt_tokens(f"v{i}", 31), 8))
+        s.add_request(engine.make_request(f"r{i}", fake_runner.prompt_tokens(f"v{i}", 31), 8))
     t0 = {"kvpilot_session_id": "S", "kvpilot_turn": 0, "kvpilot_tool": "search"}
     _run_until_done(s, runner)
-    s.add_request(engine.make_request("S-t0", engine.prompt_tokens("s", 20), 2, extra_args=t0))
+    s.add_request(engine.make_request("S-t0", fake_runner.prompt_tokens("s", 20), 2, extra_args=t0))
     _run_until_done(s, runner)
     s.add_request(
         engine.make_request(
-            "S-t1", engine.prompt_tokens("s", 40), 2, extra_args={"kvpilot_session_id": "S", "kvpilot_turn": 1}
+            "S-t1", fake_runner.prompt_tokens("s", 40), 2, extra_args={"kvpilot_session_id": "S", "kvpilot_turn": 1}
         )
     )
     _run_until_done(s, runner)

@@ -15,6 +15,7 @@ import pytest
 
 from policy.interface import FEATURE_NAMES, Retention, RetentionAction, RetentionDecision
 from policy.vllm_default import VllmDefaultPolicy
+from simulator import fake_runner
 
 pytestmark = pytest.mark.vllm
 
@@ -48,7 +49,7 @@ def test_telemetry_reads_back(vllm_engine, tmp_path):
     s.kvpilot_clock = lambda: t[0]
     ids = []
     for g in range(3):
-        prompt = engine.prompt_tokens(f"tel-{g}", 80)
+        prompt = fake_runner.prompt_tokens(f"tel-{g}", 80)
         for k in range(4):
             rid = f"g{g}s{k}"
             ids.append(rid)
@@ -56,7 +57,7 @@ def test_telemetry_reads_back(vllm_engine, tmp_path):
             if g == 0:
                 extra.update({"kvpilot_session_id": rid, "kvpilot_turn": 0, "kvpilot_tool": "search"})
             s.add_request(engine.make_request(rid, prompt, 20 + 15 * k, arrival_time=t[0], extra_args=extra))
-    runner = engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     steps = 0
     preempted = 0
     while s.has_requests() and steps < 500:
@@ -128,8 +129,8 @@ def test_telemetry_dir_from_env(vllm_engine, monkeypatch, tmp_path):
 
     monkeypatch.setenv("KVPILOT_TELEMETRY_DIR", str(tmp_path))
     s = vllm_engine.make_scheduler(KVPilotScheduler, num_blocks=16)
-    s.add_request(vllm_engine.make_request("one", vllm_engine.prompt_tokens("one", 20), 3))
-    runner = vllm_engine.FakeRunner()
+    s.add_request(vllm_engine.make_request("one", fake_runner.prompt_tokens("one", 20), 3))
+    runner = fake_runner.FakeRunner()
     while s.has_requests():
         runner.step(s)
     s.shutdown()

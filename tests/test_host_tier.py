@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from policy.interface import EvictionDecision, OwnerState, Policy
+from simulator import fake_runner
 from tests.hooks import hook_scheduler
 
 pytestmark = pytest.mark.vllm
@@ -203,7 +204,7 @@ def _paused_session(engine, policy, host_policy: bool, fillers_together: bool = 
     cost = CostModel.preset("H200-7B")
     worker = OffloadWorker(cost, cost.kv_block_bytes(16))
     meta = {"kvpilot_session_id": "s0", "kvpilot_turn": 0, "kvpilot_tool": "bash"}
-    prompt = engine.prompt_tokens("ctx", 160)
+    prompt = fake_runner.prompt_tokens("ctx", 160)
 
     def drain():
         while s.has_requests() or worker.busy:
@@ -212,11 +213,12 @@ def _paused_session(engine, policy, host_policy: bool, fillers_together: bool = 
     s.add_request(engine.make_request("t0", prompt, 4, arrival_time=0.0, extra_args=meta))
     drain()
     for i in range(4):  # one after another: each store fits the tier, together they take the whole GPU
-        s.add_request(engine.make_request(f"fill{i}", engine.prompt_tokens(f"fill{i}", 160), 4, arrival_time=clock.t))
+        s.add_request(engine.make_request(f"fill{i}", fake_runner.prompt_tokens(f"fill{i}", 160), 4,
+                                          arrival_time=clock.t))
         if not fillers_together:
             drain()
     drain()
-    turn2 = prompt + engine.output_tokens("t0", 3) + engine.prompt_tokens("tool", 30)
+    turn2 = prompt + fake_runner.output_tokens("t0", 3) + fake_runner.prompt_tokens("tool", 30)
     s.add_request(engine.make_request("t1", turn2, 4, arrival_time=clock.t,
                                       extra_args={**meta, "kvpilot_turn": 1, "kvpilot_tool": None}))
     loaded0 = worker.load_blocks
@@ -392,17 +394,17 @@ def test_the_hooks_time_outside_its_schedule_is_counted(vllm_engine):
     st = s.kvpilot_stats
     assert st.side_time_s > 0.0 and st.hook_time_s > 0.0
     before = st.side_time_s
-    s.add_request(vllm_engine.make_request("late", vllm_engine.prompt_tokens("late", 32), 2, arrival_time=0.0))
+    s.add_request(vllm_engine.make_request("late", fake_runner.prompt_tokens("late", 32), 2, arrival_time=0.0))
     assert st.side_time_s > before  # an arrival alone
     before = st.side_time_s
     cp = find_tier(s)
     cp.on_store_miss([b"x"], _ctx("late"))
     assert st.side_time_s > before  # the tier's bookkeeping of a store miss
     p = vllm_engine.make_scheduler(hook_scheduler(VllmDefaultPolicy()), num_blocks=40)
-    p.add_request(vllm_engine.make_request("r", vllm_engine.prompt_tokens("r", 32), 2, arrival_time=0.0))
+    p.add_request(vllm_engine.make_request("r", fake_runner.prompt_tokens("r", 32), 2, arrival_time=0.0))
     while p.has_requests():
         out = p.schedule()
-        p.update_from_output(out, vllm_engine.FakeRunner().model_output(p, out))
+        p.update_from_output(out, fake_runner.FakeRunner().model_output(p, out))
     assert p._kvp_passthrough and p.kvpilot_stats.side_time_s == 0.0
 
 

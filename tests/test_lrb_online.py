@@ -18,6 +18,7 @@ from policy.baselines.lrb_online import OnlineLrbEvictionPolicy
 from policy.catalog import create_policy
 from policy.interface import CachedPrefix, Event, EventKind, OwnerState, RequestMeta
 from predictors.online_reuse import ONLINE_REUSE_FEATURES, OnlineReuseLearner
+from simulator import fake_runner
 from tests.hooks import hook_scheduler as _hook
 from tests.hooks import stock_scheduler as _stock
 
@@ -54,12 +55,12 @@ def _learn(engine, policy, clock, rounds, hot=True):
     s = engine.make_scheduler(_hook(policy) if policy is not None else _stock(), num_blocks=13, max_num_seqs=4)
     if policy is not None:
         s.kvpilot_clock = clock
-    runner = engine.FakeRunner()
-    hot_prompt = engine.prompt_tokens("lo-hot", 48)
+    runner = fake_runner.FakeRunner()
+    hot_prompt = fake_runner.prompt_tokens("lo-hot", 48)
     for i in range(rounds):
-        _run(engine, s, runner, clock, f"H{i}", hot_prompt if hot else engine.prompt_tokens(f"lo-x{i}", 48))
-        _run(engine, s, runner, clock, f"C{i}", engine.prompt_tokens(f"lo-c{i}", 48))
-        _run(engine, s, runner, clock, f"F{i}", engine.prompt_tokens(f"lo-f{i}", 144))
+        _run(engine, s, runner, clock, f"H{i}", hot_prompt if hot else fake_runner.prompt_tokens(f"lo-x{i}", 48))
+        _run(engine, s, runner, clock, f"C{i}", fake_runner.prompt_tokens(f"lo-c{i}", 48))
+        _run(engine, s, runner, clock, f"F{i}", fake_runner.prompt_tokens(f"lo-f{i}", 144))
     return s, hot_prompt
 
 
@@ -68,11 +69,11 @@ def _final(engine, cls, clock, hot_prompt):
     s = engine.make_scheduler(cls, num_blocks=13, max_num_seqs=4)
     if cls is not _stock():
         s.kvpilot_clock = clock
-    runner = engine.FakeRunner()
-    c = engine.prompt_tokens("lo-cnew", 48)
+    runner = fake_runner.FakeRunner()
+    c = fake_runner.prompt_tokens("lo-cnew", 48)
     _run(engine, s, runner, clock, "Hz", hot_prompt)
     _run(engine, s, runner, clock, "Cz", c)
-    _run(engine, s, runner, clock, "Fz", engine.prompt_tokens("lo-fz", 144), max_tokens=1)
+    _run(engine, s, runner, clock, "Fz", fake_runner.prompt_tokens("lo-fz", 144), max_tokens=1)
     return s, {"H": _cached(engine, s, hot_prompt), "C": _cached(engine, s, c)}
 
 
@@ -93,7 +94,7 @@ def test_starts_as_lru_then_learns_to_keep_the_hot_prefix(vllm_engine):
     assert policy.learner.model is None and policy.lru_calls == s.kvpilot_stats.eviction_calls > 0
     assert s.kvpilot_stats.eviction_orders == 0 and not s.kvpilot_stats.fallbacks
     s_stock, _ = _learn(engine, None, Clock(), rounds=2)
-    for p in (hot, engine.prompt_tokens("lo-c1", 48), engine.prompt_tokens("lo-f1", 144)):
+    for p in (hot, fake_runner.prompt_tokens("lo-c1", 48), fake_runner.prompt_tokens("lo-f1", 144)):
         assert _cached(engine, s, p) == _cached(engine, s_stock, p)
 
     s, _ = _learn(engine, policy, clock, rounds=14)
@@ -136,7 +137,7 @@ def test_degenerate_window_falls_back_to_lru_and_is_counted(vllm_engine):
     assert policy.lru_calls == s.kvpilot_stats.eviction_calls and not s.kvpilot_stats.fallbacks
     s_stock, _ = _learn(engine, None, Clock(), rounds=8, hot=False)
     for i in range(8):
-        p = engine.prompt_tokens(f"lo-c{i}", 48)
+        p = fake_runner.prompt_tokens(f"lo-c{i}", 48)
         assert _cached(engine, s, p) == _cached(engine, s_stock, p)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from simulator import fake_runner
 from training import registry as reg
 
 pytestmark = pytest.mark.vllm
@@ -116,13 +117,13 @@ def registry_scheduler(vllm_engine, uri: str, tel: Path, poll_s: float = 0.0, lo
 def drive(vllm_engine, sched, n: int = 36, on_step: Optional[Callable[[int], None]] = None,
           max_steps: int = 3000) -> list[Optional[str]]:
     """Feed ``n`` requests (3 per step) and step until all finish; returns the served version per step."""
-    runner = vllm_engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     served: list[Optional[str]] = []
     added = 0
     for step in range(1, max_steps + 1):
         for _ in range(3):
             if added < n:
-                prompt = vllm_engine.prompt_tokens(f"p{added % 5}", 40 + 8 * (added % 4))
+                prompt = fake_runner.prompt_tokens(f"p{added % 5}", 40 + 8 * (added % 4))
                 sched.add_request(vllm_engine.make_request(f"r{added}", prompt, max_tokens=4 + 5 * (added % 7)))
                 added += 1
         runner.step(sched)
@@ -368,12 +369,12 @@ def pause_session(vllm_engine, sched, runner, fillers: int = 24) -> list:
     """Session ``a``'s first turn (it ends in a ``search`` tool call) among ``fillers`` GRPO requests (groups of
     3) that arrive once it runs; steps until it has finished (the session is paused) with requests still
     waiting. Its prompt."""
-    prompt = vllm_engine.prompt_tokens("sess-a", 48)
+    prompt = fake_runner.prompt_tokens("sess-a", 48)
     sched.add_request(agent_request(vllm_engine, "a-t0", prompt, 4, session_id="a", turn=0, tool="search",
                                     domain="agentic", group_id="ga", group_size=1))
     runner.step(sched)  # admitted alone
     for i in range(fillers):
-        sched.add_request(agent_request(vllm_engine, f"r{i}", vllm_engine.prompt_tokens(f"p{i // 3}", 40),
+        sched.add_request(agent_request(vllm_engine, f"r{i}", fake_runner.prompt_tokens(f"p{i // 3}", 40),
                                         12 + 7 * (i % 5), group_id=f"g{i // 3}", group_size=3, domain="math"))
     for _ in range(200):
         runner.step(sched)
@@ -407,7 +408,7 @@ def test_swap_keeps_the_learned_policys_session_state(store, dirs, vllm_engine, 
     name = "carry-learned"
     register(dirs["v1"], name)
     sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel")
-    runner = vllm_engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     prompt = pause_session(vllm_engine, sched, runner)
     p1 = sched.kvpilot_policy.current
     t1 = p1.table
@@ -425,7 +426,7 @@ def test_swap_keeps_the_learned_policys_session_state(store, dirs, vllm_engine, 
     t2 = p2.table
     for rid in still:  # the clock kept running from the first sight under v1
         assert tuple(t2.since[t2.rows[rid]]) == clocks[rid]
-    turn1 = prompt + vllm_engine.output_tokens("a-t0", 4) + vllm_engine.prompt_tokens("a-tool", 16)
+    turn1 = prompt + fake_runner.output_tokens("a-t0", 4) + fake_runner.prompt_tokens("a-tool", 16)
     sched.add_request(agent_request(vllm_engine, "a-t1", turn1, 4, session_id="a", turn=1, domain="agentic",
                                     group_id="ga", group_size=1))
     finish(vllm_engine, sched, runner)
@@ -443,7 +444,7 @@ def test_swap_keeps_a_baselines_paused_sessions(store, dirs, vllm_engine, tmp_pa
     register(dirs["v1"], name)
     sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel",
                                loader=lambda policy_dir: ToolPauseTTLPolicy(prior_ttl_s=30.0))
-    runner = vllm_engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     prompt = pause_session(vllm_engine, sched, runner)
     p1 = sched.kvpilot_policy.current
     paused_at = p1.latencies.paused_since_s("a")
@@ -453,7 +454,7 @@ def test_swap_keeps_a_baselines_paused_sessions(store, dirs, vllm_engine, tmp_pa
     p2 = sched.kvpilot_policy.current
     assert sched.kvpilot_stats.state_carried == 1
     assert p2.latencies.paused_since_s("a") == paused_at and set(p2.pins._pins) == pins
-    turn1 = prompt + vllm_engine.output_tokens("a-t0", 4) + vllm_engine.prompt_tokens("a-tool", 16)
+    turn1 = prompt + fake_runner.output_tokens("a-t0", 4) + fake_runner.prompt_tokens("a-tool", 16)
     sched.add_request(agent_request(vllm_engine, "a-t1", turn1, 4, session_id="a", turn=1, domain="agentic",
                                     group_id="ga", group_size=1))
     finish(vllm_engine, sched, runner)
@@ -472,7 +473,7 @@ def test_swap_to_another_policy_class_drops_the_state(store, dirs, vllm_engine, 
     loaders = iter([learned_loader, lambda policy_dir: ToolPauseTTLPolicy()])
     sched = registry_scheduler(vllm_engine, f"models:/{name}@champion", tmp_path / "tel",
                                loader=lambda policy_dir: next(loaders)(policy_dir))
-    runner = vllm_engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     pause_session(vllm_engine, sched, runner)
     swap_now(sched, dirs["v2"], name, runner)
     st = sched.kvpilot_stats

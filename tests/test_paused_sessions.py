@@ -18,6 +18,7 @@ import dataclasses
 import pytest
 
 from policy.interface import AdmissionDecision, OwnerState, Policy, Retention, RetentionAction, RetentionDecision
+from simulator import fake_runner
 from tests.hooks import hook_scheduler, stock_scheduler
 
 pytestmark = pytest.mark.vllm
@@ -46,8 +47,8 @@ def test_deferred_admission_loses_nothing_and_the_starvation_bound_admits(vllm_e
     s = engine.make_scheduler(hook_scheduler(HoldAll(), max_hold_s=2.0), num_blocks=64, max_num_seqs=8)
     clock = s.kvpilot_clock = Clock()
     for i in range(3):
-        s.add_request(engine.make_request(f"r{i}", engine.prompt_tokens(f"w{i}", 20), 3, arrival_time=0.5 * i))
-    runner = engine.FakeRunner()
+        s.add_request(engine.make_request(f"r{i}", fake_runner.prompt_tokens(f"w{i}", 20), 3, arrival_time=0.5 * i))
+    runner = fake_runner.FakeRunner()
     admitted: dict[str, float] = {}
     for _ in range(40):
         out = runner.step(s)
@@ -88,7 +89,8 @@ def _step(engine, s, worker, clock, dt=0.01):
     sampled = []
     for rid in out.num_scheduled_tokens:
         r = s.requests[rid]
-        sampled.append([] if r.num_computed_tokens < r.num_tokens else [engine.output_token(rid, r.num_output_tokens)])
+        done = r.num_computed_tokens >= r.num_tokens
+        sampled.append([fake_runner.output_token(rid, r.num_output_tokens)] if done else [])
     clock.t += dt + blocked
     kv_out = worker.finished(clock.t) if worker is not None else None
     s.update_from_output(out, engine.model_runner_output(list(out.num_scheduled_tokens), sampled, kv_out))
@@ -112,7 +114,7 @@ def _session_run(engine, policy, offload_blocks: int):
     cost = CostModel.preset("H200-7B")
     worker = OffloadWorker(cost, cost.kv_block_bytes(16)) if offload_blocks else None
     meta = {"kvpilot_session_id": "s0", "kvpilot_turn": 0, "kvpilot_tool": "bash"}
-    prompt = engine.prompt_tokens("ctx", 160)  # 10 full blocks
+    prompt = fake_runner.prompt_tokens("ctx", 160)  # 10 full blocks
     s.add_request(engine.make_request("t0", prompt, 4, arrival_time=0.0, extra_args=meta))
 
     def drain():
@@ -120,9 +122,9 @@ def _session_run(engine, policy, offload_blocks: int):
             _step(engine, s, worker, clock)
 
     drain()
-    s.add_request(engine.make_request("fill", engine.prompt_tokens("fill", 500), 4, arrival_time=clock.t))
+    s.add_request(engine.make_request("fill", fake_runner.prompt_tokens("fill", 500), 4, arrival_time=clock.t))
     drain()  # 32 blocks: with 39 usable, most of t0's cached blocks are taken
-    turn2 = prompt + engine.output_tokens("t0", 3) + engine.prompt_tokens("tool", 30)
+    turn2 = prompt + fake_runner.output_tokens("t0", 3) + fake_runner.prompt_tokens("tool", 30)
     s.add_request(engine.make_request("t1", turn2, 4, arrival_time=clock.t,
                                       extra_args={**meta, "kvpilot_turn": 1, "kvpilot_tool": None}))
     hit, waited = None, 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from simulator import fake_runner
+
 pytestmark = pytest.mark.vllm
 
 ENTRY = "kvpilot_under_test"
@@ -68,10 +70,10 @@ def test_enable_installs_the_hook_and_it_schedules(load_plugins, vllm_engine, mo
 
     sched = vllm_engine.make_scheduler(cls)
     assert sched.kvpilot_policy.name == "vllm-default"
-    sched.add_request(vllm_engine.make_request("r0", vllm_engine.prompt_tokens("p", 40), max_tokens=3))
-    runner = vllm_engine.FakeRunner()
+    sched.add_request(vllm_engine.make_request("r0", fake_runner.prompt_tokens("p", 40), max_tokens=3))
+    runner = fake_runner.FakeRunner()
     for _ in range(10):
-        vllm_engine.step(sched, runner)
+        fake_runner.step(sched, runner)
     assert not sched.requests  # finished
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from simulator import fake_runner
 from simulator.engine import vllm_block_hashes
 from simulator.routers import KVAwareRouter, ReplicaLoad, RouteRequest, make_router
 
@@ -188,10 +189,10 @@ def test_helper_matches_vllm_block_stored_events(vllm_engine) -> None:
 
     sched.kv_cache_manager.take_events = take_events
 
-    prompt = eng.prompt_tokens("kv-aware", 5 * BS + 7)  # 5 full blocks and a partial one
+    prompt = fake_runner.prompt_tokens("kv-aware", 5 * BS + 7)  # 5 full blocks and a partial one
     request = eng.make_request("r0", prompt, max_tokens=12)  # prompt + output - 1 = 98 tokens: 6 full blocks
     sched.add_request(request)
-    runner = eng.FakeRunner()
+    runner = fake_runner.FakeRunner()
     for _ in range(50):
         if request.is_finished():
             break
@@ -213,7 +214,7 @@ def test_helper_matches_vllm_block_stored_events(vllm_engine) -> None:
     assert router.matched_blocks(0, prompt_hashes) == 5
     assert router.route(sibling, loads(1, 1)) == 0
     # A different prompt shares no block.
-    other = vllm_block_hashes(eng.prompt_tokens("other", 3 * BS), BS)
+    other = vllm_block_hashes(fake_runner.prompt_tokens("other", 3 * BS), BS)
     assert router.matched_blocks(0, other) == 0
     # A cache salt changes every hash (it is chained in through block 0).
     salted = vllm_block_hashes(prompt, BS, cache_salt="s")

@@ -17,6 +17,7 @@ import pytest
 
 from serving_hook.idle import engine_input_queue, wait_for_input
 from serving_hook.telemetry import TelemetryWriter
+from simulator import fake_runner
 
 REQUEST = {"request_id": "r1", "session_id": "s", "group_id": "g", "prompt_id": None, "step": 0, "turn": 0,
            "domain": "math", "paradigm": "single", "replica": 0, "arrival_s": 1.0, "first_scheduled_s": 1.0,
@@ -136,7 +137,7 @@ def test_an_idle_held_step_waits_only_when_every_queued_request_is_held(vllm_eng
         for rid in out.num_scheduled_tokens:
             r = s.requests[rid]
             sampled.append([] if r.num_computed_tokens < r.num_tokens
-                           else [engine.output_token(rid, r.num_output_tokens)])
+                           else [fake_runner.output_token(rid, r.num_output_tokens)])
         kv_out = worker.finished(time.time() + 1.0)  # every transfer done by the next step
         s.update_from_output(out, engine.model_runner_output(list(out.num_scheduled_tokens), sampled, kv_out))
 
@@ -145,14 +146,14 @@ def test_an_idle_held_step_waits_only_when_every_queued_request_is_held(vllm_eng
             step()
 
     meta = {"kvpilot_session_id": "s0", "kvpilot_turn": 0, "kvpilot_tool": "bash"}
-    prompt = engine.prompt_tokens("ctx", 160)
+    prompt = fake_runner.prompt_tokens("ctx", 160)
     s.add_request(engine.make_request("t0", prompt, 4, extra_args=meta))
     drain()
     for i in range(4):  # they push turn 0's blocks out of the GPU; the tier keeps them
-        s.add_request(engine.make_request(f"fill{i}", engine.prompt_tokens(f"fill{i}", 160), 4))
+        s.add_request(engine.make_request(f"fill{i}", fake_runner.prompt_tokens(f"fill{i}", 160), 4))
         drain()
-    s.add_request(engine.make_request("h", engine.prompt_tokens("h", 32), 4))
-    turn1 = prompt + engine.output_tokens("t0", 3) + engine.prompt_tokens("tool", 30)
+    s.add_request(engine.make_request("h", fake_runner.prompt_tokens("h", 32), 4))
+    turn1 = prompt + fake_runner.output_tokens("t0", 3) + fake_runner.prompt_tokens("tool", 30)
     s.add_request(engine.make_request("t1", turn1, 4, extra_args={**meta, "kvpilot_turn": 1, "kvpilot_tool": None}))
     loaded0 = worker.load_blocks
     for _ in range(20):
@@ -182,9 +183,9 @@ def test_sessions_whose_next_turn_never_comes_are_not_kept_for_ever(vllm_engine,
 
     monkeypatch.setattr(translate, "_MAX_PAUSED", 50)
     s = vllm_engine.make_scheduler(hook_scheduler(Events()), num_blocks=256)
-    runner = vllm_engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     for k in range(120):
-        s.add_request(vllm_engine.make_request(f"r{k}", vllm_engine.prompt_tokens(f"p{k}", 20), 1,
+        s.add_request(vllm_engine.make_request(f"r{k}", fake_runner.prompt_tokens(f"p{k}", 20), 1,
                                                extra_args={"kvpilot_session_id": f"s{k}", "kvpilot_tool": "bash"}))
         if k % 40 == 39:
             while s.has_requests():
@@ -209,7 +210,7 @@ def test_a_hold_given_as_one_id_holds_that_request_alone(vllm_engine):
 
     s = vllm_engine.make_scheduler(hook_scheduler(HoldOne()), num_blocks=64)
     for rid in ("r1", "r10"):
-        s.add_request(vllm_engine.make_request(rid, vllm_engine.prompt_tokens(rid, 20), 2))
+        s.add_request(vllm_engine.make_request(rid, fake_runner.prompt_tokens(rid, 20), 2))
     out = s.schedule()
     assert set(out.num_scheduled_tokens) == {"r1"} and [r.request_id for r in s.waiting] == ["r10"]
 
@@ -228,7 +229,7 @@ def test_vllms_own_allocation_error_reaches_its_caller(vllm_engine):
         uses_retention = True
 
     s = vllm_engine.make_scheduler(hook_scheduler(Pins()), num_blocks=64)
-    s.add_request(vllm_engine.make_request("r1", vllm_engine.prompt_tokens("r1", 20), 2))
+    s.add_request(vllm_engine.make_request("r1", fake_runner.prompt_tokens("r1", 20), 2))
     request = s.waiting.peek_request()
     calls = []
 

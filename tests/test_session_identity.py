@@ -13,6 +13,7 @@ import pytest
 
 from policy.interface import EventKind
 from policy.vllm_default import VllmDefaultPolicy
+from simulator import fake_runner
 from tests.hooks import hook_scheduler
 
 pytestmark = pytest.mark.vllm
@@ -49,7 +50,7 @@ class Driver:
         self.engine = engine
         self.policy = Seen()
         self.sched = engine.make_scheduler(hook_scheduler(self.policy), num_blocks=64, max_num_seqs=8)
-        self.runner = engine.FakeRunner()
+        self.runner = fake_runner.FakeRunner()
         self.contexts: dict[str, list[int]] = {}  # request id -> its prompt + output
 
     def run(self, rid: str, prompt: list[int], **kwargs: Any) -> Any:
@@ -60,12 +61,12 @@ class Driver:
             if not self.sched.has_requests():
                 break
             self.runner.step(self.sched)
-        self.contexts[rid] = list(prompt) + e.output_tokens(rid, OUT)
+        self.contexts[rid] = list(prompt) + fake_runner.output_tokens(rid, OUT)
         return self.policy.meta[rid]
 
     def next_prompt(self, rid: str, tool_key: str) -> list[int]:
         """The next turn's prompt after ``rid``: its prompt, its output and a tool's result."""
-        return self.contexts[rid] + self.engine.prompt_tokens(tool_key, TOOL)
+        return self.contexts[rid] + fake_runner.prompt_tokens(tool_key, TOOL)
 
     @property
     def sources(self) -> dict:
@@ -83,7 +84,7 @@ def test_typed_session_id_names_the_session_and_the_chain_counts_its_turns(vllm_
     """vLLM's ``Request.session_id`` (X-Session-ID, the body's session_id): the session; with no turn given, the
     turn comes from the chain. It outranks the kvpilot extra_args' session id."""
     d = Driver(vllm_engine)
-    m0 = d.run("a", vllm_engine.prompt_tokens("a", P), session_id="S-typed")
+    m0 = d.run("a", fake_runner.prompt_tokens("a", P), session_id="S-typed")
     assert (m0.session_id, m0.turn) == ("S-typed", 0)
     m1 = d.run("b", d.next_prompt("a", "t0"), session_id="S-typed",
                extra_args={"kvpilot_session_id": "ignored", "kvpilot_domain": "agentic"})
@@ -102,18 +103,18 @@ def test_kv_hint_action_carries_session_turn_tool_and_pause(vllm_engine: Any, ca
     caplog.set_level(logging.WARNING, logger="kvpilot.hook")
     d = Driver(vllm_engine)
     payload = {"session_id": "S-hint", "turn": 0, "tool": "search", "expected_pause_s": 1.5}
-    m0 = d.run("a", vllm_engine.prompt_tokens("a", P), kv_hints=_hints(payload),
+    m0 = d.run("a", fake_runner.prompt_tokens("a", P), kv_hints=_hints(payload),
                extra_args={"kvpilot_session_id": "ignored", "kvpilot_turn": 9, "kvpilot_tool": "calc"})
     assert (m0.session_id, m0.turn, m0.tool, m0.expected_pause_s) == ("S-hint", 0, "search", 1.5)
     m1 = d.run("b", d.next_prompt("a", "t0"), kv_hints=_hints({"session_id": "S-hint", "turn": 1}))
     assert (m1.session_id, m1.turn, m1.tool) == ("S-hint", 1, None)
     assert ("tool_call_started", "a") in d.policy.events and ("tool_call_ended", "b") in d.policy.events
     # the typed session id outranks the hint's; a bad value is ignored (warned once), the rest is read
-    m2 = d.run("c", vllm_engine.prompt_tokens("c", P), session_id="S-typed",
+    m2 = d.run("c", fake_runner.prompt_tokens("c", P), session_id="S-typed",
                kv_hints=_hints({"session_id": "S-hint", "turn": "two", "tool": "search"}))
     assert (m2.session_id, m2.turn, m2.tool) == ("S-typed", 0, "search")
     # another major version of the action is not read
-    m3 = d.run("d", vllm_engine.prompt_tokens("d", P), kv_hints=_hints({"session_id": "S-v2"}, version="2.0"))
+    m3 = d.run("d", fake_runner.prompt_tokens("d", P), kv_hints=_hints({"session_id": "S-v2"}, version="2.0"))
     assert m3.session_id == "d"
     assert d.sources == {"kv_hints": 2, "typed": 1, "new": 1}
     warned = " ".join(r.getMessage() for r in caplog.records)
@@ -124,7 +125,7 @@ def test_kvpilot_extra_args_name_the_session(vllm_engine: Any) -> None:
     """The ``kvpilot_*`` extra_args (vllm_xargs) when neither vLLM field gives a session."""
     d = Driver(vllm_engine)
     xa = {"kvpilot_session_id": "S-x", "kvpilot_turn": 0, "kvpilot_tool": "shell", "kvpilot_expected_pause_s": "0.25"}
-    m0 = d.run("a", vllm_engine.prompt_tokens("a", P), extra_args=xa)
+    m0 = d.run("a", fake_runner.prompt_tokens("a", P), extra_args=xa)
     assert (m0.session_id, m0.turn, m0.tool, m0.expected_pause_s) == ("S-x", 0, "shell", 0.25)
     m1 = d.run("b", d.next_prompt("a", "t0"), extra_args={"kvpilot_session_id": "S-x"})
     assert (m1.session_id, m1.turn) == ("S-x", 1)  # no turn given: from the chain
@@ -136,7 +137,7 @@ def test_sessions_are_inferred_from_the_block_hash_chain(vllm_engine: Any) -> No
     siblings (the same prompt, other outputs) and a later request re-asking the prompt open sessions of their own."""
     e = vllm_engine
     d = Driver(e)
-    prompt = e.prompt_tokens("grpo", P)
+    prompt = fake_runner.prompt_tokens("grpo", P)
     assert (d.run("g0", prompt).session_id, d.policy.meta["g0"].turn) == ("g0", 0)
     assert (d.run("g1", prompt).session_id, d.policy.meta["g1"].turn) == ("g1", 0)  # a sibling
     m = d.run("g0-t1", d.next_prompt("g0", "tool-a"))
@@ -155,8 +156,8 @@ def test_sessions_are_inferred_from_the_block_hash_chain(vllm_engine: Any) -> No
 def test_priority_reaches_the_candidates(vllm_engine: Any) -> None:
     """vLLM's ``Request.priority`` is on each candidate the policy ranks."""
     d = Driver(vllm_engine)
-    d.run("lo", vllm_engine.prompt_tokens("lo", P), priority=-3)
-    d.run("hi", vllm_engine.prompt_tokens("hi", P), priority=4)
+    d.run("lo", fake_runner.prompt_tokens("lo", P), priority=-3)
+    d.run("hi", fake_runner.prompt_tokens("hi", P), priority=4)
     assert d.policy.priority == {"lo": -3, "hi": 4}
 
 
@@ -168,16 +169,17 @@ def test_chain_memory_is_bounded(vllm_engine: Any) -> None:
     ident = SessionIdentity(e.BLOCK_SIZE, max_chains=2)
     reqs = {}
     for k in range(3):
-        r = reqs[k] = e.make_request(f"r{k}", e.prompt_tokens(f"p{k}", P), OUT)
+        r = reqs[k] = e.make_request(f"r{k}", fake_runner.prompt_tokens(f"p{k}", P), OUT)
         ident.finished(_completed(e, r), ident.meta(r))
-    nxt = {k: e.make_request(f"n{k}", list(reqs[k].all_token_ids) + e.prompt_tokens("t", TOOL), OUT) for k in range(3)}
+    tool = fake_runner.prompt_tokens("t", TOOL)
+    nxt = {k: e.make_request(f"n{k}", list(reqs[k].all_token_ids) + tool, OUT) for k in range(3)}
     assert [ident.continued(nxt[k]) for k in range(3)] == [None, ("r1", 0), ("r2", 0)]
     assert len(ident._tips) == 2
 
 
 def _completed(engine: Any, request: Any) -> Any:
     """``request`` with its ``OUT`` output tokens appended (as the engine does, hashing new full blocks)."""
-    request.append_output_token_ids(engine.output_tokens(request.request_id, OUT))
+    request.append_output_token_ids(fake_runner.output_tokens(request.request_id, OUT))
     return request
 
 

@@ -13,6 +13,7 @@ from data.importers import import_mooncake, import_polytrace_multiturn
 from data.schemas import WORKLOAD
 from data.stats import _replay_order, workload_stats
 from data.synth import SynthConfig, generate
+from simulator import fake_runner
 from simulator.tokens import (
     FIRST_ID,
     VOCAB_SIZE,
@@ -310,7 +311,7 @@ def test_vllm_hits_what_unlimited_cached_tokens_predicts(vllm_engine: Any) -> No
     assert {"math", "agentic", "reward"} <= set(_col(table, "domain"))
     wt = WorkloadTokens(table)
     scheduler = vllm_engine.make_scheduler(num_blocks=20000, max_num_batched_tokens=16384)
-    runner = vllm_engine.FakeRunner()
+    runner = fake_runner.FakeRunner()
     measured = np.zeros(table.num_rows, np.int64)
     for r in wt.causal_order().tolist():
         rid, output = table.column("request_id")[r].as_py(), wt.output_ids(r).tolist()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from simulator import fake_runner
+
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,8 +105,8 @@ def test_engine_resolves_and_builds_the_hook(vllm_engine, monkeypatch):
     inspect.signature(Scheduler.__init__).bind(None, **kwargs)  # vLLM's own signature accepts them
     sched = cls(**kwargs)
     assert isinstance(sched.kvpilot_policy, VllmDefaultPolicy)
-    sched.add_request(vllm_engine.make_request("cli", vllm_engine.prompt_tokens("cli", 40), 4))
-    runner = vllm_engine.FakeRunner()
+    sched.add_request(vllm_engine.make_request("cli", fake_runner.prompt_tokens("cli", 40), 4))
+    runner = fake_runner.FakeRunner()
     for _ in range(10):
         runner.step(sched)
         if not sched.has_requests():
