@@ -342,6 +342,15 @@ class SynthConfig:
             raise ValueError(f"unknown workload preset {name!r}; known: {', '.join(PRESETS)}") from None
 
     @classmethod
+    def from_dict(cls, data: Any) -> SynthConfig:
+        """The config that ``dataclasses.asdict`` (a synthesized workload's recorded source) gave ``data`` from; a
+        ValueError names the key that is wrong."""
+        try:
+            return _from_plain(cls, data, "")
+        except _ConfigError as err:
+            raise ValueError(str(err)) from None
+
+    @classmethod
     def from_file(cls, path: str | Path, base: SynthConfig | None = None) -> SynthConfig:
         """Read a TOML config over ``base`` (default: the defaults); keys it leaves out keep their values there
         (domains merge by name), and a table that picks one of a pair of :data:`ALTERNATIVES` (a domain's
@@ -420,6 +429,32 @@ def _build(cls: type, data: Any, base: Any, where: str) -> Any:
         return dataclasses.replace(base, **values) if base is not None else cls(**values)
     except ValueError as err:
         raise _ConfigError(f"key {where.rstrip('.')!r}: {err}" if where else str(err)) from None
+
+
+def _from_plain(hint: Any, value: Any, where: str) -> Any:
+    """``value`` (plain data, as ``dataclasses.asdict`` gives it) as the annotated type ``hint``: every field
+    given, null where the field may be None."""
+    if isinstance(hint, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise _ConfigError(f"key {where or 'config'!r}: expected a table, got {value!r}")
+        hints, names = typing.get_type_hints(hint), [f.name for f in fields(hint)]
+        if set(value) != set(names):
+            odd = sorted(set(value) ^ set(names))
+            raise _ConfigError(f"table {where or 'config'!r}: keys differ from {hint.__name__}'s: {', '.join(odd)}")
+        try:
+            return hint(**{k: _from_plain(hints[k], value[k], f"{where}.{k}".lstrip(".")) for k in names})
+        except ValueError as err:
+            raise _ConfigError(f"table {where or 'config'!r}: {err}") from None
+    origin = typing.get_origin(hint)
+    if origin is dict and isinstance(value, dict):
+        return {k: _from_plain(typing.get_args(hint)[1], v, f"{where}.{k}") for k, v in value.items()}
+    if origin is tuple and isinstance(value, list):
+        return tuple(_from_plain(typing.get_args(hint)[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    return _coerce(value, hint, None, where)
 
 
 def _coerce(value: Any, hint: Any, base: Any, where: str) -> Any:

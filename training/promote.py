@@ -14,13 +14,22 @@ yet) becomes champion directly; ``force`` skips the gate.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tempfile
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.train import ENGINE_FIELDS, HeldoutParams, heldout_workload, register_policy_dir
+from training.train import (
+    ENGINE_FIELDS,
+    HELDOUT_MIX_ARTIFACT,
+    HeldoutParams,
+    heldout_workload,
+    register_policy_dir,
+)
+
+log = logging.getLogger(__name__)
 
 #: The candidate may be at most this much slower than the champion (relative mean RL-step makespan).
 MAKESPAN_TOLERANCE = 0.01
@@ -128,14 +137,25 @@ def trained_engine(version: str) -> dict[str, Any]:
 
     client = registry.client()
     try:
-        params = client.get_run(client.get_model_version(registry.MODEL_NAME, version).run_id).data.params
+        run_id = client.get_model_version(registry.MODEL_NAME, version).run_id
+        params = client.get_run(run_id).data.params
     except Exception:  # noqa: BLE001 - no run (registered by hand): nothing to follow
         return {}
     out: dict[str, Any] = {}
     for k in ENGINE_FIELDS:
         v = params.get(f"heldout.{k}")
-        if v is not None:  # (MLflow keeps params as text)
+        if v is not None and k != "mix":  # (MLflow keeps params as text)
             out[k] = v if k == "preset" else None if v == "None" else float(v)
+    if params.get("heldout.mix") == "True":
+        import mlflow
+
+        from data.synth import SynthConfig
+
+        try:
+            out["mix"] = SynthConfig.from_dict(mlflow.artifacts.load_dict(f"runs:/{run_id}/{HELDOUT_MIX_ARTIFACT}"))
+        except Exception as e:  # noqa: BLE001 - MLflow raises its own types; the gate then runs the default mix
+            log.warning("version %s: its training's held-out mix (%s) does not load (%s); the gate runs the "
+                        "default mix", version, HELDOUT_MIX_ARTIFACT, e)
     return out
 
 

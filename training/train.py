@@ -6,7 +6,8 @@ steps held out, or whole GRPO groups when the logs hold a single RL step; printe
 and the report's ``split``), fits the learned policy on them (:func:`policy.offline.train_policy`,
 which writes a POLICY_DIR carrying those predictors), simulates the trained
 policy against vLLM default on a held-out workload (:func:`training.evaluate.evaluate`; on the logs' engine:
-preset, KV size and CPU tier, where they agree and the caller sets none),
+preset, KV size and CPU tier, and a fresh step of the logs' own synthetic mix, where they agree and the caller
+sets none),
 and logs all of it to one MLflow run: every hyper-parameter and the data's
 time range and row counts as params; predictor quality, OPE estimates with
 their CIs and the simulator's ratios as metrics; the evaluation table, plots
@@ -37,13 +38,15 @@ HELDOUT_SEED = 90_001
 HELDOUT_KV_FRACTION = 0.3
 #: The default held-out evaluation's cost-model preset.
 HELDOUT_PRESET = "H200-7B"
-#: The engine settings of a held-out evaluation that follow where the policy was trained unless given
-#: (:func:`logs_engine`; ``promote``: the version's training run).
-ENGINE_FIELDS = ("preset", "kv_fraction", "offload_share", "offload_gib")
+#: The settings of a held-out evaluation that follow where the policy was trained unless given: the engine
+#: (:func:`logs_engine`) and the synthetic mix (:func:`logs_mix`); ``promote``: the version's training run.
+ENGINE_FIELDS = ("preset", "kv_fraction", "offload_share", "offload_gib", "mix")
 #: The decode stride of the held-out evaluations (``train``'s, the promotion gate's, the demo's). Finer than
 #: ``evaluate``'s 32: held-out workloads are small (a step of 32 iterations is a larger share of a run), and on
 #: tests/test_promote.py's tiny one stride 32 reverses the makespan order of its two learned policies.
 HELDOUT_DECODE_STRIDE = 16
+#: The training run's artifact that holds the held-out step's synthetic mix (``promote`` follows it).
+HELDOUT_MIX_ARTIFACT = "heldout/mix.json"
 
 
 class TrainError(ValueError):
@@ -64,10 +67,12 @@ class PredictorParams:
 class HeldoutParams:
     """The simulator evaluation after training: the trained policy vs vLLM default on a held-out workload."""
 
-    workload: Path | None = None  # None: a fresh synthetic workload (seed ``seed``, ``steps`` x ``prompts``)
+    workload: Path | None = None  # None: a fresh synthetic workload of ``mix`` (seed ``seed``, ``steps`` steps)
     seed: int = HELDOUT_SEED
     steps: int = 1
-    prompts_per_step: int = 16
+    prompts_per_step: int = 16  # of the default mix (``mix`` None)
+    #: the synthetic mix (a data.synth.SynthConfig) of the held-out step, e.g. the logs' own; None: the default
+    mix: Any = None
     kv_fraction: float | None = HELDOUT_KV_FRACTION  # None: the GPU's own KV capacity (the preset's)
     preset: str = HELDOUT_PRESET
     #: the CPU tier of the policies that use it: a share of the workload's KV need (the logs' memory pressure,
@@ -98,6 +103,14 @@ class HeldoutParams:
                 else f", tier {self.offload_gib:g} GiB" if self.offload_gib is not None else "")
         return f"{self.preset}, KV {kv}{tier}"
 
+    def describe_workload(self) -> str:
+        """The held-out workload in words."""
+        if self.workload is not None:
+            return str(self.workload)
+        if self.mix is None:
+            return f"a step of the default synthetic mix ({self.prompts_per_step} prompts, seed {self.seed})"
+        return f"a fresh step of the logs' synthetic mix ({self.mix.prompts_per_step} prompts, seed {self.seed})"
+
     def run(self, workload: Path, policies: list[str], out_dir: Path, progress: bool):
         """Evaluate ``policies`` on ``workload`` in this engine (:func:`training.evaluate.evaluate`)."""
         from training.evaluate import evaluate
@@ -116,13 +129,17 @@ class HeldoutParams:
                         progress=progress, sim_options=opts or None)
 
 
-def logs_engine(log_dirs: Sequence[Path]) -> tuple[dict[str, Any], list[str]]:
+def logs_engine(log_dirs: Sequence[Path], *, same_mix: bool = False) -> tuple[dict[str, Any], list[str]]:
     """The engine the logs were taken on, where every log's ``summary.json`` agrees: its preset, and its KV and CPU
     tier as shares of the logged workload's need (``kv_fraction``, ``offload_share``: the same memory pressure on a
-    held-out workload of another size); a note for each setting they do not give."""
-    from simulator.cost_model import PRESETS
+    held-out workload of another size) or, with ``same_mix`` (the held-out step is of the logs' own mix), as they
+    were set (the KV fraction given, else the GPU's capacity, as ``kv_fraction`` None; the tier in GiB); a note
+    for each setting they do not give."""
+    from simulator.cost_model import PRESETS, CostModel
+    from simulator.tokens import VLLM_BLOCK_SIZE
 
-    seen: dict[str, set] = {k: set() for k in ("preset", "kv_fraction", "offload_share")}
+    tier_key = "offload_gib" if same_mix else "offload_share"
+    seen: dict[str, set] = {k: set() for k in ("preset", "kv_fraction", tier_key)}
     notes: list[str] = []
     for log in log_dirs:
         path = Path(log) / "summary.json"
@@ -132,19 +149,59 @@ def logs_engine(log_dirs: Sequence[Path]) -> tuple[dict[str, Any], list[str]]:
             return {}, [f"{path}: no readable summary, so the logs' engine is unknown"]
         preset = s.get("preset")
         seen["preset"].add(preset if preset in PRESETS else None)
-        kv = s.get("kv_fraction") or s.get("kv_share_of_need")  # (a fraction given is exact; blocks are rounded)
-        seen["kv_fraction"].add(float(f"{kv:.4g}") if kv else None)
-        tier = s.get("offload_share_of_need") if s.get("offload_blocks") else 0.0
-        seen["offload_share"].add(float(f"{tier:.4g}") if tier is not None else None)
+        if same_mix and not s.get("kv_fraction") and preset in PRESETS and \
+                s.get("kv_blocks") == CostModel.preset(preset).max_kv_blocks(VLLM_BLOCK_SIZE):
+            seen["kv_fraction"].add(_GPU)  # the GPU's capacity: the same engine on the same mix
+        else:
+            kv = s.get("kv_fraction") or s.get("kv_share_of_need")  # (a fraction given is exact; blocks rounded)
+            seen["kv_fraction"].add(float(f"{kv:.4g}") if kv else None)
+        tier = s.get("offload_gib" if same_mix else "offload_share_of_need") if s.get("offload_blocks") else 0.0
+        seen[tier_key].add(float(f"{tier:.4g}") if tier is not None else None)
     out: dict[str, Any] = {}
     for k, values in seen.items():
         if len(values) != 1:
             notes.append(f"the logs differ in {k} ({', '.join(sorted(map(str, values)))})")
         elif (v := next(iter(values))) is None:
             notes.append(f"the logs do not say their {k}")
-        elif k != "offload_share" or v > 0:  # (no tier in the logs: the held-out's tier is left as it is)
-            out[k] = v
+        elif k != tier_key or v > 0:  # (no tier in the logs: the held-out's tier is left as it is)
+            out[k] = None if v is _GPU else v
+    if same_mix and "offload_gib" in out:
+        out["offload_share"] = None  # a size in GiB, not the default's share
     return out, notes
+
+
+_GPU = "gpu"  # logs_engine: a KV size that is the GPU's capacity
+
+
+def logs_mix(log_dirs: Sequence[Path]) -> tuple[Any, list[str]]:
+    """The synthetic mix (a :class:`data.synth.SynthConfig`, its seed and steps aside) that every log's workload
+    (``LOG/workload.parquet``, which ``simulate`` writes) was generated from, and a note where there is none:
+    a held-out step of that mix has the logs' sessions, tools and context sizes."""
+    import pyarrow.parquet as pq
+
+    from data.io import source_of
+    from data.synth import SynthConfig
+
+    mixes = []
+    for log in log_dirs:
+        path = Path(log) / "workload.parquet"
+        try:
+            source = source_of(pq.read_schema(path).empty_table()) if path.is_file() else None
+        except (OSError, ValueError) as err:
+            return None, [f"{path}: unreadable ({err}), so the logs' mix is unknown"]
+        if not source or source.get("generator") != "kvpilot workload synth":
+            return None, [f"{log}: no synthesized workload beside the logs, so the held-out step is the default mix"]
+        try:
+            cfg = SynthConfig.from_dict(source.get("config"))
+        except ValueError as err:
+            return None, [f"{path}: its recorded synth config does not load ({err}); the held-out step is the "
+                          "default mix"]
+        mixes.append(dataclasses.replace(cfg, seed=0, steps=1))
+    if not mixes:
+        return None, []
+    if any(m != mixes[0] for m in mixes[1:]):
+        return None, ["the logs' workloads are of different synthetic mixes, so the held-out step is the default mix"]
+    return mixes[0], []
 
 
 @dataclass
@@ -167,7 +224,8 @@ def heldout_workload(params: HeldoutParams, out_dir: Path) -> Path:
     from data.synth import SynthConfig, generate
 
     path = out_dir / f"heldout-seed{params.seed}.parquet"
-    cfg = SynthConfig(seed=params.seed, steps=params.steps, prompts_per_step=params.prompts_per_step)
+    cfg = (dataclasses.replace(params.mix, seed=params.seed, steps=params.steps) if params.mix is not None else
+           SynthConfig(seed=params.seed, steps=params.steps, prompts_per_step=params.prompts_per_step))
     write_workload(generate(cfg), path)
     return path
 
@@ -310,7 +368,9 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
     policy_config = policy_config or OfflineConfig()
     predictor_params = predictor_params or PredictorParams()
     heldout = heldout or HeldoutParams()
-    engine, notes = logs_engine(log_dirs) if follow_logs else ({}, [])
+    mix, notes = logs_mix(log_dirs) if "mix" in follow_logs and heldout.workload is None else (None, [])
+    engine, engine_notes = logs_engine(log_dirs, same_mix=mix is not None) if follow_logs else ({}, [])
+    engine, notes = {**engine, **({"mix": mix} if mix is not None else {})}, engine_notes + notes
     taken = {k: v for k, v in engine.items() if k in follow_logs}
     heldout = dataclasses.replace(heldout, **taken)
 
@@ -323,7 +383,9 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
             raise TrainError(f"policy search: {err}") from None
     _stage(console, f"1/4 data: {len(log_dirs)} log folder(s)")
     console.print(f"held-out evaluation on {heldout.engine()}"
-                  + (f" ({', '.join(taken)} as the logs')" if taken else "")
+                  + (f" ({', '.join(k for k, v in taken.items() if v is not None or k == 'kv_fraction')} as the "
+                     "logs')" if taken else "")
+                  + f"; workload: {heldout.describe_workload()}"
                   + "".join(f"; {n}" for n in notes), highlight=False, soft_wrap=True)
     data = data_summary(log_dirs)
     if not data["data.decisions_rows"]:
@@ -336,8 +398,10 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
     with mlflow.start_run() as run:
         mlflow.log_params({**data, **_params("predictors", dataclasses.asdict(predictor_params)),
                            **_params("policy", dataclasses.asdict(policy_config)),
-                           **_params("heldout", dataclasses.asdict(heldout)),
+                           **_params("heldout", {**dataclasses.asdict(heldout), "mix": heldout.mix is not None}),
                            "log_dirs": ",".join(str(p) for p in log_dirs)})
+        if heldout.mix is not None:  # (too long for a param) what promote's gate follows
+            mlflow.log_dict(dataclasses.asdict(heldout.mix), HELDOUT_MIX_ARTIFACT)
 
         _stage(console, "2/4 predictors: LightGBM length and reuse models")
         try:
