@@ -190,6 +190,15 @@ class AsyncRL:
 DEFAULT_OFFLOAD_GIB = 64.0
 
 
+def check_offload_gib(gib: Any) -> float:
+    """A CPU offload tier's size, GiB of host memory per replica (``--offload-gib`` wherever it is given: simulate,
+    evaluate's grid, the held-out runs of train and promote), as a float; 0 is no tier. Anything else raises
+    :class:`SimulationError`."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib < 0:
+        raise SimulationError(f"offload_gib (--offload-gib) must be a number of GiB >= 0, got {gib!r}")
+    return float(gib)
+
+
 @dataclass(frozen=True, eq=False)
 class SimConfig:
     """Every option of a run (see :func:`simulator.simulation.run_simulation`), checked when made."""
@@ -285,9 +294,7 @@ class SimConfig:
             raise SimulationError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not _positive_int(self.decode_stride):
             raise SimulationError(f"decode_stride must be an integer >= 1, got {self.decode_stride!r}")
-        g = self.offload_gib
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
-            raise SimulationError(f"offload_gib must be a number of GiB >= 0, got {g!r}")
+        check_offload_gib(self.offload_gib)
         check_choice("driver", self.driver, DRIVERS)
         if self.trainer is not None and not isinstance(self.trainer, Trainer):
             raise SimulationError(f"trainer must be a simulator.config.Trainer, got {type(self.trainer).__name__}")

@@ -197,7 +197,21 @@ def test_cli_sweeps_the_cpu_tier(vllm_engine: Any, workload_path: Path, tmp_path
         "policy", "kv_fraction", "replicas", "router", "tier_gib"]  # a swept tier is a grid column
     bad = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "bad"),
                                    "--offload-gib", "16,-1", "--no-progress"])
-    assert bad.exit_code == 2 and "CPU tier sizes (offload_gib) must be numbers of GiB >= 0" in bad.output
+    assert bad.exit_code == 2 and TIER_ERROR in " ".join(bad.output.split())
+
+
+#: What every command says of a bad ``--offload-gib`` (simulator.config.check_offload_gib, its one check).
+TIER_ERROR = "offload_gib (--offload-gib) must be a number of GiB >= 0, got -1.0"
+
+
+@pytest.mark.parametrize("command", ["simulate", "evaluate", "train", "promote"])
+def test_offload_gib_has_one_check(command: str, workload_path: Path, tmp_path: Path) -> None:
+    """``--offload-gib`` is checked in one function: every command that takes it refuses -1 in its words, exit 2."""
+    args = {"simulate": ["-w", str(workload_path), "-o", str(tmp_path / "o")],
+            "evaluate": ["-w", str(workload_path), "-o", str(tmp_path / "o")],
+            "train": ["--logs", str(tmp_path)], "promote": ["--version", "1"]}[command]
+    res = CliRunner().invoke(app, [command, *args, "--offload-gib", "-1"])
+    assert res.exit_code == 2 and TIER_ERROR in " ".join(res.output.split()), res.output
 
 
 @pytest.mark.vllm

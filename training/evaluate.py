@@ -233,10 +233,14 @@ def build_cases(policies: Sequence[str], kv_fractions: Iterable[float | None] | 
 def tier_sizes(tier_gibs: Iterable[float]) -> list[float]:
     """CPU offload tier sizes (GiB per replica), sorted, each once; none, or one below 0, raises
     :class:`EvaluationError`."""
-    tiers = sorted({float(g) for g in tier_gibs})
-    if not tiers or any(not (g >= 0 and math.isfinite(g)) for g in tiers):
-        raise EvaluationError(f"CPU tier sizes (offload_gib) must be numbers of GiB >= 0, got "
-                              f"{sorted(set(tier_gibs))}")
+    from simulator.config import SimulationError, check_offload_gib
+
+    try:
+        tiers = sorted({check_offload_gib(g) for g in tier_gibs})
+    except SimulationError as e:
+        raise EvaluationError(f"CPU tier sizes: {e}") from None
+    if not tiers:
+        raise EvaluationError("no CPU tier size (offload_gib) given")
     return tiers
 
 

@@ -91,10 +91,15 @@ class HeldoutParams:
             raise TrainError(f"held-out kv_fraction must be > 0 (or the GPU's capacity), got {self.kv_fraction}")
         if self.preset not in PRESETS:
             raise TrainError(f"unknown held-out preset {self.preset!r}; known presets: {', '.join(PRESETS)}")
-        for k in ("offload_share", "offload_gib"):
-            v = getattr(self, k)
-            if v is not None and not v >= 0:
-                raise TrainError(f"held-out {k} must be >= 0, got {v}")
+        if self.offload_share is not None and not self.offload_share >= 0:
+            raise TrainError(f"held-out offload_share must be >= 0, got {self.offload_share}")
+        if self.offload_gib is not None:
+            from simulator.config import SimulationError, check_offload_gib
+
+            try:
+                check_offload_gib(self.offload_gib)
+            except SimulationError as e:
+                raise TrainError(f"held-out {e}") from None
 
     def engine(self) -> str:
         """Its engine in words, e.g. ``H200-32B, KV 0.47, tier 0.49 of the need``."""
