@@ -2,7 +2,7 @@
 
 One synthetic workload (``--preset-workload``, default ``agentic``, ``--prompts`` prompts x 8 samples,
 ``--steps`` RL steps) is simulated with ``vllm-default`` behind the ``round-robin`` router at decode stride
-32 (:data:`training.evaluate.DEFAULT_DECODE_STRIDE`) on each replica count of ``--replicas``. The fleet's KV
+32 (:data:`training.grid.DEFAULT_DECODE_STRIDE`) on each replica count of ``--replicas``. The fleet's KV
 is the same at every count: ``--kv-total`` of the largest step's need in all, so ``kv_fraction`` =
 kv_total / replicas per replica (raised to the largest request's blocks where that is smaller, marked ``*``:
 vLLM cannot run a request larger than its cache). The default 1.5 is what 16 replicas of a 4-prompt agentic
@@ -86,7 +86,7 @@ def main() -> None:
     from data.synth import SynthConfig, generate
     from simulator import engine
     from simulator.workload import prepare_workload
-    from training.evaluate import DEFAULT_DECODE_STRIDE
+    from training.grid import DEFAULT_DECODE_STRIDE
 
     engine.make_vllm_config()  # imports and the first ModelConfig, outside the timings
     cfg = dataclasses.replace(SynthConfig.preset(args.preset_workload), prompts_per_step=args.prompts,

@@ -58,7 +58,7 @@ fewer scheduler calls (the cost of a run is almost all vLLM's own
   ``benchmarks/bench_stride.py`` measures the effect on makespan, preemptions,
   hit rate and policy ratios. ``simulate`` defaults to k = 1 (exact: a single
   run's numbers should not carry this approximation), ``evaluate`` to
-  :data:`training.evaluate.DEFAULT_DECODE_STRIDE` (32: a grid of many runs; on
+  :data:`training.grid.DEFAULT_DECODE_STRIDE` (32: a grid of many runs; on
   the default workload vllm-default's makespan is within 0.2 % of the exact one,
   and five measured policy ratios to it within 1.7 % of theirs, 2.2 % at k = 16).
 

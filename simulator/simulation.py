@@ -90,10 +90,12 @@ class Simulation:
     :class:`SimConfig`. Everything is checked here, before anything runs.
     """
 
-    def __init__(self, workload: pa.Table | PreparedWorkload, policy: PolicySpec = "vllm-default",
-                 **options: Any) -> None:
+    def __init__(self, workload: pa.Table | PreparedWorkload, policy: PolicySpec = "vllm-default", *,
+                 config: SimConfig | None = None, **options: Any) -> None:
         t0 = time.perf_counter()
-        self.config = config = SimConfig(policy, **options)
+        if config is not None and (options or policy != "vllm-default"):
+            raise SimulationError("give a SimConfig or its options, not both")
+        self.config = config = config if config is not None else SimConfig(policy, **options)
         w = workload if isinstance(workload, PreparedWorkload) else prepare_workload(workload)
         self.workload = w = w.time_scaled(config.time_scale)
         if config.overprovision is not None and w.trace:
@@ -357,9 +359,14 @@ def run_simulation(
     ``max_num_batched_tokens``, ``sticky_sessions``, ``decision_budget_s``, ``decode_stride``, ...).
     Bad configurations and workloads raise :class:`SimulationError` before anything runs.
     """
-    sim = Simulation(workload, policy, replicas=replicas, router=router, kv_blocks=kv_blocks,
-                     kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, overprovision=overprovision,
-                     progress=progress, **options)
+    return run_config(workload, SimConfig(policy, replicas=replicas, router=router, kv_blocks=kv_blocks,
+                                          kv_fraction=kv_fraction, preset=preset, out_dir=out_dir,
+                                          overprovision=overprovision, progress=progress, **options))
+
+
+def run_config(workload: pa.Table | PreparedWorkload, config: SimConfig) -> SimResult:
+    """Simulate ``workload`` as ``config`` (a :class:`SimConfig`, checked when it was made) says."""
+    sim = Simulation(workload, config=config)
     result = sim.run()
     result.summary = replace(result.summary, setup_s=sim.setup_s)
     return result

@@ -268,7 +268,7 @@ def test_every_policy_and_router_runs_async(vllm_engine: Any) -> None:
     """Every baseline (rollpacker's tail batching, a synchronous driver of its own, is a named error) and every
     router runs under the async driver and trains every trajectory."""
     from simulator.routers import ROUTERS
-    from training.evaluate import resolve_policies
+    from training.grid import resolve_policies
 
     w = prepare_workload(_tiny(seed=3, steps=2, prompts=1))
     opts: dict[str, Any] = dict(driver="async", async_rl=AsyncRL(1, "keep"), kv_fraction=1.0, decode_stride=8,

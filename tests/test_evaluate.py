@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import shutil
@@ -16,27 +17,33 @@ from typer.testing import CliRunner
 
 from data.io import write_workload
 from data.synth import generate
+from simulator.config import SimulationError
 from tests.test_sim_run import small_config
 from training.cli import app
-from training.evaluate import (
+from training.evaluate import EvaluationResult, Execution, evaluate, expected_cost, finished_case
+from training.grid import (
     DEFAULT,
     DEFAULT_DECODE_STRIDE,
     DEFAULT_KV_FRACTIONS,
     NOT_IN_ALL,
-    RR_RATIO,
     Case,
     EvaluationError,
-    EvaluationResult,
-    add_ratios,
+    Grid,
     build_cases,
-    evaluate,
-    expected_cost,
-    finished_case,
+    evaluation_config,
     resolve_policies,
     resolve_routers,
 )
+from training.reports import RR_RATIO, add_ratios
 
 POLICIES = ["sortedrl", "rollpacker"]  # vllm-default is added
+
+
+def _evaluate(workload: Path, policies: list[str], out: Path, *, jobs: int = 1, backend: str = "process",
+              on_case: Any = None, full_telemetry: bool = False, **grid: Any) -> EvaluationResult:
+    """``evaluate`` of a grid of ``policies`` on the evaluation's base run, without a progress bar."""
+    return evaluate(workload, Grid(policies, full_telemetry=full_telemetry, **grid), out,
+                    Execution(jobs=jobs, backend=backend, progress=False), on_case)
 #: Row keys that are wall times (they differ between two runs of the same case).
 TIMING = ("wall_s", "scheduler_s", "hook_s", "router_s", "setup_s", "simulator_overhead")
 
@@ -97,7 +104,7 @@ def test_the_registry_policy_is_known_in_a_fresh_process() -> None:
     import subprocess
     import sys
 
-    code = "from training.evaluate import resolve_policies; print(resolve_policies('registry'))"
+    code = "from training.grid import resolve_policies; print(resolve_policies('registry'))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and "'registry'" in done.stdout, done.stderr[-2000:]
 
@@ -114,8 +121,8 @@ def test_cli_unknown_policy_fails_before_running(workload_path: Path, tmp_path: 
     res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "e"),
                                    "--decode-stride", "0", "--no-progress"])
     assert res.exit_code == 2 and "decode_stride must be an integer >= 1, got 0" in res.output, res.output
-    with pytest.raises(EvaluationError, match="decode_stride"):
-        evaluate(workload_path, ["sortedrl"], tmp_path / "e", decode_stride=0, progress=False)
+    with pytest.raises(SimulationError, match="decode_stride"):
+        Grid(["sortedrl"], evaluation_config(decode_stride=0))
     assert not (tmp_path / "e").exists()
 
 
@@ -123,7 +130,7 @@ def test_cli_unknown_policy_fails_before_running(workload_path: Path, tmp_path: 
 def test_evaluate_grid(vllm_engine: Any, workload_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval"
     # 1e-4 is far below the largest request's need: those cases fail and are reported, not raised
-    result = evaluate(workload_path, POLICIES, out, kv_fractions=[0.3, 0.6, 1e-4], replicas=[1], progress=False)
+    result = _evaluate(workload_path, POLICIES, out, kv_fractions=[0.3, 0.6, 1e-4], replicas=[1])
     for name in ("summary.md", "summary.csv", "summary.json"):
         assert (out / name).stat().st_size > 0
     rows = json.loads((out / "summary.json").read_text())
@@ -291,8 +298,7 @@ def test_cli_two_replicas(vllm_engine: Any, workload_path: Path, tmp_path: Path)
 @pytest.mark.slow
 def test_evaluate_parallel_jobs(vllm_engine: Any, workload_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "evalj"
-    result = evaluate(workload_path, ["sortedrl", "oracle"], out, kv_fractions=[0.5], replicas=[1], jobs=2,
-                      progress=False)
+    result = _evaluate(workload_path, ["sortedrl", "oracle"], out, kv_fractions=[0.5], replicas=[1], jobs=2)
     assert [r["error"] for r in result.rows] == [None, None, None]
     # oracle runs first (longest expected), the rows keep the grid's order
     assert [r["policy"] for r in result.rows] == [DEFAULT, "sortedrl", "oracle"]
@@ -307,8 +313,8 @@ def test_full_telemetry_is_optional_and_changes_no_result(vllm_engine: Any, work
     same (two replicas behind the kv-aware router, which gets the KV events either way)."""
     runs = {}
     for log in (False, True):
-        res = evaluate(workload_path, ["sjf-predicted"], tmp_path / str(log), kv_fractions=[0.3], replicas=[2],
-                       routers=["kv-aware"], progress=False, full_telemetry=log)
+        res = _evaluate(workload_path, ["sjf-predicted"], tmp_path / str(log), kv_fractions=[0.3], replicas=[2],
+                        routers=["kv-aware"], full_telemetry=log)
         runs[log] = res.rows
         telemetry = tmp_path / str(log) / "runs" / "sjf-predicted-kv0.3-r2-kv-aware" / "telemetry"
         for table in ("decisions", "kv_events"):
@@ -374,14 +380,14 @@ def test_ratios_compare_within_a_router() -> None:
 def test_bad_backend_or_missing_ray_fails_before_running(workload_path: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(EvaluationError, match="unknown backend 'dask'; known backends: process, ray"):
-        evaluate(workload_path, ["sortedrl"], tmp_path / "e", backend="dask", progress=False)
+        Execution(backend="dask")
     with pytest.raises(EvaluationError, match="address 'auto' is for the ray backend"):
-        evaluate(workload_path, ["sortedrl"], tmp_path / "e", address="auto", progress=False)
+        Execution(address="auto")
     with pytest.raises(EvaluationError, match="unknown router 'nope'"):
-        evaluate(workload_path, ["sortedrl"], tmp_path / "e", replicas=[2], routers="nope", progress=False)
+        Grid(["sortedrl"], replicas=[2], routers="nope")
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     with pytest.raises(EvaluationError, match=r"backend 'ray' needs Ray: pip install 'ray>=2.60'"):
-        evaluate(workload_path, ["sortedrl"], tmp_path / "e", backend="ray", progress=False)
+        _evaluate(workload_path, ["sortedrl"], tmp_path / "e", backend="ray")
     assert not (tmp_path / "e").exists()
     res = CliRunner().invoke(app, ["evaluate", "-w", str(workload_path), "-o", str(tmp_path / "e"),
                                    "--replicas", "2", "--routers", "kv-aware,nope", "--no-progress"])
@@ -396,8 +402,7 @@ def test_bad_backend_or_missing_ray_fails_before_running(workload_path: Path, tm
 def router_grid(vllm_engine: Any, workload_path: Path, tmp_path_factory: pytest.TempPathFactory) -> EvaluationResult:
     """sortedrl and vllm-default at KV 0.5 (and 1e-4, whose cases fail) on 1 and 2 replicas behind two routers,
     in two worker processes."""
-    return evaluate(workload_path, ["sortedrl"], tmp_path_factory.mktemp("grid"), jobs=2, progress=False,
-                    **ROUTER_GRID)
+    return _evaluate(workload_path, ["sortedrl"], tmp_path_factory.mktemp("grid"), jobs=2, **ROUTER_GRID)
 
 
 @pytest.mark.vllm
@@ -427,14 +432,15 @@ def test_router_grid(router_grid: EvaluationResult, tmp_path: Path) -> None:
     assert list(router_grid.trajectory_s) == [c.name for c in build_cases([DEFAULT, "sortedrl"], **ROUTER_GRID)]
     # --resume reads a case back only when its run was behind the same router
     case = Case(DEFAULT, 0.5, 2, "kv-aware")
-    again = finished_case(case, out, DEFAULT_DECODE_STRIDE)
+    grid = Grid(["sortedrl"], **ROUTER_GRID)
+    again = finished_case(grid, case, out)
     assert again is not None and again[0]["router"] == "kv-aware" and again[0]["makespan_s"] == ok[
         (DEFAULT, 2, "kv-aware")]["makespan_s"]
     moved = tmp_path / "runs" / case.name
     shutil.copytree(out / "runs" / case.name, moved)
     summary = json.loads((moved / "summary.json").read_text())
     (moved / "summary.json").write_text(json.dumps({**summary, "router": "least-loaded"}))
-    assert finished_case(case, tmp_path, DEFAULT_DECODE_STRIDE) is None
+    assert finished_case(grid, case, tmp_path) is None
 
 
 @pytest.mark.vllm
@@ -445,8 +451,8 @@ def test_ray_backend_gives_the_process_pools_rows(router_grid: EvaluationResult,
     failed cases included, reported as they finish."""
     ray = pytest.importorskip("ray")
     seen: list[str] = []
-    result = evaluate(workload_path, ["sortedrl"], tmp_path, backend="ray", jobs=2, progress=False,
-                      on_case=lambda case, row: seen.append(case.name), **ROUTER_GRID)
+    result = _evaluate(workload_path, ["sortedrl"], tmp_path, backend="ray", jobs=2,
+                       on_case=lambda case, row: seen.append(case.name), **ROUTER_GRID)
     assert not ray.is_initialized()  # started here, so shut down here
     assert sorted(seen) == sorted(router_grid.trajectory_s) and len(seen) == 12
     strip = [[{k: v for k, v in r.items() if k not in TIMING} for r in res.rows] for res in (router_grid, result)]
@@ -458,8 +464,6 @@ def test_ray_backend_gives_the_process_pools_rows(router_grid: EvaluationResult,
 
 def test_resume_reuses_a_run_only_of_the_same_workload_and_preset(tmp_path: Path) -> None:
     """A finished case is read back only for the workload (its request count and source) and preset it ran."""
-    from training.evaluate import Case, finished_case
-
     case = Case("vllm-default", 0.5, 1, None)
     run = tmp_path / "runs" / case.name
     run.mkdir(parents=True)
@@ -468,11 +472,12 @@ def test_resume_reuses_a_run_only_of_the_same_workload_and_preset(tmp_path: Path
                                                   "router": None, "preset": "H200-7B", "requests": 40,
                                                   "workload_source": source, "makespan_s": 5.0}))
     (run / "trajectories.json").write_text("[1.0, 2.0]")
-    same = ("H200-7B", 40, source)
-    assert finished_case(case, tmp_path, 32, workload=same)[1] == [1.0, 2.0]
-    for other in (("H200-32B", 40, source), ("H200-7B", 41, source),
-                  ("H200-7B", 40, {**source, "config": {"seed": 4, "steps": [1, 2]}})):
-        assert finished_case(case, tmp_path, 32, workload=other) is None
+    grid = Grid([DEFAULT], kv_fractions=[0.5])  # H200-7B at stride 32
+    assert finished_case(grid, case, tmp_path, workload=(40, source))[1] == [1.0, 2.0]
+    for other in ((41, source), (40, {**source, "config": {"seed": 4, "steps": [1, 2]}})):
+        assert finished_case(grid, case, tmp_path, workload=other) is None
+    on_32b = dataclasses.replace(grid, base=evaluation_config(preset="H200-32B"))
+    assert finished_case(on_32b, case, tmp_path, workload=(40, source)) is None
 
 
 def test_cli_learned_without_a_readable_model_fails_before_running(workload_path: Path, tmp_path: Path) -> None:

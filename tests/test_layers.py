@@ -238,3 +238,40 @@ def test_no_issue_numbers_in_the_library(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
     (tmp_path / "policy" / "a.py").write_text("X = 1  # as issue #7 measured\nY = 2  # (NeMo/RL issue 3663)\n")
     assert issue_references(tmp_path) == ["policy/a.py:1"]
+
+
+#: The command functions whose bodies ``kvpilot``'s settings pass through, and the most lines each may have (its
+#: options are module-level ``Annotated`` aliases; the settings cross into the library as typed records).
+COMMAND_LINES = {"simulate": 60, "evaluate_cmd": 60}
+MAX_PARAMETERS = 10
+
+
+def long_signatures(root: Path = ROOT) -> list[str]:
+    """Functions in ``training/`` with more than :data:`MAX_PARAMETERS` parameters (a typer command's are its
+    options, and are not counted), and the commands of :data:`COMMAND_LINES` longer than their bound."""
+    out = []
+    for path in sorted((root / "training").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            where = f"{path.relative_to(root).as_posix()}:{node.lineno} {node.name}"
+            command = any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+                          and d.func.attr in ("command", "callback") for d in node.decorator_list)
+            a = node.args
+            bound = bool(a.args) and a.args[0].arg in ("self", "cls")
+            n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - int(bound)
+            if n > MAX_PARAMETERS and not command:
+                out.append(f"{where}: {n} parameters")
+            if node.name in COMMAND_LINES and node.end_lineno - node.lineno + 1 > COMMAND_LINES[node.name]:
+                out.append(f"{where}: {node.end_lineno - node.lineno + 1} lines")
+    return out
+
+
+def test_settings_cross_as_records_not_long_argument_lists(tmp_path: Path) -> None:
+    assert long_signatures() == []
+    (tmp_path / "training").mkdir()
+    args = ", ".join(f"a{i}" for i in range(11))
+    (tmp_path / "training" / "a.py").write_text(
+        f"def f({args}):\n    pass\n\n\n@app.command('x')\ndef g({args}):\n    pass\n\n\n"
+        "def simulate():\n" + "    x = 1\n" * 60)
+    assert long_signatures(tmp_path) == ["training/a.py:1 f: 11 parameters", "training/a.py:10 simulate: 61 lines"]

@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from simulator.config import AsyncRL, SimConfig
 
 __all__ = ["COLUMNS", "sweep", "sweep_grid", "write_sweep"]
 
@@ -27,28 +31,23 @@ COLUMNS = ("policy", "kv_fraction", "replicas", "run", "eta", "weight_sync", "as
            "gpu_recompute_preemption_s", "gpu_recompute_eviction_s", "gpu_offload_wait_s", "gpu_idle_s", "error")
 
 
-def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes: Sequence[str], *,
-          sim_options: dict[str, Any], progress: bool = True, kv_fraction: float | None = None,
-          replicas: int = 1, admission: str = "auto", max_groups: int | None = None) -> list[dict[str, Any]]:
-    """The synchronous run and every async (eta, mode) run of ``workload`` (a prepared workload); their rows.
-
-    ``sim_options``: :func:`simulator.simulation.run_simulation`'s options shared by every run (its
-    ``trainer`` included); ``max_groups``: the async runs' cap on groups in flight
-    (:attr:`simulator.config.AsyncRL.max_concurrent_groups`); bad settings raise
-    :class:`simulator.config.SimulationError` before any run."""
-    from simulator.config import AsyncRL, SimulationError, Trainer
+def sweep(workload: Any, base: SimConfig, runs: Sequence[AsyncRL], out_dir: Path,
+          progress: bool = True) -> list[dict[str, Any]]:
+    """The synchronous run of ``base`` (a :class:`simulator.config.SimConfig`; with a :class:`Trainer` if it has
+    none) and an asynchronous run per ``runs`` (each an :class:`AsyncRL`: staleness bound, weight-sync mode,
+    admission, cap on groups in flight), each into ``out_dir/<run>``; their rows. Every run is checked before
+    any runs (:class:`simulator.config.SimulationError`)."""
+    from simulator.config import SimulationError, Trainer
     from simulator.simulation import Simulation
 
-    if not etas or not modes:
-        raise SimulationError(f"a sweep needs staleness bounds and weight-sync modes, got {list(etas)} and "
-                              f"{list(modes)}")
-    opts = dict(sim_options)
-    opts.setdefault("trainer", Trainer())
-    plan: list[tuple[str, dict[str, Any]]] = [("sync", {})]
-    plan += [(f"async-eta{e}-{m}", {"driver": "async", "async_rl": AsyncRL(e, m, admission, max_groups)})
-             for e in etas for m in modes]
-    sims = [(name, Simulation(workload, policy, out_dir=Path(out_dir) / name, progress=False, replicas=replicas,
-                              kv_fraction=kv_fraction, **opts, **extra)) for name, extra in plan]  # checked first
+    if not runs:
+        raise SimulationError("a sweep needs at least one asynchronous run (a staleness bound and weight-sync mode)")
+    base = replace(base, trainer=base.trainer or Trainer(), progress=False, driver="sync", async_rl=None)
+    plan = [("sync", base)] + [(f"async-eta{a.staleness}-{a.weight_sync}", replace(base, driver="async", async_rl=a))
+                               for a in runs]
+    sims = [(name, Simulation(workload, config=replace(cfg, out_dir=Path(out_dir) / name)))
+            for name, cfg in plan]  # checked first
+    policy = base.policy if isinstance(base.policy, str) else type(base.policy).__name__
     bar = None
     if progress:
         from tqdm import tqdm
@@ -57,7 +56,8 @@ def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes:
     rows = []
     try:
         for name, sim in sims:
-            row = {"policy": policy, "kv_fraction": kv_fraction, "replicas": replicas, "run": name, "error": None}
+            row = {"policy": policy, "kv_fraction": base.kv_fraction, "replicas": base.replicas, "run": name,
+                   "error": None}
             try:
                 s = sim.run().summary.to_dict()
             except Exception as e:  # noqa: BLE001 - a row with its error, not a lost sweep
@@ -69,36 +69,24 @@ def sweep(workload: Any, out_dir: Path, policy: str, etas: Sequence[int], modes:
     finally:
         if bar is not None:
             bar.close()
-    base = rows[0].get("trajectories_per_s")
+    sync = rows[0].get("trajectories_per_s")
     for r in rows:
         rate, bound = r.get("trajectories_per_s"), r.get("throughput_bound_trajectories_per_s")
-        ok = rate is not None and base
-        r["ratio_vs_sync"] = rate / base if ok else None
-        r["gap_closed"] = (rate - base) / (bound - base) if ok and bound and bound - base > 1e-12 else None
+        ok = rate is not None and sync
+        r["ratio_vs_sync"] = rate / sync if ok else None
+        r["gap_closed"] = (rate - sync) / (bound - sync) if ok and bound and bound - sync > 1e-12 else None
     return rows
 
 
-def sweep_grid(workload: Any, out_dir: Path, policies: Sequence[str], kv_fractions: Sequence[float | None],
-               replicas: Sequence[int], etas: Sequence[int], modes: Sequence[str], *, sim_options: dict[str, Any],
-               progress: bool = True, admission: str = "auto", policy_options: dict[str, Any] | None = None,
-               learned_model: Path | None = None, max_groups: int | None = None) -> list[dict[str, Any]]:
-    """:func:`sweep` for every policy x KV fraction x replica count, each into ``out_dir/<policy>-kv<kv>-r<n>``
-    (``out_dir`` itself for a single one); their rows.
-
-    ``policy_options``: every policy's keyword options; ``learned_model``: the ``model`` (POLICY_DIR) of the
-    ``learned`` policy."""
-    single = len(policies) * len(kv_fractions) * len(replicas) == 1
+def sweep_grid(workload: Any, bases: Sequence[SimConfig], runs: Sequence[AsyncRL], out_dir: Path,
+               progress: bool = True) -> list[dict[str, Any]]:
+    """:func:`sweep` for every base run (a policy at a KV size and replica count), each into
+    ``out_dir/<policy>-kv<kv>-r<n>`` (``out_dir`` itself for a single one); their rows."""
     rows = []
-    for policy in policies:
-        for kv in kv_fractions:
-            for reps in replicas:
-                sub = out_dir if single else out_dir / f"{policy}-kv{'gpu' if kv is None else f'{kv:g}'}-r{reps}"
-                options = dict(policy_options or {})
-                if (policy == "learned" or policy.startswith("learned-")) and learned_model:
-                    options["model"] = str(learned_model)
-                rows += sweep(workload, sub, policy, etas, modes, kv_fraction=kv, replicas=reps, admission=admission,
-                              max_groups=max_groups, progress=progress,
-                              sim_options={**sim_options, "policy_options": options})
+    for base in bases:
+        kv = "gpu" if base.kv_fraction is None else f"{base.kv_fraction:g}"
+        sub = out_dir if len(bases) == 1 else out_dir / f"{base.policy}-kv{kv}-r{base.replicas}"
+        rows += sweep(workload, base, runs, sub, progress)
     return rows
 
 

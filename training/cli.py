@@ -13,18 +13,22 @@ import sys
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 
 from data.errors import DataValidationError
-from simulator.config import DEFAULT_OFFLOAD_GIB
+from simulator.config import DEFAULT_OFFLOAD_GIB, SimConfig
 from simulator.summary import RunSummary, render_summary
 from training import policy_cli, predictors_cli
 from training.cli_errors import fail, reported
-from training.evaluate import DEFAULT_DECODE_STRIDE
+from training.grid import DEFAULT_DECODE_STRIDE
 from training.train import HELDOUT_KV_FRACTION, HELDOUT_PRESET, HELDOUT_SEED
+
+if TYPE_CHECKING:
+    from training.evaluate import Execution
+    from training.grid import Grid
 
 #: Every command group is made here; a command is mounted on its group with ``group.command(name)``: as a
 #: decorator for the commands of this module, on the command functions of the sub-CLI modules at the end.
@@ -219,24 +223,29 @@ def _check_async_only(driver: str, max_groups: Optional[int], admission: str, st
             DEFAULT_WEIGHT_SYNC if weight_sync is None else weight_sync)
 
 
-def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fractions: list, replicas: list[int],
-                 staleness: str, weight_sync: str, admission: str, trainer: object, progress: bool, as_json: bool,
-                 *, policy_options: Optional[str] = None, learned_model: Optional[Path] = None,
-                 max_groups: Optional[int] = None, **sim_options: object) -> None:
-    """``--driver async``: the synchronous run and every (eta, mode) async run per policy x KV x replicas."""
+def _async_runs(staleness: str, weight_sync: str, admission: str, max_groups: Optional[int]) -> list:
+    """The asynchronous runs of ``--staleness`` x ``--weight-sync`` (each value once), as
+    :class:`simulator.config.AsyncRL` settings checked before any run (exit 2)."""
+    from simulator.config import AsyncRL, SimulationError
+
+    etas = list(dict.fromkeys(_number_list(staleness, int, "--staleness")))  # each once (a run per value)
+    modes = list(dict.fromkeys(m.strip() for m in weight_sync.split(",") if m.strip()))
+    if not modes:
+        raise fail("--weight-sync is empty")
+    with reported(SimulationError):
+        return [AsyncRL(e, m, admission, max_groups) for e in etas for m in modes]
+
+
+def _async_sweep(workload: Path, out_dir: Path, bases: list, runs: list, progress: bool, as_json: bool) -> None:
+    """``--driver async``: the synchronous run and every asynchronous one (``runs``) of each base run."""
     from simulator.config import SimulationError
     from simulator.workload import load_workload
     from training.async_sweep import sweep_grid, write_sweep
 
-    etas = list(dict.fromkeys(_number_list(staleness, int, "--staleness")))  # each once (a run per value)
-    modes = list(dict.fromkeys(m.strip() for m in weight_sync.split(",") if m.strip()))
-    options = _policy_options(policy_options)
     with reported(*_INPUT_ERRORS):  # SimulationError is a ValueError
         prepared = load_workload(workload)
-    with reported(SimulationError):  # bad staleness, weight-sync mode or admission: before any run
-        rows = sweep_grid(prepared, out_dir, policies, kv_fractions, replicas, etas, modes, admission=admission,
-                          progress=progress, policy_options=options, learned_model=learned_model,
-                          max_groups=max_groups, sim_options={**sim_options, "trainer": trainer})
+    with reported(SimulationError):  # a bad run: before any runs
+        rows = sweep_grid(prepared, bases, runs, out_dir, progress)
     write_sweep(rows, out_dir)
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
@@ -251,42 +260,56 @@ def _async_sweep(workload: Path, out_dir: Path, policies: list[str], kv_fraction
                   highlight=False)
 
 
+WorkloadOpt = Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")]
+OutDirOpt = Annotated[Path, typer.Option("-o", "--out-dir", help="Where telemetry and summary.json go.")]
+PolicyOpt = Annotated[str, typer.Option("--policy", "-p", help="Policy registry name.")]
+PolicyOptionsOpt = Annotated[
+    Optional[str], typer.Option("--policy-options", help="JSON object of keyword options for the policy.")
+]
+RouterOpt = Annotated[
+    str, typer.Option("--router", help="round-robin, least-loaded, cache-aware, kv-aware, session-affinity, "
+                      "fewest-sessions or kvpilot (several replicas).")
+]
+MaxNumSeqsOpt = Annotated[Optional[int], typer.Option(
+    "--max-num-seqs", help="vLLM max_num_seqs (default: a fitted preset's engine's, else 256).")]
+MaxNumBatchedTokensOpt = Annotated[Optional[int], typer.Option(
+    "--max-num-batched-tokens", help="vLLM max_num_batched_tokens, chunked prefill (default: a fitted "
+    "preset's engine's, else 8192).")]
+DecodeStrideOpt = Annotated[
+    int, typer.Option("--decode-stride", help="Tokens each request decodes per simulated step (1: exact; "
+                      "k > 1: k times fewer scheduler calls, approximate).")
+]
+AsJsonOpt = Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")]
+KeepCacheOpt = Annotated[bool, typer.Option(
+    "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
+    "every step, as RL frameworks do at weight sync).")]
+SessionIdsOpt = Annotated[bool, typer.Option(
+    "--session-ids/--no-session-ids", help="Send each request's session id, turn and tool (kvpilot_* keys); "
+    "--no-session-ids sends none, as verl and AReaL do, and the hook infers sessions from the block-hash "
+    "chain.")]
+
+
 @app.command("simulate")
 def simulate(
-    workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
-    out_dir: Annotated[Path, typer.Option("-o", "--out-dir", help="Where telemetry and summary.json go.")],
-    policy: Annotated[str, typer.Option("--policy", "-p", help="Policy registry name.")] = "vllm-default",
-    policy_options: Annotated[
-        Optional[str], typer.Option("--policy-options", help="JSON object of keyword options for the policy.")
-    ] = None,
+    workload: WorkloadOpt,
+    out_dir: OutDirOpt,
+    policy: PolicyOpt = "vllm-default",
+    policy_options: PolicyOptionsOpt = None,
     replicas: Replicas = 1,
-    router: Annotated[
-        str, typer.Option("--router", help="round-robin, least-loaded, cache-aware, kv-aware, session-affinity, "
-                          "fewest-sessions or kvpilot (several replicas).")
-    ] = "round-robin",
+    router: RouterOpt = "round-robin",
     kv_blocks: KvBlocks = None,
     kv_fraction: KvFraction = None,
     preset: Preset = "H200-7B",
-    max_num_seqs: Annotated[Optional[int], typer.Option(
-        "--max-num-seqs", help="vLLM max_num_seqs (default: a fitted preset's engine's, else 256).")] = None,
-    max_num_batched_tokens: Annotated[Optional[int], typer.Option(
-        "--max-num-batched-tokens", help="vLLM max_num_batched_tokens, chunked prefill (default: a fitted "
-        "preset's engine's, else 8192).")] = None,
+    max_num_seqs: MaxNumSeqsOpt = None,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = None,
     time_scale: TimeScale = 1.0,
-    decode_stride: Annotated[
-        int, typer.Option("--decode-stride", help="Tokens each request decodes per simulated step (1: exact; "
-                          "k > 1: k times fewer scheduler calls, approximate).")
-    ] = 1,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
-    keep_cache: Annotated[bool, typer.Option(
-        "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
-        "every step, as RL frameworks do at weight sync).")] = False,
+    decode_stride: DecodeStrideOpt = 1,
+    as_json: AsJsonOpt = False,
+    progress: ProgressOpt = True,
+    keep_cache: KeepCacheOpt = False,
     offload_gib: OffloadGib = DEFAULT_OFFLOAD_GIB,
-    session_ids: Annotated[bool, typer.Option(
-        "--session-ids/--no-session-ids", help="Send each request's session id, turn and tool (kvpilot_* keys); "
-        "--no-session-ids sends none, as verl and AReaL do, and the hook infers sessions from the block-hash "
-        "chain.")] = True,
+    session_ids: SessionIdsOpt = True,
     driver: DriverOpt = "sync",
     staleness: StalenessOpt = None,
     weight_sync: WeightSyncOpt = None,
@@ -296,19 +319,22 @@ def simulate(
     max_groups: MaxGroupsOpt = None,
 ) -> None:
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
+    from simulator.config import SimulationError
+
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
     staleness, weight_sync = _check_async_only(driver, max_groups, admission, staleness, weight_sync)
+    with reported(SimulationError):  # every setting of the run, checked once, before anything runs
+        config = SimConfig(policy, policy_options=_policy_options(policy_options), replicas=replicas, router=router,
+                           kv_blocks=kv_blocks, kv_fraction=kv_fraction, preset=preset, out_dir=out_dir,
+                           progress=progress, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, session_ids=session_ids,
+                           decode_stride=decode_stride, keep_cache_across_steps=keep_cache, offload_gib=offload_gib,
+                           trainer=trainer_spec, time_scale=time_scale)
     if driver == "async":
-        _async_sweep(workload, out_dir, [policy], [kv_fraction], [replicas], staleness, weight_sync, admission,
-                     trainer_spec, progress, as_json, policy_options=policy_options, max_groups=max_groups,
-                     router=router,
-                     kv_blocks=kv_blocks, preset=preset, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
-                     offload_gib=offload_gib, time_scale=time_scale)
+        _async_sweep(workload, out_dir, [config], _async_runs(staleness, weight_sync, admission, max_groups),
+                     progress, as_json)
         return
-    summary = _simulate(workload, out_dir, policy, policy_options, replicas, router, kv_blocks, kv_fraction, preset,
-                        max_num_seqs, max_num_batched_tokens, progress, decode_stride, keep_cache, offload_gib,
-                        session_ids, trainer_spec, time_scale=time_scale)
+    summary = _simulate(workload, config)
     if as_json:
         typer.echo(json.dumps(summary.to_dict(), indent=2))
     else:
@@ -339,31 +365,21 @@ def bound(
     typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_bound(result))
 
 
-def _simulate(workload: Path, out_dir: Path, policy: str, policy_options: Optional[str], replicas: int, router: str,
-              kv_blocks: Optional[int], kv_fraction: Optional[float], preset: str, max_num_seqs: Optional[int],
-              max_num_batched_tokens: Optional[int], progress: bool, decode_stride: int = 1, keep_cache: bool = False,
-              offload_gib: float = DEFAULT_OFFLOAD_GIB, session_ids: bool = True,
-              trainer: object = None, *, time_scale: float = 1.0) -> RunSummary:
-    """Read, check and simulate; user errors exit with status 2 before anything runs."""
+def _simulate(workload: Path, config: SimConfig) -> RunSummary:
+    """Read and check the workload, then simulate it as ``config`` says;
+    user errors exit with status 2 before anything runs."""
     from simulator.workload import load_workload
 
-    options = _policy_options(policy_options)
     with reported(*_INPUT_ERRORS):  # SimulationError is a ValueError
         prepared = load_workload(workload)
-    from simulator.simulation import SimulationError, run_simulation
+    from simulator.simulation import SimulationError, run_config
 
     with reported(SimulationError):
-        result = run_simulation(
-            prepared, policy, policy_options=options, replicas=replicas, router=router, kv_blocks=kv_blocks,
-            kv_fraction=kv_fraction, preset=preset, out_dir=out_dir, progress=progress, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, decode_stride=decode_stride,
-            keep_cache_across_steps=keep_cache, offload_gib=offload_gib, session_ids=session_ids,
-            trainer=trainer, time_scale=time_scale,
-        )
+        result = run_config(prepared, config)
     from data.io import write_workload
 
     # beside the telemetry: `kvpilot train` joins its tools to the logs and replays it in its policy search
-    write_workload(prepared.table, out_dir / "workload.parquet")
+    write_workload(prepared.table, config.out_dir / "workload.parquet")
     return result.summary
 
 
@@ -403,67 +419,82 @@ def _number_list(text: str, kind: type, option: str) -> list:
     return values
 
 
+EvalOutDirOpt = Annotated[Path, typer.Option("-o", "--out-dir",
+                                             help="Where summary.{md,csv,json}, plots and runs/ go.")]
+PoliciesOpt = Annotated[
+    str, typer.Option("--policies", "-p", help="Comma-separated policy names; 'all' is every baseline, and "
+                      "names beside it are added (all,learned); vllm-default is always added (ratios are to it).")
+]
+KvFractionsOpt = Annotated[
+    Optional[str], typer.Option("--kv-fractions", help="Comma-separated KV fractions per replica; 'gpu': the "
+                                "preset GPU's own KV capacity. Default: 0.1,0.2,0.4.")
+]
+KvTotalOpt = Annotated[
+    Optional[str], typer.Option("--kv-total", help="Instead of --kv-fractions: comma-separated KV fractions "
+                                "of the whole fleet, split evenly over each replica count's replicas (0.2 at "
+                                "--replicas 4,8: 0.05 and 0.025 per replica).")
+]
+ReplicasOpt = Annotated[str, typer.Option("--replicas", help="Replica count(s), e.g. 1 or 1,2.")]
+RoutersOpt = Annotated[
+    str, typer.Option("--routers", "--router", help="Comma-separated routers (simulator.routers.ROUTERS: "
+                      "round-robin, least-loaded, cache-aware, kv-aware, ...; 'all' is every one), a grid "
+                      "dimension at several replicas (one replica has no router).")
+]
+JobsOpt = Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (each imports vLLM once); with "
+                                  "--backend ray and no --address, the local Ray instance's CPUs.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="process (this process or --jobs worker processes) or "
+                                     "ray (one Ray task per case; needs the ray package).")]
+AddressOpt = Annotated[Optional[str], typer.Option(
+    "--address", help="Ray cluster to join with --backend ray (e.g. auto or ray://HEAD:10001); default: a "
+    "local Ray instance of --jobs CPUs.")]
+EvalDecodeStrideOpt = Annotated[
+    Optional[int], typer.Option("--decode-stride", help="Tokens each request decodes per simulated step; "
+                                f"1 is exact. Default: {DEFAULT_DECODE_STRIDE} (training.grid."
+                                "DEFAULT_DECODE_STRIDE); benchmarks/bench_stride.py measures what a stride "
+                                "changes.")
+]
+ResumeOpt = Annotated[
+    bool, typer.Option("--resume", help="Reuse the cases an earlier evaluation into -o finished for this "
+                       "workload and preset, at this stride, router and tier; without it, -o must hold no "
+                       "earlier evaluation.")
+]
+ModelOpt = Annotated[Optional[Path], typer.Option(
+    "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`), for `learned` and its "
+    "ablations (learned-prior: no trained network, the rules it starts from; learned-admission: + the network's "
+    "admission residual; learned-tier-rule: every trained lever but the tier model; learned: every lever it "
+    "trained; learned-no-tier, learned-gpu-evict, learned-tier-lru: levers off). With `learned` listed, "
+    "`learned-prior` is evaluated beside it.")]
+FullTelemetryOpt = Annotated[bool, typer.Option(
+    "--full-telemetry", help="Also write each run's decisions and kv_events telemetry (for training, OPE or "
+    "cache analysis; slower). Without it a run writes the requests and steps tables the summary reads.")]
+OffloadGibsOpt = Annotated[str, typer.Option(
+    "--offload-gib", help="Host memory (GiB) per replica of the CPU offload tier (vLLM's native KV offloading) "
+    "for the policies that use it (vllm-offload, *-offload, learned over the tier); comma-separated sizes "
+    "(16,64,256) are a grid dimension for those policies; 0 turns the tier off. Default: a quarter of a DGX "
+    "H200's host memory per GPU.")]
+
+
 @app.command("evaluate")
 def evaluate_cmd(
-    workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
-    out_dir: Annotated[Path, typer.Option("-o", "--out-dir", help="Where summary.{md,csv,json}, plots and runs/ go.")],
-    policies: Annotated[
-        str, typer.Option("--policies", "-p", help="Comma-separated policy names; 'all' is every baseline, and "
-                          "names beside it are added (all,learned); vllm-default is always added (ratios are to it).")
-    ] = "all",
-    kv_fractions: Annotated[
-        Optional[str], typer.Option("--kv-fractions", help="Comma-separated KV fractions per replica; 'gpu': the "
-                                    "preset GPU's own KV capacity. Default: 0.1,0.2,0.4.")
-    ] = None,
-    kv_total: Annotated[
-        Optional[str], typer.Option("--kv-total", help="Instead of --kv-fractions: comma-separated KV fractions "
-                                    "of the whole fleet, split evenly over each replica count's replicas (0.2 at "
-                                    "--replicas 4,8: 0.05 and 0.025 per replica).")
-    ] = None,
-    replicas: Annotated[str, typer.Option("--replicas", help="Replica count(s), e.g. 1 or 1,2.")] = "1",
-    routers: Annotated[
-        str, typer.Option("--routers", "--router", help="Comma-separated routers (simulator.routers.ROUTERS: "
-                          "round-robin, least-loaded, cache-aware, kv-aware, ...; 'all' is every one), a grid "
-                          "dimension at several replicas (one replica has no router).")
-    ] = "round-robin",
-    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (each imports vLLM once); with "
-                                      "--backend ray and no --address, the local Ray instance's CPUs.")] = 1,
-    backend: Annotated[str, typer.Option("--backend", help="process (this process or --jobs worker processes) or "
-                                         "ray (one Ray task per case; needs the ray package).")] = "process",
-    address: Annotated[Optional[str], typer.Option(
-        "--address", help="Ray cluster to join with --backend ray (e.g. auto or ray://HEAD:10001); default: a "
-        "local Ray instance of --jobs CPUs.")] = None,
+    workload: WorkloadOpt,
+    out_dir: EvalOutDirOpt,
+    policies: PoliciesOpt = "all",
+    kv_fractions: KvFractionsOpt = None,
+    kv_total: KvTotalOpt = None,
+    replicas: ReplicasOpt = "1",
+    routers: RoutersOpt = "round-robin",
+    jobs: JobsOpt = 1,
+    backend: BackendOpt = "process",
+    address: AddressOpt = None,
     preset: Preset = "H200-7B",
     time_scale: TimeScale = 1.0,
-    decode_stride: Annotated[
-        Optional[int], typer.Option("--decode-stride", help="Tokens each request decodes per simulated step; "
-                                    f"1 is exact. Default: {DEFAULT_DECODE_STRIDE} (training.evaluate."
-                                    "DEFAULT_DECODE_STRIDE); benchmarks/bench_stride.py measures what a stride "
-                                    "changes.")
-    ] = None,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Reuse the cases an earlier evaluation into -o finished for this "
-                           "workload and preset, at this stride, router and tier; without it, -o must hold no "
-                           "earlier evaluation.")
-    ] = False,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
-    model: Annotated[Optional[Path], typer.Option(
-        "--model", help="POLICY_DIR of the learned policy (from `kvpilot train policy`), for `learned` and its "
-        "ablations (learned-prior: no trained network, the rules it starts from; learned-admission: + the network's "
-        "admission residual; learned-tier-rule: every trained lever but the tier model; learned: every lever it "
-        "trained; learned-no-tier, learned-gpu-evict, learned-tier-lru: levers off). With `learned` listed, "
-        "`learned-prior` is evaluated beside it.")] = None,
-    full_telemetry: Annotated[bool, typer.Option(
-        "--full-telemetry", help="Also write each run's decisions and kv_events telemetry (for training, OPE or "
-        "cache analysis; slower). Without it a run writes the requests and steps tables the summary reads.")] = False,
-    keep_cache: Annotated[bool, typer.Option(
-        "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
-        "every step, as RL frameworks do at weight sync).")] = False,
-    offload_gib: Annotated[str, typer.Option(
-        "--offload-gib", help="Host memory (GiB) per replica of the CPU offload tier (vLLM's native KV offloading) "
-        "for the policies that use it (vllm-offload, *-offload, learned over the tier); comma-separated sizes "
-        "(16,64,256) are a grid dimension for those policies; 0 turns the tier off. Default: a quarter of a DGX "
-        "H200's host memory per GPU.")] = f"{DEFAULT_OFFLOAD_GIB:g}",
+    decode_stride: EvalDecodeStrideOpt = None,
+    resume: ResumeOpt = False,
+    progress: ProgressOpt = True,
+    model: ModelOpt = None,
+    full_telemetry: FullTelemetryOpt = False,
+    keep_cache: KeepCacheOpt = False,
+    offload_gib: OffloadGibsOpt = f"{DEFAULT_OFFLOAD_GIB:g}",
     driver: DriverOpt = "sync",
     staleness: StalenessOpt = None,
     weight_sync: WeightSyncOpt = None,
@@ -473,15 +504,80 @@ def evaluate_cmd(
     max_groups: MaxGroupsOpt = None,
 ) -> None:
     """Run several policies on one workload (same seeds and cost model) over KV sizes and replicas; compare them."""
-    from training.evaluate import (
-        DEFAULT_KV_FRACTIONS,
-        EvaluationError,
-        build_cases,
-        check_run,
-        evaluate,
-        resolve_policies,
-        resolve_routers,
-    )
+    from simulator.config import SimulationError
+    from training.evaluate import Execution
+    from training.grid import EvaluationError, Grid, evaluation_config, resolve_routers
+
+    with reported(EvaluationError, prefix="--routers: "):
+        resolve_routers(routers)
+    kvs, totals = _kv_sizes(kv_fractions, kv_total)
+    reps, tiers = _number_list(replicas, int, "--replicas"), _number_list(offload_gib, float, "--offload-gib")
+    preset = _checked_preset(preset)
+    trainer_spec = _trainer_spec(driver, trainer, train_batch)
+    staleness, weight_sync = _check_async_only(driver, max_groups, admission, staleness, weight_sync)
+    with reported(EvaluationError, SimulationError):  # the grid, its base run and how it runs: before anything runs
+        base = evaluation_config(preset=preset, keep_cache_across_steps=keep_cache, time_scale=time_scale,
+                                 trainer=trainer_spec, offload_gib=tiers[0], **({} if decode_stride is None else
+                                                                                {"decode_stride": decode_stride}))
+        grid = Grid(policies, base, kv_fractions=kvs, kv_totals=totals, replicas=reps, routers=routers,
+                    tier_gibs=tiers, full_telemetry=full_telemetry)
+        how = Execution(jobs, backend, address, resume, progress)
+    learned = _check_learned_model(list(grid.policies), model)
+    if model is not None:
+        grid = dataclasses.replace(grid, policy_options={n: {"model": str(model)} for n in learned})
+    if driver == "async":  # in this process, case after case (each sweep runs sync and every eta x mode)
+        _evaluate_async(workload, out_dir, grid, _async_runs(staleness, weight_sync, admission, max_groups),
+                        progress)
+        return
+    _run_grid(workload, grid, out_dir, how)
+
+
+def _evaluate_async(workload: Path, out_dir: Path, grid: Grid, runs: list, progress: bool) -> None:
+    """``evaluate --driver async``: a sweep per policy x KV size x replica count (the first router)."""
+    if grid.kv_totals is not None:
+        raise fail("--driver async takes --kv-fractions, not --kv-total")
+    if grid.tier_gibs is not None:
+        raise fail("--driver async takes one --offload-gib size")
+    cases = sorted((c for c in grid.cases() if c.router in (None, grid.routers[0])),
+                   key=lambda c: grid.policies.index(c.policy))  # policy by policy, as listed
+    _async_sweep(workload, out_dir, [grid.config(c) for c in cases], runs, progress, False)
+
+
+def _run_grid(workload: Path, grid: Grid, out_dir: Path, how: Execution) -> None:
+    """``evaluate``: the grid run as ``how`` says, announced, each case's line printed; exit 1 if every case
+    failed. An earlier evaluation in ``out_dir`` is kept unless ``--resume``."""
+    from training.evaluate import evaluate
+    from training.grid import EvaluationError
+
+    runs = out_dir / "runs"
+    earlier = sorted(p.name for p in runs.iterdir()) if runs.is_dir() else []
+    if earlier and not how.resume:  # run_case replaces a case's run: never an earlier evaluation's without a word
+        raise fail(f"{out_dir} already holds an evaluation ({len(earlier)} run(s) in {runs}, e.g. {earlier[0]}): "
+                   "--resume keeps the cases it finished for this workload and preset and runs the rest; or choose "
+                   "another -o")
+    where = f"{how.jobs} job(s)" if how.backend == "process" else f"Ray at {how.address}" if how.address else \
+        f"a local Ray instance of {how.jobs} CPU(s)"
+    sizes = f"{len(set(grid.kv_totals))} fleet KV size(s)" if grid.kv_totals is not None else \
+        f"{len(set(grid.kv_fractions))} KV size(s)"
+    console.print(f"evaluating {len(grid.policies)} policies x {sizes} x {len(set(grid.replicas))} replica count(s)"
+                  + (f" x {len(grid.routers)} routers" if len(grid.routers) > 1 and max(grid.replicas) > 1 else "")
+                  + f" = {len(grid.cases(grid.policies))} simulations, {where}, decode stride "
+                  f"{grid.base.decode_stride}", highlight=False)
+    t0 = time.perf_counter()
+    with reported(EvaluationError):
+        result = evaluate(workload, grid, out_dir, how)
+    _print_rows(result.rows)
+    failed = [r for r in result.rows if r.get("error")]
+    console.print(f"{len(result.rows)} case(s), {len(failed)} failed, in {time.perf_counter() - t0:.1f} s; "
+                  f"summary.md, summary.csv, summary.json and plots in {out_dir}", highlight=False)
+    if failed and len(failed) == len(result.rows):
+        raise fail("every case failed (their errors are above and in summary.json)", code=1)
+
+
+def _kv_sizes(kv_fractions: Optional[str], kv_total: Optional[str]) -> tuple[Optional[list], Optional[list]]:
+    """``--kv-fractions`` (``gpu``: the preset GPU's capacity, None) and ``--kv-total`` as lists (exit 2 on a bad
+    one): (fractions per replica, fleet totals), one of them None."""
+    from training.grid import DEFAULT_KV_FRACTIONS
 
     totals = _number_list(kv_total, float, "--kv-total") if kv_total is not None else None
     kvs: list | None = None if totals is not None else list(DEFAULT_KV_FRACTIONS)
@@ -492,55 +588,12 @@ def evaluate_cmd(
             kvs += _number_list(",".join(p for p in parts if p != "gpu"), float, "--kv-fractions")
         if not kvs:
             raise fail("--kv-fractions is empty")
-    reps = _number_list(replicas, int, "--replicas")
-    tiers = _number_list(offload_gib, float, "--offload-gib")
-    preset = _checked_preset(preset)
-    if decode_stride is None:
-        decode_stride = DEFAULT_DECODE_STRIDE
-    with reported(EvaluationError, prefix="--routers: "):
-        router_names = resolve_routers(routers)
-    with reported(EvaluationError):  # the library's checks of the grid and the run, before anything runs
-        names = resolve_policies(policies)
-        cases = build_cases(names, kvs, reps, router_names, kv_totals=totals, tier_gibs=tiers)
-        check_run(jobs, backend, address, decode_stride)
-    trainer_spec = _trainer_spec(driver, trainer, train_batch)
-    staleness, weight_sync = _check_async_only(driver, max_groups, admission, staleness, weight_sync)
-    learned = _check_learned_model(names, model)
-    if driver == "async":  # in this process, case after case (each sweep runs sync and every eta x mode)
-        if totals is not None:
-            raise fail("--driver async takes --kv-fractions, not --kv-total")
-        if len(tiers) > 1:
-            raise fail("--driver async takes one --offload-gib size")
-        _async_sweep(workload, out_dir, names, list(dict.fromkeys(kvs)), list(dict.fromkeys(reps)), staleness,
-                     weight_sync, admission, trainer_spec, progress, False, router=router_names[0],
-                     preset=preset, decode_stride=decode_stride, keep_cache_across_steps=keep_cache,
-                     offload_gib=tiers[0], decision_log=full_telemetry, kv_event_log=full_telemetry,
-                     learned_model=model, max_groups=max_groups, time_scale=time_scale)
-        return
-    earlier = sorted(p.name for p in (out_dir / "runs").iterdir()) if (out_dir / "runs").is_dir() else []
-    if earlier and not resume:  # run_case replaces a case's run: never an earlier evaluation's without a word
-        raise fail(f"{out_dir} already holds an evaluation ({len(earlier)} run(s) in {out_dir / 'runs'}, e.g. "
-                   f"{earlier[0]}): --resume keeps the cases it finished for this workload and preset and runs the "
-                   f"rest; or choose another -o")
-    where = f"{jobs} job(s)" if backend == "process" else f"Ray at {address}" if address else \
-        f"a local Ray instance of {jobs} CPU(s)"
-    sizes = f"{len(set(kvs))} KV size(s)" if kvs is not None else f"{len(set(totals))} fleet KV size(s)"
-    console.print(f"evaluating {len(names)} policies x {sizes} x {len(set(reps))} replica "
-                  f"count(s)" + (f" x {len(router_names)} routers" if len(router_names) > 1 and max(reps) > 1 else "")
-                  + f" = {len(cases)} simulations, {where}, decode stride {decode_stride}", highlight=False)
-    t0 = time.perf_counter()
-    with reported(EvaluationError):
-        result = evaluate(workload, names, out_dir, kv_fractions=kvs, kv_totals=totals, replicas=reps,
-                          routers=router_names,
-                          preset=preset, jobs=jobs, backend=backend, address=address, progress=progress,
-                          decode_stride=decode_stride, resume=resume,
-                          full_telemetry=full_telemetry,
-                          sim_options={"keep_cache_across_steps": keep_cache, "time_scale": time_scale,
-                                       **({"trainer": trainer_spec} if trainer_spec is not None else {})},
-                          offload_gibs=tiers,
-                          policy_options={n: {"model": str(model)} for n in learned} if model is not None else None)
-    failed = [r for r in result.rows if r.get("error")]
-    for r in result.rows:
+    return kvs, totals
+
+
+def _print_rows(rows: list[dict]) -> None:
+    """One line per case: its makespan and ratios, or its error."""
+    for r in rows:
         ratio, whole = r.get("makespan_ratio_vs_default"), r.get("simulated_ratio_vs_default")
         status = f"error: {r['error']}" if r.get("error") else (
             f"makespan {r['makespan_s']:.2f} s/step  x{ratio:.3f} vs default (whole run x{whole:.3f})  "
@@ -556,10 +609,6 @@ def evaluate_cmd(
         rr = r.get("makespan_ratio_vs_round_robin_default")
         typer.echo(f"{r['policy']:<16} kv {kv:<5} r{r['replicas']}{' ' + r['router'] if r['router'] else ''}  "
                    f"{status}{f'  x{rr:.3f} vs round-robin default' if rr is not None else ''}")
-    console.print(f"{len(result.rows)} case(s), {len(failed)} failed, in {time.perf_counter() - t0:.1f} s; "
-                  f"summary.md, summary.csv, summary.json and plots in {out_dir}", highlight=False)
-    if failed and len(failed) == len(result.rows):
-        raise fail("every case failed (their errors are above and in summary.json)", code=1)
 
 
 def _check_learned_model(names: list[str], model: Optional[Path]) -> list[str]:
@@ -594,7 +643,7 @@ HeldoutTier = Annotated[Optional[float], typer.Option(
 
 def _heldout(workload: Optional[Path], seed: int, kv_fraction: Optional[str], preset: Optional[str],
              offload_gib: Optional[float]):
-    """The held-out evaluation's parameters and the engine settings not given (to follow the training's); a
+    """The held-out evaluation's parameters, the settings not given following the training's (``follow``); a
     missing workload or a bad KV size, preset or tier exits 2."""
     from training.train import ENGINE_FIELDS, HeldoutParams, TrainError
 
@@ -612,8 +661,8 @@ def _heldout(workload: Optional[Path], seed: int, kv_fraction: Optional[str], pr
     if offload_gib is not None:  # a size in GiB, not the training's share
         given.update(offload_gib=offload_gib, offload_share=None)
     with reported(TrainError):
-        return (HeldoutParams(workload=workload, seed=seed, **given),
-                tuple(k for k in ENGINE_FIELDS if k not in given))
+        return HeldoutParams(workload=workload, seed=seed, follow=tuple(k for k in ENGINE_FIELDS if k not in given),
+                             **given)
 
 
 @train_app.callback()
@@ -671,7 +720,7 @@ def train(
     with reported(ValueError, prefix="--policy-config: "):
         policy_cfg = OfflineConfig.from_json(policy_config)
     params = PredictorParams(test_steps=tuple(steps) if steps else None, num_trees=trees)
-    heldout, follow = _heldout(heldout_workload, heldout_seed, kv_fraction, preset, offload_gib)
+    heldout = _heldout(heldout_workload, heldout_seed, kv_fraction, preset, offload_gib)
     search = None
     if search_iterations:
         from training.policy_search import SearchConfig, SearchError
@@ -689,7 +738,7 @@ def train(
     # a missing log is a TrainError naming it; a store MLflow cannot open or write a RegistryError naming it
     with reported(TrainError, DataValidationError, RegistryError):
         result = train_and_register(logs, out, experiment=experiment, predictor_params=params,
-                                    policy_config=policy_cfg, heldout=heldout, follow_logs=follow,
+                                    policy_config=policy_cfg, heldout=heldout,
                                     search=search, tier=tier, progress=progress, console=console)
     from training.promote import render_table
     from training.train import CANDIDATE, CANDIDATE_PRIOR
@@ -717,9 +766,9 @@ def promote_cmd(
     from serving_hook.model_registry import RegistryError
     from training.promote import PromotionError, promote, render_comparison
 
-    heldout, follow = _heldout(workload, seed, kv_fraction, preset, offload_gib)
+    heldout = _heldout(workload, seed, kv_fraction, preset, offload_gib)
     with reported(PromotionError, RegistryError):
-        result = promote(version, force=force, heldout=heldout, follow_training=follow, out_dir=out_dir,
+        result = promote(version, force=force, heldout=heldout, out_dir=out_dir,
                          progress=progress)
     typer.echo(render_comparison(result))
     if result.rows and not result.promoted:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from data.synth import SynthConfig
-from training.evaluate import gap_closed
+from training.reports import gap_closed
 from training.train import CANDIDATE, CANDIDATE_PRIOR, HELDOUT_DECODE_STRIDE, HELDOUT_SEED, HeldoutParams
 
 if TYPE_CHECKING:
@@ -107,7 +107,8 @@ def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | No
     """Run the loop (see the module docstring) under ``out_dir`` (``cfg`` None: the embedded defaults)."""
     from policy.offline_config import OfflineConfig
     from training import registry
-    from training.evaluate import evaluate
+    from training.evaluate import Execution, evaluate
+    from training.grid import Grid, evaluation_config
     from training.promote import promote, render_comparison
     from training.train import train_and_register
 
@@ -134,10 +135,10 @@ def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | No
                   f"simulated in {summary.wall_s:.0f} s; telemetry in {log_dir}", highlight=False)
 
     stage(3, "kvpilot train: predictors and policy in one MLflow run")
-    # the engine of every evaluation here (follow_logs=(): the baselines of stage 5 run on the same one)
-    heldout = HeldoutParams(workload=heldout_wl, kv_fraction=cfg.kv_fraction, sim_options=dict(cfg.sim_options))
+    # the engine of every evaluation here (follow=(): the baselines of stage 5 run on the same one)
+    heldout = HeldoutParams(workload=heldout_wl, kv_fraction=cfg.kv_fraction, sim_options=dict(cfg.sim_options),
+                            follow=())
     trained = train_and_register([log_dir], out_dir / "train", experiment=cfg.experiment, heldout=heldout,
-                                 follow_logs=(),
                                  policy_config=dataclasses.replace(OfflineConfig(), **cfg.policy_options),
                                  console=console)
 
@@ -146,8 +147,8 @@ def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | No
     print(render_comparison(gate), flush=True)
 
     stage(5, "vLLM default and the baselines on the held-out workload")
-    base = evaluate(heldout_wl, list(cfg.baselines), out_dir / "baselines", kv_fractions=[cfg.kv_fraction],
-                    jobs=cfg.jobs, sim_options=cfg.sim_options or None)
+    grid = Grid(list(cfg.baselines), evaluation_config(**cfg.sim_options), kv_fractions=[cfg.kv_fraction])
+    base = evaluate(heldout_wl, grid, out_dir / "baselines", Execution(jobs=cfg.jobs))
 
     stage(6, "the hook serving models:/kvpilot@champion from the registry (policy `registry`)")
     before_uri = os.environ.get("KVPILOT_MODEL_URI")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tempfile
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,15 +79,14 @@ def promote(
     *,
     force: bool = False,
     heldout: HeldoutParams | None = None,
-    follow_training: Collection[str] = ENGINE_FIELDS,
     out_dir: Path | None = None,
     progress: bool = True,
 ) -> GateResult:
     """Run the gate for ``version`` of ``kvpilot`` and move ``champion`` when it passes (see the module docstring).
 
-    ``heldout``: the gate's workload and engine (None: the defaults); ``follow_training``: its engine settings
-    taken from the held-out evaluation that trained ``version`` (:func:`trained_engine`), in place of
-    ``heldout``'s; ``out_dir`` keeps the evaluation (a temporary folder by default)."""
+    ``heldout``: the gate's workload and engine (None: the defaults); its ``follow``: the settings taken from the
+    held-out evaluation that trained ``version`` (:func:`trained_engine`), in place of ``heldout``'s; ``out_dir``
+    keeps the evaluation (a temporary folder by default)."""
     from training import registry
 
     heldout = heldout or HeldoutParams()
@@ -101,8 +99,8 @@ def promote(
             raise PromotionError(f"no version {version} of the registered model {registry.MODEL_NAME!r} in "
                                  f"{registry.tracking_uri()}: {e}") from None
         raise PromotionError(f"the registry at {registry.tracking_uri()} could not be read ({e})") from None
-    if follow_training:
-        taken = {k: v for k, v in trained_engine(version).items() if k in follow_training}
+    if heldout.follow:
+        taken = {k: v for k, v in trained_engine(version).items() if k in heldout.follow}
         heldout = dataclasses.replace(heldout, **taken)
     champion = registry.get_champion()
     before = str(champion.version) if champion is not None else None

@@ -25,7 +25,7 @@ import json
 import math
 import shutil
 import tempfile
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,9 @@ class HeldoutParams:
     offload_gib: float | None = None
     #: run_simulation options of its simulations
     sim_options: dict[str, Any] = field(default_factory=lambda: {"decode_stride": HELDOUT_DECODE_STRIDE})
+    #: the settings (:data:`ENGINE_FIELDS`) that follow where the policy was trained, in place of these: ``train``
+    #: takes them from the logs (:func:`logs_engine`, :func:`logs_mix`), ``promote`` from the version's training
+    follow: tuple[str, ...] = ENGINE_FIELDS
 
     def __post_init__(self) -> None:
         from simulator.cost_model import PRESETS
@@ -118,7 +121,8 @@ class HeldoutParams:
 
     def run(self, workload: Path, policies: list[str], out_dir: Path, progress: bool):
         """Evaluate ``policies`` on ``workload`` in this engine (:func:`training.evaluate.evaluate`)."""
-        from training.evaluate import evaluate
+        from training.evaluate import Execution, evaluate
+        from training.grid import Grid, evaluation_config
 
         opts = dict(self.sim_options)
         if self.offload_share is not None:
@@ -130,8 +134,8 @@ class HeldoutParams:
             opts["offload_gib"] = self.offload_share * load_workload(workload).kv_need * block / 2**30
         elif self.offload_gib is not None:
             opts["offload_gib"] = self.offload_gib
-        return evaluate(workload, policies, out_dir, kv_fractions=[self.kv_fraction], preset=self.preset, jobs=1,
-                        progress=progress, sim_options=opts or None)
+        grid = Grid(policies, evaluation_config(preset=self.preset, **opts), kv_fractions=[self.kv_fraction])
+        return evaluate(workload, grid, out_dir, Execution(progress=progress))
 
 
 def logs_engine(log_dirs: Sequence[Path], *, same_mix: bool = False) -> tuple[dict[str, Any], list[str]]:
@@ -289,7 +293,6 @@ def train_and_register(
     predictor_params: PredictorParams | None = None,
     policy_config: Any = None,
     heldout: HeldoutParams | None = None,
-    follow_logs: Collection[str] = ENGINE_FIELDS,
     search: Any = None,
     tier: Any = None,
     progress: bool = True,
@@ -298,8 +301,8 @@ def train_and_register(
     """Fit, evaluate, log and register (see the module docstring); ``work_dir`` keeps the POLICY_DIR and the evaluation.
 
     ``policy_config`` is a :class:`policy.offline_config.OfflineConfig`; None (here and for the other parameter
-    objects): the defaults. ``follow_logs``: the held-out engine settings (:data:`ENGINE_FIELDS`) taken from the
-    logs where they all agree (:func:`logs_engine`), in place of ``heldout``'s. ``search``: a
+    objects): the defaults. ``heldout.follow``: the held-out settings (:data:`ENGINE_FIELDS`) taken from the
+    logs where they all agree (:func:`logs_engine`, :func:`logs_mix`), in place of ``heldout``'s. ``search``: a
     :class:`training.policy_search.SearchConfig` to learn the admission residual by simulating the logged
     workloads (None: no search, the prior's order). ``tier``: the :class:`training.tier_training.TierConfig` that fits
     the CPU tier's next-use model on replays of the logged workloads (:mod:`training.tier_training`; skipped with
@@ -317,8 +320,8 @@ def train_and_register(
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     with _only_user(work_dir), replacing(work_dir / "policy", console):
-        return _train(log_dirs, work_dir, experiment, predictor_params, policy_config, heldout, follow_logs,
-                      search, tier, progress, console)
+        return _train(log_dirs, work_dir, experiment, predictor_params, policy_config, heldout, search, tier,
+                      progress, console)
 
 
 @contextlib.contextmanager
@@ -357,7 +360,7 @@ def _only_user(work_dir: Path) -> Iterator[None]:
 
 
 def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_params: Any, policy_config: Any,
-           heldout: Any, follow_logs: Collection[str], search: Any, tier: Any, progress: bool,
+           heldout: Any, search: Any, tier: Any, progress: bool,
            console: Console) -> TrainResult:
     import mlflow
 
@@ -373,6 +376,7 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
     policy_config = policy_config or OfflineConfig()
     predictor_params = predictor_params or PredictorParams()
     heldout = heldout or HeldoutParams()
+    follow_logs = heldout.follow
     mix, notes = logs_mix(log_dirs) if "mix" in follow_logs and heldout.workload is None else (None, [])
     engine, engine_notes = logs_engine(log_dirs, same_mix=mix is not None) if follow_logs else ({}, [])
     engine, notes = {**engine, **({"mix": mix} if mix is not None else {})}, engine_notes + notes
