@@ -39,7 +39,8 @@ Weight updates (``weight_sync``), at the end of each training step; every replic
 
 * ``abort`` (AReaL, verl fully-async, slime): every request on the engines is aborted and the prefix cache reset;
   at the update's end each is resubmitted with its prompt plus the tokens it had sampled (a new request id,
-  ``<request_id>#a<update>``), and its context is prefilled again.
+  ``<request_id>#a<update>``), and its context is prefilled again. A replica whose step in flight outlasts the
+  update aborts at that step's end, and resubmits at once.
 * ``recompute`` (vLLM's ``pause_generation(mode="keep", clear_cache=True)``): vLLM's
   ``reset_prefix_cache(reset_running_requests=True)`` preempts every running request and clears the cache; they
   recompute their context when rescheduled.
@@ -120,6 +121,7 @@ class AsyncDriver(StepDriver):
         self.reprefill_tokens = 0
         self.kv_by_age: dict[int, int] = defaultdict(int)  # version age -> tokens held, summed over updates
         self._resubmit: list[tuple[int, int, Trajectory]] = []  # abort: (row, tokens sampled, trajectory)
+        self._updating = False  # a weight update is under way (from a training step's end to its sync's)
         self._alias_of_row: dict[int, str] = {}
         self._sampled: dict[str, int] = {}  # a resubmitted request's id -> the output tokens its prompt holds
         self.cache_epoch = [0] * w.num_rows  # per row: the cache it could hit (version salt or reset epoch)
@@ -325,6 +327,7 @@ class AsyncDriver(StepDriver):
         if action is not None:
             self._epoch += 1
             self._count_paused_sessions()
+        self._updating = True
         self.fleet.pause(t + self.sync_s, action, t)
         self.clock.push(t + self.sync_s, SYNC_END, None)
 
@@ -332,12 +335,17 @@ class AsyncDriver(StepDriver):
         """The weight update ended: the new version serves; aborted requests come back; more groups may start."""
         self.version += 1
         self.trainer_busy = False
+        self._updating = False
+        self._resubmit_aborted(t)
+        self.admit(t)
+        self.try_train(t)
+
+    def _resubmit_aborted(self, t: float) -> None:
+        """abort: the requests aborted by the update come back, with the tokens they had."""
         resubmit, self._resubmit = self._resubmit, []
         for row, sampled, traj in resubmit:
             if not traj.aborted and not traj.done:
                 self._resubmit_row(row, sampled, traj, t)
-        self.admit(t)
-        self.try_train(t)
 
     # ------------------------------------------------------------------ weight-update actions
     def _hold_by_age(self) -> None:
@@ -377,6 +385,8 @@ class AsyncDriver(StepDriver):
             self._resubmit.append((row, self._sampled.get(rid, 0) + r.num_output_tokens, traj))
         self.fleet.abort_now(rep, ids)
         self.fleet.reset_now(rep)
+        if not self._updating:  # a step longer than the update ended after it: its requests come back now
+            self._resubmit_aborted(t)
 
     def _recompute_all(self, rep: Replica, t: float) -> None:
         """recompute: vLLM preempts every running request and clears the prefix cache."""

@@ -157,6 +157,22 @@ def test_weight_sync_modes_reprefill(vllm_engine: Any) -> None:
     assert summaries["abort"].prefix_cache_resets == summaries["abort"].driver.weight_updates
 
 
+@pytest.mark.parametrize("mode", ["abort", "recompute", "keep"])
+def test_a_weight_update_shorter_than_a_step_loses_no_request(vllm_engine: Any, mode: str) -> None:
+    """A weight update acts on a busy replica at its step's end. When the update is over first (a long step at a
+    large decode stride, a fast weight transfer), abort's requests come back at once: before, they waited for a
+    sync end that had passed, and the run ended with the rows of many sessions of several steps unfinished."""
+    w = prepare_workload(_tiny(7, steps=3, prompts=4, group=4))
+    instant = Trainer(fixed_s=0.05, sync_fixed_s=0.0, link_bytes_per_s=1e18)  # the update ends within a step
+    sim = Simulation(w, "vllm-default", driver="async", async_rl=AsyncRL(1, mode), kv_fraction=0.3, decode_stride=64,
+                     progress=False, trainer=instant)
+    result = sim.run()
+    assert sim.finished == [1] * w.num_rows
+    assert result.summary.driver.weight_updates >= 2
+    out = sum(result.requests.column("output_tokens").to_pylist())
+    assert out == sum(w.output_tokens)
+
+
 def test_same_seed_same_summary(vllm_engine: Any) -> None:
     w = prepare_workload(_tiny(seed=9))
     a, b = (run_simulation(w, "continuum", driver="async", async_rl=AsyncRL(1, "abort"), kv_fraction=0.8,
