@@ -5,6 +5,7 @@ summary; bad settings are named errors (CLI exit 2); the synchronous trainer pri
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 from pathlib import Path
@@ -171,6 +172,27 @@ def test_a_weight_update_shorter_than_a_step_loses_no_request(vllm_engine: Any, 
     assert result.summary.driver.weight_updates >= 2
     out = sum(result.requests.column("output_tokens").to_pylist())
     assert out == sum(w.output_tokens)
+
+
+def test_evaluate_sweeps_each_policy_and_kv_size_sync_and_async(vllm_engine: Any, tmp_path: Path) -> None:
+    """``evaluate --driver async``: per policy (as listed, vllm-default first) and KV size, the synchronous run
+    with the trainer and every (eta, mode) asynchronous run, each into its own folder; its rows and tables."""
+    from training.cli import app
+
+    path = tmp_path / "w.parquet"
+    write_workload(_tiny(3, steps=2), path)
+    out = tmp_path / "ev"
+    res = CliRunner().invoke(app, ["evaluate", "-w", str(path), "-o", str(out), "--policies", "sortedrl",
+                                   "--driver", "async", "--staleness", "1", "--weight-sync", "abort,keep",
+                                   "--kv-fractions", "0.6,1.0", "--decode-stride", "16", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "async_summary.json").read_text())
+    assert [(r["policy"], r["kv_fraction"], r["run"]) for r in rows] == [
+        (p, k, run) for p in ("vllm-default", "sortedrl") for k in (0.6, 1.0)
+        for run in ("sync", "async-eta1-abort", "async-eta1-keep")]
+    assert all(r["error"] is None and r["trajectories_per_s"] > 0 for r in rows)
+    assert all(r["ratio_vs_sync"] == 1.0 for r in rows if r["run"] == "sync")
+    assert (out / "sortedrl-kv1-r1" / "async-eta1-keep" / "summary.json").is_file()
 
 
 def test_same_seed_same_summary(vllm_engine: Any) -> None:
