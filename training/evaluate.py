@@ -16,8 +16,8 @@ says otherwise (1 is the exact path, see :mod:`simulator.runner`).
 Each finished case leaves ``runs/<case>/summary.json``,
 ``trajectories.json`` and its telemetry (``requests`` and ``steps``; ``decisions`` and ``kv_events`` too with
 the grid's ``full_telemetry``); with ``resume`` a case that an earlier evaluation into
-the same folder finished at the same stride and router is read back, not rerun (the
-workload and preset must be the same: they are not checked).
+the same folder finished is read back, not rerun, where its workload (request count and source), preset,
+stride, cache rule, router and tier are this evaluation's (:func:`finished_case`).
 
 It writes, under ``out_dir`` (:mod:`training.reports`):
 

@@ -110,20 +110,18 @@ class Grid:
     def __post_init__(self) -> None:
         if not isinstance(self.base, SimConfig):
             raise EvaluationError(f"a grid's base must be a simulator.config.SimConfig, got {type(self.base).__name__}")
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen: fields are normalised once here
-        set_("policies", tuple(resolve_policies(self.policies)))
-        set_("routers", tuple(resolve_routers(self.routers)))
-        set_("replicas", tuple(self.replicas))
-        if self.kv_fractions is not None:
-            set_("kv_fractions", tuple(self.kv_fractions))
-        if self.kv_totals is not None:
-            set_("kv_totals", tuple(self.kv_totals))
+        fields = {"policies": tuple(resolve_policies(self.policies)), "routers": tuple(resolve_routers(self.routers)),
+                  "replicas": tuple(self.replicas),
+                  "kv_fractions": None if self.kv_fractions is None else tuple(self.kv_fractions),
+                  "kv_totals": None if self.kv_totals is None else tuple(self.kv_totals),
+                  "policy_options": {k: dict(v) for k, v in self.policy_options.items()}}
         if self.tier_gibs is not None:
             tiers = tier_sizes(self.tier_gibs)
             if len(tiers) == 1:  # one size: every run's (the base's)
-                set_("base", dataclasses.replace(self.base, offload_gib=tiers[0]))
-            set_("tier_gibs", tuple(tiers) if len(tiers) > 1 else None)
-        set_("policy_options", {k: dict(v) for k, v in self.policy_options.items()})
+                fields["base"] = dataclasses.replace(self.base, offload_gib=tiers[0])
+            fields["tier_gibs"] = tuple(tiers) if len(tiers) > 1 else None
+        for name, value in fields.items():  # frozen: the fields are normalised once, here
+            object.__setattr__(self, name, value)
         self.cases()  # a bad grid fails now
 
     def cases(self, tier_users: Iterable[str] = ()) -> list[Case]:
