@@ -154,7 +154,10 @@ def workload_validate(path: Annotated[Path, typer.Argument(help="Workload Parque
     console.print(f"{path}: valid, {table.num_rows:,} requests")
 
 
-#: Options that simulate and bound share.
+#: Options that several commands share.
+WorkloadOpt = Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")]
+AsJsonOpt = Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")]
 KvBlocks = Annotated[Optional[int], typer.Option("--kv-blocks", help="KV blocks (16 tokens) per replica.")]
 KvFraction = Annotated[Optional[float], typer.Option(
     "--kv-fraction", help="KV per replica as a fraction of what the largest step needs at once.")]
@@ -260,7 +263,6 @@ def _async_sweep(workload: Path, out_dir: Path, bases: list, runs: list, progres
                   highlight=False)
 
 
-WorkloadOpt = Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")]
 OutDirOpt = Annotated[Path, typer.Option("-o", "--out-dir", help="Where telemetry and summary.json go.")]
 PolicyOpt = Annotated[str, typer.Option("--policy", "-p", help="Policy registry name.")]
 PolicyOptionsOpt = Annotated[
@@ -279,8 +281,6 @@ DecodeStrideOpt = Annotated[
     int, typer.Option("--decode-stride", help="Tokens each request decodes per simulated step (1: exact; "
                       "k > 1: k times fewer scheduler calls, approximate).")
 ]
-AsJsonOpt = Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")]
-ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")]
 KeepCacheOpt = Annotated[bool, typer.Option(
     "--keep-cache-across-steps", help="Keep each replica's prefix cache across RL steps (default: reset it at "
     "every step, as RL frameworks do at weight sync).")]
@@ -344,7 +344,7 @@ def simulate(
 
 @app.command("bound")
 def bound(
-    workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
+    workload: WorkloadOpt,
     kv_blocks: KvBlocks = None,
     kv_fraction: KvFraction = None,
     replicas: Replicas = 1,
@@ -760,7 +760,7 @@ def promote_cmd(
     preset: HeldoutPreset = None,
     offload_gib: HeldoutTier = None,
     out_dir: Annotated[Optional[Path], typer.Option("-o", "--out-dir", help="Keep the evaluation here.")] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+    progress: ProgressOpt = True,
 ) -> None:
     """Move the `champion` alias to a version if it is no worse than the champion on makespan and recompute."""
     from serving_hook.model_registry import RegistryError
@@ -768,8 +768,7 @@ def promote_cmd(
 
     heldout = _heldout(workload, seed, kv_fraction, preset, offload_gib)
     with reported(PromotionError, RegistryError):
-        result = promote(version, force=force, heldout=heldout, out_dir=out_dir,
-                         progress=progress)
+        result = promote(version, force=force, heldout=heldout, out_dir=out_dir, progress=progress)
     typer.echo(render_comparison(result))
     if result.rows and not result.promoted:
         raise typer.Exit(1)  # refused by the gate
@@ -778,7 +777,7 @@ def promote_cmd(
 @app.command("replay")
 def replay_cmd(
     url: Annotated[str, typer.Option("--url", help="The vLLM OpenAI server, e.g. http://127.0.0.1:8000.")],
-    workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload Parquet file or directory.")],
+    workload: WorkloadOpt,
     concurrency: Annotated[int, typer.Option("--concurrency", help="Requests in flight at most.")] = 64,
     time_scale: TimeScale = 1.0,
     require_hook: Annotated[bool, typer.Option(
@@ -787,8 +786,8 @@ def replay_cmd(
         "--keep-cache-across-steps", help="Do not reset the server's prefix cache between RL steps (default: "
         "reset it, as RL frameworks do at weight sync; needs VLLM_SERVER_DEV_MODE=1 on the server).")] = False,
     timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds one request may take.")] = 600.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+    as_json: AsJsonOpt = False,
+    progress: ProgressOpt = True,
 ) -> None:
     """Replay a workload's RL steps against a running vLLM server (a real client), and summarise what it measured."""
     from simulator.workload import load_workload
