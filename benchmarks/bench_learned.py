@@ -135,8 +135,8 @@ def make_policy_dir(root: Path) -> Path:
     import torch
 
     from data.synth import SynthConfig, generate
-    from policy.learned import LearnedPolicy
-    from policy.learned_scorer import build_scorer
+    from policy.learned.policy import LearnedPolicy
+    from policy.learned.scorer import build_scorer
     from predictors.features import workload_as_requests
     from predictors.length import LengthModel
     from predictors.reuse import ReuseModel

@@ -62,18 +62,18 @@ for _name, _target in BASELINES.items():
 _CATALOG["lrb-online"] = lazy("policy.baselines.lrb_online:OnlineLrbEvictionPolicy")
 
 #: The learned policy (``model=POLICY_DIR``) and its exploring behaviour policy.
-_CATALOG["learned"] = lazy("policy.learned:create_learned")
-_CATALOG["logging"] = lazy("policy.exploring:LoggingPolicy")
-#: The learned policy with levers off (policy.learned.ABLATIONS), for ablation rows.
+_CATALOG["learned"] = lazy("policy.learned.policy:create_learned")
+_CATALOG["logging"] = lazy("policy.learned.exploring:LoggingPolicy")
+#: The learned policy with levers off (policy.learned.policy.ABLATIONS), for ablation rows.
 def _ablation(name: str) -> PolicyFactory:
-    """The factory of the ablation ``name`` (policy.learned.create_ablation)."""
+    """The factory of the ablation ``name`` (policy.learned.policy.create_ablation)."""
     def factory(**options: Any) -> Policy:
-        return lazy("policy.learned:create_ablation")(name=name, **options)
+        return lazy("policy.learned.policy:create_ablation")(name=name, **options)
 
     return factory
 
 
-#: policy.learned.ABLATIONS' names (listed here so that the catalog imports no policy before it is built).
+#: policy.learned.policy.ABLATIONS' names (listed here so that the catalog imports no policy before it is built).
 LEARNED_ABLATIONS = ("learned-prior", "learned-admission", "learned-tier-rule", "learned-no-tier", "learned-gpu-evict",
                      "learned-tier-lru")
 for _name in LEARNED_ABLATIONS:

@@ -50,7 +50,7 @@ the levers a policy declares; with all five ``False`` (as :class:`policy.vllm_de
 adds nothing to vLLM's scheduler step but a few attribute reads.
 
 **Candidates on demand.** A policy that keeps its own per-request state (a feature table refreshed on
-events, as the learned policy's :class:`policy.learned_table.FeatureTable`) sets
+events, as the learned policy's :class:`policy.learned.table.FeatureTable`) sets
 :attr:`Policy.lazy_candidates`: the hook then passes a :class:`CandidateView` instead of a list, whose
 :attr:`CandidateView.request_ids` lists the candidates without building them, and which builds a
 :class:`CandidateRequest` only when the policy reads it (by index or by iterating). Its candidates are the

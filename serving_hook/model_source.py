@@ -2,7 +2,7 @@
 
 :class:`ModelSource` resolves ``KVPILOT_MODEL_URI`` (default ``models:/kvpilot@champion``) to a registered
 version, downloads its POLICY_DIR and builds the policy (which checks its schema versions and features) with
-``policy.learned.LearnedPolicy.load(dir, mode="serve")``. A poll (a background thread every
+``policy.learned.policy.LearnedPolicy.load(dir, mode="serve")``. A poll (a background thread every
 ``KVPILOT_MODEL_POLL_S`` seconds, or :meth:`ModelSource.poll_now`) stages a new version when the alias
 moved; it never touches the running policy. :class:`RegistryPolicy` is what the hook runs: it delegates
 every decision to the current model and, called by the scheduler at the start of ``schedule()``
@@ -67,7 +67,7 @@ def model_uri(env: Optional[dict] = None) -> str:
 
 def learned_loader(policy_dir: Path) -> Policy:
     """D's ``LearnedPolicy.load(policy_dir, mode="serve")``."""
-    from policy.learned import LearnedPolicy
+    from policy.learned.policy import LearnedPolicy
 
     return LearnedPolicy.load(policy_dir, mode="serve")
 
@@ -348,7 +348,7 @@ _LEVERS = ("uses_admission", "uses_preemption", "uses_retention", "uses_eviction
 def _learned_levers() -> tuple[bool, ...]:
     """The levers ``LearnedPolicy`` declares (every decision lever when it cannot be imported)."""
     try:
-        from policy.learned import LearnedPolicy
+        from policy.learned.policy import LearnedPolicy
     except Exception:
         return True, True, True, True, False
     return tuple(bool(getattr(LearnedPolicy, f)) for f in _LEVERS)

@@ -38,8 +38,8 @@ def logged_run(root: Path, steps: int = 3) -> Path:
 
 def base_policy_dir(root: Path) -> Path:
     """A POLICY_DIR with real predictors (fitted on a workload file) and an untrained scorer."""
-    from policy.learned import LearnedPolicy
-    from policy.learned_scorer import build_scorer
+    from policy.learned.policy import LearnedPolicy
+    from policy.learned.scorer import build_scorer
     from predictors.logs import load_logs
     from predictors.pipeline import train_bundle
 

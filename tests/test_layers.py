@@ -184,10 +184,11 @@ def test_the_check_finds_a_cycle_and_a_private_import(tmp_path: Path) -> None:
                                               "    from policy.a import A\n")  # type-only
     (tmp_path / "policy" / "baselines" / "_helpers.py").write_text("X = 1\n")
     (tmp_path / "policy" / "baselines" / "mine.py").write_text("from policy.baselines._helpers import X\n")
-    (tmp_path / "policy" / "learned.py").write_text("from policy.baselines._helpers import X\n")
+    (tmp_path / "policy" / "learned").mkdir()
+    (tmp_path / "policy" / "learned" / "policy.py").write_text("from policy.baselines._helpers import X\n")
     graph, private = import_graph(tmp_path)
     assert cycles(graph) == [["policy.a", "policy.b", "policy.c"]]
-    assert private == ["policy/learned.py:1: imports policy.baselines._helpers, private to policy.baselines"]
+    assert private == ["policy/learned/policy.py:1: imports policy.baselines._helpers, private to policy.baselines"]
 
 
 @pytest.mark.parametrize(

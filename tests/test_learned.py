@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from policy.interface import CandidateRequest, EngineState, Event, EventKind, RequestMeta, RequestStatus
-from policy.learned import LearnedPolicy
-from policy.learned_bundle import PolicyLoadError
-from policy.learned_features import FEATURES
-from policy.learned_scorer import ADMIT, PREEMPT, NumpyScorer, build_scorer
+from policy.learned.bundle import PolicyLoadError
+from policy.learned.features import FEATURES
+from policy.learned.policy import LearnedPolicy
+from policy.learned.scorer import ADMIT, PREEMPT, NumpyScorer, build_scorer
 
 
 def _state(step: int = 1, t: float = 0.0) -> EngineState:
@@ -84,7 +84,7 @@ def test_numpy_scorer_head_matches_torch_with_the_first_layer_kept(hidden) -> No
     the torch scores while only the step columns of the same array change, and recomputes for a new array."""
     import torch
 
-    from policy.learned_features import STEP_X
+    from policy.learned.features import STEP_X
 
     torch.manual_seed(4)
     s = build_scorer(len(FEATURES), hidden)
@@ -336,7 +336,7 @@ def test_the_trained_admission_residual_moves_the_prior_order() -> None:
     with pytest.raises(ValueError, match="needs admission"):
         LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="scorer", admission_residual={"turn": 1.0})
     from policy.catalog import LEARNED_ABLATIONS
-    from policy.learned import ABLATIONS
+    from policy.learned.policy import ABLATIONS
 
     assert LEARNED_ABLATIONS == tuple(ABLATIONS)  # the catalog lists every ablation the policy defines
 
@@ -373,7 +373,7 @@ def test_a_save_cut_short_over_a_policy_dir_leaves_one_that_refuses_to_load(poli
     over them."""
     import shutil
 
-    from policy.learned_bundle import PolicyLoadError
+    from policy.learned.bundle import PolicyLoadError
 
     pol = LearnedPolicy.load(policy_dir)
     pol.predictors_dir = predictors_dir  # (copied into the folder again: the step that fails below)

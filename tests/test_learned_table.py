@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policy.exploring import LoggingPolicy
-from policy.learned import LearnedPolicy
-from policy.learned_features import FEATURES, model_features
-from policy.learned_sampler import _predict, candidate_raw
-from policy.learned_scorer import build_scorer
+from policy.learned.exploring import LoggingPolicy
+from policy.learned.features import FEATURES, model_features
+from policy.learned.policy import LearnedPolicy
+from policy.learned.sampler import _predict, candidate_raw
+from policy.learned.scorer import build_scorer
 from tests.learned_logs import KV_FRACTION, tiny_workload
 from tests.test_learned import FixedLengths
 
@@ -143,8 +143,8 @@ def test_light_values_equal_the_raw_matrix_path() -> None:
     """The light refill's values (remaining output, running, preempted) are those of the raw matrix, at every edge:
     unknown and infinite predictions, p90 below p50, output past p50 / p90 / max_tokens, no max_tokens."""
     from policy.interface import CandidateRequest, EngineState, RequestMeta, RequestStatus
-    from policy.learned_features import R, light_values, log_remaining
-    from policy.learned_sampler import StepPhase
+    from policy.learned.features import R, light_values, log_remaining
+    from policy.learned.sampler import StepPhase
 
     nan, inf = float("nan"), float("inf")
     cases = [  # (p50, p90, output so far, max_tokens, status, preemptions)
@@ -173,7 +173,7 @@ def test_light_values_equal_the_raw_matrix_path() -> None:
 def test_shortest_first_orders_as_numpy_does() -> None:
     """The compiled default order: the same places as the numpy keys and sort, every clock started as
     ``_start_clocks`` starts them, and -1 where a preempted or starved row goes first or a key is not a number."""
-    from policy.shortest_first import compiled_shortest_first
+    from policy.learned.shortest_first import compiled_shortest_first
 
     kernel = compiled_shortest_first()
     if kernel is None:
@@ -275,7 +275,7 @@ def test_shortest_first_decides_as_the_numpy_path(vllm_engine, tmp_path: Path, m
 
 def test_an_admission_order_that_does_not_compile_leaves_the_numpy_path(monkeypatch, caplog) -> None:
     """Where numba fails to compile the order, the policy is still built (logged once) and orders through numpy."""
-    from policy import shortest_first
+    from policy.learned import shortest_first
 
     def broken(*args):
         raise TypeError("no such loop")

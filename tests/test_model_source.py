@@ -30,8 +30,8 @@ def make_learned_dir(out: Path, predictors_dir: Path, seed: int) -> Path:
     """A POLICY_DIR written by ``LearnedPolicy.save``: scorer weights from ``seed``, the given predictors."""
     import torch
 
-    from policy.learned import LearnedPolicy
-    from policy.learned_scorer import build_scorer
+    from policy.learned.policy import LearnedPolicy
+    from policy.learned.scorer import build_scorer
 
     torch.manual_seed(seed)
     state = build_scorer().state_dict()
@@ -276,7 +276,7 @@ def test_bad_new_champion_keeps_the_last_good_model(store, dirs, vllm_engine, tm
 def test_a_new_version_that_fails_like_the_last_one_is_logged_again(store, dirs, vllm_engine, tmp_path, caplog):
     """Failures are logged once per served version: a promoted version that raises where its predecessor did is
     named in the log, not only counted."""
-    from policy.learned import LearnedPolicy
+    from policy.learned.policy import LearnedPolicy
 
     class Raising(LearnedPolicy):
         def admit(self, waiting, state):
@@ -487,7 +487,7 @@ def test_swap_to_another_policy_class_drops_the_state(store, dirs, vllm_engine, 
 
 def test_the_start_up_model_decides_the_offload_tier(store, dirs):
     """The tier is built with the engine: the registry policy asks for it when the model it starts with does."""
-    from policy.learned import LearnedPolicy
+    from policy.learned.policy import LearnedPolicy
     from serving_hook.model_source import RegistryPolicy
 
     register(dirs["v1"], "tier")
@@ -501,7 +501,7 @@ def test_the_registry_serves_every_lever_of_its_model(store, dirs):
     """The registry runs its model as ``learned`` runs the same POLICY_DIR: the CPU tier's eviction order (kvpilot's
     cache policy in the tier, decided by the start-up model) and the session prior of its async width rule."""
     from policy.interface import CachedPrefix, EngineState, OwnerState, RequestMeta
-    from policy.learned import LearnedPolicy
+    from policy.learned.policy import LearnedPolicy
     from serving_hook.model_source import RegistryPolicy
 
     register(dirs["v1"], "levers")

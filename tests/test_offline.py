@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from policy.offline_config import OfflineConfig
+from policy.learning.config import OfflineConfig
 from tests.learned_logs import learned_runs, simulate, tiny_workload  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.vllm
@@ -45,7 +45,7 @@ def test_logs_of_asynchronous_rl_turn_the_gpu_order_by_group_age_on(tmp_path: Pa
     synchronous one, is not."""
     from types import SimpleNamespace
 
-    from policy.offline import logged_levers
+    from policy.learning.offline import logged_levers
 
     def log(name: str, summary: str | None) -> Path:
         d = tmp_path / name
@@ -62,8 +62,8 @@ def test_logs_of_asynchronous_rl_turn_the_gpu_order_by_group_age_on(tmp_path: Pa
 
 
 def test_train_policy_writes_a_policy_dir(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811
-    from policy.learned import LearnedPolicy
-    from policy.offline import train_policy
+    from policy.learned.policy import LearnedPolicy
+    from policy.learning.offline import train_policy
 
     out = tmp_path / "pol"
     m = train_policy([learned_runs["train1"], learned_runs["train2"]], learned_runs["predictors"], out,
@@ -76,7 +76,7 @@ def test_train_policy_writes_a_policy_dir(learned_runs: dict, tmp_path: Path) ->
     assert (out / "predictors" / "length").is_dir()
     # the async rollout's working-set prior: per domain, the logged sessions' mean peak context
     from data.io import read_telemetry
-    from policy.offline_data import decision_telemetry
+    from policy.learning.data import decision_telemetry
 
     peaks = pd.concat([read_telemetry(decision_telemetry(learned_runs[k]), "requests").to_pandas().assign(log=k)
                        for k in ("train1", "train2")])
@@ -102,8 +102,8 @@ def test_train_policy_writes_a_policy_dir(learned_runs: dict, tmp_path: Path) ->
 def test_plain_recipe_trains_a_policy_over_the_tier(learned_runs: dict, tmp_path: Path) -> None:  # noqa: F811
     """``simulate --policy logging`` (the tier on by default) then training with no config: the policy uses the
     tier, and orders its evictions by the reuse predictor when the predictors hold one."""
-    from policy.learned import LearnedPolicy
-    from policy.offline import train_policy
+    from policy.learned.policy import LearnedPolicy
+    from policy.learning.offline import train_policy
     from predictors.logs import load_logs
     from predictors.pipeline import train_bundle
     from simulator.simulation import run_simulation
@@ -139,7 +139,7 @@ def test_informative_logs_beat_shuffled_outcomes(learned_runs: dict, tmp_path: P
     Served with ``resume_preempted`` off: the tiny workload preempts often, and that rule admits every preempted
     request before the scored order, whatever the scorer learned (measured when the rule came in: with it on,
     25.5 s informative against 24.8 s shuffled; off, 25.6 s against 26.8 s)."""
-    from policy.offline import train_policy
+    from policy.learning.offline import train_policy
 
     logs = [learned_runs["train1"], learned_runs["train2"], learned_runs["heldout"]]
     workload = tiny_workload(3)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policy.ope import estimates
+from policy.learning.ope import estimates
 from tests.learned_logs import learned_runs, simulate, tiny_workload  # noqa: F401 - the fixture
 
 ARM_MEANS = np.array([0.2, 0.5, 0.9])
@@ -48,9 +48,9 @@ def test_dr_estimate_covers_the_simulated_value(learned_runs: dict, tmp_path: Pa
     """Train on two exploring logs; on a held-out workload (another seed), log the learned policy with exploration
     (``mode="log"``), estimate the greedy policy's value there by DR, then simulate the greedy policy on the same
     workload: the value it achieves lies within the DR estimate's 95% CI."""
-    from policy.offline import ope_on_log, train_policy
-    from policy.offline_config import OfflineConfig
-    from policy.offline_data import logged_rewards
+    from policy.learning.config import OfflineConfig
+    from policy.learning.data import logged_rewards
+    from policy.learning.offline import ope_on_log, train_policy
 
     cfg = OfflineConfig(epochs=4)
     pol = tmp_path / "policy"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,8 +17,16 @@ PACKAGES = {"data", "predictors", "policy", "training", "serving_hook", "simulat
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # Built from the files git would clone (a stale kvpilot.egg-info here lists files a fresh clone's build misses).
+    src = tmp_path_factory.mktemp("src")
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.split("\n")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
         check=True,
         capture_output=True,
     )
@@ -31,6 +40,15 @@ def test_wheel_contains_exactly_the_packages(wheel: Path) -> None:
     assert top == PACKAGES
     assert "data/default_workload.toml" in names, "the default synth config must ship with the package"
     assert not any("/tests/" in n or n.startswith("tests/") for n in names)
+
+
+def test_wheel_ships_every_package_of_the_tree(wheel: Path) -> None:
+    """A package inside the six (policy/baselines, policy/learned, ...) left out of the wheel breaks an install that
+    is not editable, as the rollout server's is."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    tree = sorted(str(init.relative_to(ROOT)) for top in PACKAGES for init in (ROOT / top).rglob("__init__.py"))
+    assert "policy/baselines/__init__.py" in tree and "policy/learned/__init__.py" in tree
+    assert [p for p in tree if p not in names] == []
 
 
 def test_wheel_declares_console_script_and_pins(wheel: Path) -> None:

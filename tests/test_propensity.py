@@ -7,9 +7,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from policy.exploring import LoggingPolicy
 from policy.interface import RequestStatus
-from policy.learned import LearnedPolicy
+from policy.learned.exploring import LoggingPolicy
+from policy.learned.policy import LearnedPolicy
 from tests.learned_logs import learned_runs  # noqa: F401 - the fixture
 from tests.test_learned import FixedLengths, _cand, _state, _state_dict
 

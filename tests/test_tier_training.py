@@ -125,10 +125,10 @@ def test_tier_training_replays_the_log_and_keeps_a_model_only_where_it_wins(vllm
     import dataclasses
 
     from data.synth import SynthConfig, generate
-    from policy.learned import LearnedPolicy
-    from policy.learned_bundle import TIER_REUSE_DIR
-    from policy.offline import train_policy
-    from policy.offline_config import OfflineConfig
+    from policy.learned.bundle import TIER_REUSE_DIR
+    from policy.learned.policy import LearnedPolicy
+    from policy.learning.config import OfflineConfig
+    from policy.learning.offline import train_policy
     from predictors.logs import load_logs
     from predictors.pipeline import train_bundle
     from simulator.simulation import run_simulation

@@ -32,7 +32,7 @@ def test_demo_champion_uses_the_preemption_head() -> None:
     library default learns the head where the logs hold preemption decisions (``None``: every lever found)."""
     import dataclasses
 
-    from policy.offline_config import OfflineConfig
+    from policy.learning.config import OfflineConfig
     from training.demo import DemoConfig
 
     assert OfflineConfig().preempt is None

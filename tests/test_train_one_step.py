@@ -41,8 +41,8 @@ def test_one_step_of_one_group_is_a_clear_error() -> None:
 
 
 def test_policy_split_of_one_step_by_the_acted_groups() -> None:
-    from policy.offline import heldout_mask, heldout_split
-    from policy.offline_data import Decisions
+    from policy.learning.data import Decisions
+    from policy.learning.offline import heldout_mask, heldout_split
 
     d = 8
     data = Decisions(np.zeros((2 * d, 1), np.float32), np.zeros(2 * d), np.arange(0, 2 * d + 1, 2), np.zeros(d, int),

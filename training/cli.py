@@ -618,7 +618,7 @@ def _check_learned_model(names: list[str], model: Optional[Path]) -> list[str]:
         return learned
     if model is None:
         raise fail(f"--policies {learned[0]} needs --model POLICY_DIR (written by `kvpilot train`)")
-    from policy.learned_bundle import PolicyLoadError, read_manifest
+    from policy.learned.bundle import PolicyLoadError, read_manifest
 
     try:
         read_manifest(model)
@@ -678,7 +678,7 @@ def train(
     trees: Annotated[int, typer.Option("--trees", min=1, help="Boosting rounds per predictor.")] = 100,
     policy_config: Annotated[Optional[str], typer.Option(
         "--policy-config",
-        help="JSON object of policy.offline_config.OfflineConfig fields, e.g. '{\"epochs\": 20}'.")] = None,
+        help="JSON object of policy.learning.config.OfflineConfig fields, e.g. '{\"epochs\": 20}'.")] = None,
     heldout_workload: Annotated[Optional[Path], typer.Option(
         "--heldout-workload", help="Held-out workload for the simulator evaluation; default: a fresh synthetic "
         "one with an unseen seed.")] = None,
@@ -711,7 +711,7 @@ def train(
         return
     if not logs:
         raise fail("kvpilot train needs --logs DIR (repeatable), or a subcommand (see --help)")
-    from policy.offline_config import OfflineConfig
+    from policy.learning.config import OfflineConfig
     from predictors.logs import parse_steps
     from training.train import PredictorParams, TrainError, train_and_register
 

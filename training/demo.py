@@ -105,7 +105,7 @@ def _simulate(workload: Path, policy: str, out_dir: Path, cfg: DemoConfig,
 
 def run_demo(out_dir: Path, cfg: DemoConfig | None = None, console: Console | None = None) -> DemoResult:
     """Run the loop (see the module docstring) under ``out_dir`` (``cfg`` None: the embedded defaults)."""
-    from policy.offline_config import OfflineConfig
+    from policy.learning.config import OfflineConfig
     from training import registry
     from training.evaluate import Execution, evaluate
     from training.grid import Grid, evaluation_config

@@ -34,7 +34,7 @@ DEFAULT_KV_FRACTIONS = (0.1, 0.2, 0.4)
 #: Registered policies that ``--policies all`` leaves out, so that ``all`` is the baselines (the field's thirteen,
 #: InferCept, the working set and vLLM native offload, and the CPU-tier variants of continuum, kvflow, infercept
 #: and working-set):
-#: those that need a trained model (``learned`` and its ablations, :data:`policy.learned.ABLATIONS`:
+#: those that need a trained model (``learned`` and its ablations, :data:`policy.learned.policy.ABLATIONS`:
 #: ``model=POLICY_DIR``; ``registry``: the MLflow champion),
 #: the exploring behaviour policy (``logging``), which is for collecting logs, not for comparison, and
 #: ``lrb-online`` (learned eviction that trains as it runs; still runnable by name).

@@ -29,8 +29,8 @@ def train_policy_cmd(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
     """Fit the learned admission / preemption policy (imitation warm start, doubly robust) and write POLICY_DIR."""
-    from policy.offline import train_policy
-    from policy.offline_config import OfflineConfig
+    from policy.learning.config import OfflineConfig
+    from policy.learning.offline import train_policy
 
     with reported(ValueError, prefix="--config: "):
         cfg = OfflineConfig.from_json(config)
@@ -46,8 +46,8 @@ def train_policy_cmd(
 
 def heldout_note(policy_dir: Path) -> str:
     """How the training of POLICY_DIR held decisions out (its manifest's ``trained_on.split``), as printed."""
-    from policy.learned_bundle import read_manifest
-    from policy.offline import SPLITS
+    from policy.learned.bundle import read_manifest
+    from policy.learning.offline import SPLITS
 
     split = read_manifest(policy_dir).get("trained_on", {}).get("split")
     return SPLITS.get(split, str(split))

@@ -4,7 +4,7 @@ Off-policy learning from logged decisions has not beaten the prior's shortest-fi
 informative admissions. The logs do hold the workloads they came from, though, and the simulator replays them
 on vLLM's real scheduler. So, as Decima trained its scheduler, the policy is improved by simulating it: the
 cross-entropy method (CEM) samples weights of the learned policy's admission residual (``admission_residual``,
-:mod:`policy.learned`: weights on standardised candidate features and on the scorer's admission head, added to
+:mod:`policy.learned.policy`: weights on standardised candidate features and on the scorer's admission head, added to
 the prior's key), simulates each sample on every logged workload on the logs' own engine (preset, KV blocks,
 CPU tier, decode stride), and moves its sampling distribution toward the samples with the shortest makespans
 relative to the zero residual (the prior's order). The best sample is kept only if it beats the zero residual by
@@ -54,8 +54,8 @@ class SearchConfig:
     address: str | None = None  # Ray cluster address (backend "ray"); None: a local Ray
 
     def __post_init__(self) -> None:
-        from policy.learned import SCORER_INPUT
-        from policy.learned_features import FEATURES
+        from policy.learned.features import FEATURES
+        from policy.learned.policy import SCORER_INPUT
 
         if not (self.iterations >= 1 and self.population >= 2 and 1 <= self.elite <= self.population):
             raise SearchError(f"search needs iterations >= 1, population >= 2 and 1 <= elite <= population, got "
@@ -222,7 +222,7 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
 def lever_choices(policy_dir: Path) -> list[dict[str, bool]]:
     """The bundle's levers as trained (``{}``), then each trained lever turned off: the CPU tier (``offload``),
     the preemption head (``preempt``)."""
-    from policy.learned_bundle import read_manifest
+    from policy.learned.bundle import read_manifest
 
     runtime = read_manifest(Path(policy_dir)).get("config", {}).get("runtime", {})
     return [{}] + [{k: False} for k in ("offload", "preempt") if runtime.get(k)]

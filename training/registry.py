@@ -46,10 +46,10 @@ __all__ = [
 
 
 def read_manifest(policy_dir: Path) -> dict[str, Any]:
-    """POLICY_DIR's ``policy.json`` (:func:`policy.learned_bundle.read_manifest`, its format only: a version written by
+    """POLICY_DIR's ``policy.json`` (:func:`policy.learned.bundle.read_manifest`, its format only: a version written by
     another build can be registered and described); :class:`RegistryError` naming the file otherwise."""
-    from policy.learned_bundle import PolicyLoadError
-    from policy.learned_bundle import read_manifest as read_policy_manifest
+    from policy.learned.bundle import PolicyLoadError
+    from policy.learned.bundle import read_manifest as read_policy_manifest
 
     try:
         return read_policy_manifest(Path(policy_dir), check_schema=False)
@@ -70,7 +70,7 @@ class KVPilotModel(_PythonModel):  # type: ignore[misc,valid-type]
     state, which a DataFrame cannot carry. It describes the bundle instead: one row with the POLICY_DIR
     path, the format and telemetry schema versions and the feature names per decision kind (JSON), so
     ``mlflow models predict`` and the UI show what a version holds. Load POLICY_DIR with
-    ``policy.learned.LearnedPolicy.load(model.unwrap_python_model().policy_dir)``.
+    ``policy.learned.policy.LearnedPolicy.load(model.unwrap_python_model().policy_dir)``.
     """
 
     policy_dir: Optional[Path] = None

@@ -132,7 +132,7 @@ def _replay(policy_dir: str, runtime: dict[str, Any], workload: str, options: di
     worker's task): the makespan and the snapshots."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from policy.learned import LearnedPolicy
+    from policy.learned.policy import LearnedPolicy
     from simulator.simulation import run_simulation
     from simulator.workload import load_workload
 
@@ -150,7 +150,7 @@ def train_tier(policy_dir: Path, log_dirs: Sequence[Path], cfg: TierConfig | Non
 
     Writes ``predictors/tier_reuse`` and the runtime option ``reuse_predictor`` into the bundle when a model is
     kept; leaves the bundle as it was otherwise."""
-    from policy.learned_bundle import TIER_REUSE_DIR, read_manifest, update_runtime
+    from policy.learned.bundle import TIER_REUSE_DIR, read_manifest, update_runtime
     from training.policy_search import SearchError, parallel_runner, replays
 
     cfg = cfg or TierConfig()

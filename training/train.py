@@ -3,7 +3,7 @@
 :func:`train_and_register` loads telemetry run folders, fits the LightGBM
 length and reuse predictors (:func:`predictors.pipeline.train_bundle`, whole RL
 steps held out, or whole GRPO groups when the logs hold a single RL step; printed,
-and the report's ``split``), fits the learned policy on them (:func:`policy.offline.train_policy`,
+and the report's ``split``), fits the learned policy on them (:func:`policy.learning.offline.train_policy`,
 which writes a POLICY_DIR carrying those predictors), simulates the trained
 policy against vLLM default on a held-out workload (:func:`training.evaluate.evaluate`; on the logs' engine:
 preset, KV size and CPU tier, and a fresh step of the logs' own synthetic mix, where they agree and the caller
@@ -300,7 +300,7 @@ def train_and_register(
 ) -> TrainResult:
     """Fit, evaluate, log and register (see the module docstring); ``work_dir`` keeps the POLICY_DIR and the evaluation.
 
-    ``policy_config`` is a :class:`policy.offline_config.OfflineConfig`; None (here and for the other parameter
+    ``policy_config`` is a :class:`policy.learning.config.OfflineConfig`; None (here and for the other parameter
     objects): the defaults. ``heldout.follow``: the held-out settings (:data:`ENGINE_FIELDS`) taken from the
     logs where they all agree (:func:`logs_engine`, :func:`logs_mix`), in place of ``heldout``'s. ``search``: a
     :class:`training.policy_search.SearchConfig` to learn the admission residual by simulating the logged
@@ -369,9 +369,9 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
     from training import registry
 
     policy_dir = work_dir / "policy"
-    from policy.learned_bundle import read_manifest
-    from policy.offline import SPLITS, train_policy
-    from policy.offline_config import OfflineConfig
+    from policy.learned.bundle import read_manifest
+    from policy.learning.config import OfflineConfig
+    from policy.learning.offline import SPLITS, train_policy
 
     policy_config = policy_config or OfflineConfig()
     predictor_params = predictor_params or PredictorParams()
@@ -461,7 +461,7 @@ def _search(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Conso
     write it into the bundle's runtime options, log the samples; the search's metrics."""
     import mlflow
 
-    from policy.learned_bundle import update_runtime
+    from policy.learned.bundle import update_runtime
     from training.policy_search import search_admission
 
     _stage(console, f"3b/4 policy search: the admission residual by simulating {len(log_dirs)} logged workload(s)")

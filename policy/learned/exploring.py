@@ -15,9 +15,9 @@ from typing import Any, Optional
 import numpy as np
 
 from policy.interface import AdmissionDecision, CandidateRequest, EngineState, PreemptionDecision
-from policy.learned import RUNTIME_DEFAULTS
-from policy.learned_bundle import read_predictor
-from policy.learned_sampler import Sampler
+from policy.learned.bundle import read_predictor
+from policy.learned.policy import RUNTIME_DEFAULTS
+from policy.learned.sampler import Sampler
 from policy.options import check_positive
 
 __all__ = ["LOGGING_ADMIT", "LOGGING_PREEMPT", "LoggingPolicy"]
@@ -67,7 +67,7 @@ class LoggingPolicy(Sampler):
         self.preempt_w = _weights("preempt_weights", preempt_weights, LOGGING_PREEMPT)
         # Log in the regime the learned policy serves in. On by default: where the workload runs over a CPU tier
         # (the simulator's --offload-gib, serving's --kv-offloading-size), the logs carry it and `kvpilot train`
-        # trains a policy over it (policy.offline_config.OfflineConfig.offload); off: no tier.
+        # trains a policy over it (policy.learning.config.OfflineConfig.offload); off: no tier.
         self.uses_offload = bool(offload)
 
     def _pick(self, weights: dict[str, float]) -> str:

@@ -1,9 +1,9 @@
 """The learned policy's default admission order in one compiled pass: the few waiting requests with the least
 predicted remaining output first.
 
-:meth:`policy.learned_table.FeatureTable.shortest` calls it in every admission decision. The order is what
-:meth:`~policy.learned_table.FeatureTable.remaining`, :meth:`~policy.learned_table.FeatureTable.first` and
-:meth:`policy.learned_sampler.Sampler._order` give with a dozen numpy calls over the queue (a gather, a cast, the
+:meth:`policy.learned.table.FeatureTable.shortest` calls it in every admission decision. The order is what
+:meth:`~policy.learned.table.FeatureTable.remaining`, :meth:`~policy.learned.table.FeatureTable.first` and
+:meth:`policy.learned.sampler.Sampler._order` give with a dozen numpy calls over the queue (a gather, a cast, the
 remaining output, the keys with their tie-break, the starvation clocks and their minimum, a partition and a sort),
 each cold in the CPU caches inside vLLM's step: about 100 µs a decision at 128 running agent sessions, a third of
 it. Here one loop reads each row once. Where something goes before the order (a preempted or a starved request) or

@@ -1,7 +1,7 @@
 """The learned policy's scorer: a small torch MLP, and its forward pass in numpy for the scheduler.
 
 A small MLP (:func:`build_scorer`, torch) maps each candidate's
-:data:`policy.learned_features.FEATURES` (its own features, the LightGBM length
+:data:`policy.learned.features.FEATURES` (its own features, the LightGBM length
 model's p50 / p90 and the predicted remaining output, and an engine-state
 summary: KV usage, pinned blocks, running / waiting counts, the RL step's
 phase) to two scores: one for admission (higher = admitted first) and one for
@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from policy.learned_features import FEATURES, STEP_X
+from policy.learned.features import FEATURES, STEP_X
 
 __all__ = ["ADMIT", "PREEMPT", "build_scorer", "NumpyScorer"]
 

@@ -12,7 +12,7 @@ With ``w_d = pi_d / max(p_d, clip)``:
 
 Confidence intervals are percentile bootstraps over decisions or, with
 ``groups``, over groups of decisions (a block bootstrap): decisions taken
-close together share their outcome (:mod:`policy.rewards` gives every decision
+close together share their outcome (:mod:`policy.learning.rewards` gives every decision
 in a window the same window's outcome), so they are not independent, and a
 bootstrap over single decisions would give intervals far too narrow.
 """

@@ -1,4 +1,4 @@
-"""Every hyper-parameter of offline policy learning (:mod:`policy.offline`), as one record."""
+"""Every hyper-parameter of offline policy learning (:mod:`policy.learning.offline`), as one record."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from policy.learned import RUNTIME_DEFAULTS
+from policy.learned.policy import RUNTIME_DEFAULTS
 
 __all__ = ["OfflineConfig"]
 

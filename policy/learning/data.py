@@ -8,7 +8,7 @@ model replayed on the ``requests`` table with decision-time features
 (:func:`predictors.features.length_features` at arrival for waiting
 candidates, at admission for running ones); the engine state comes from the
 decision's ``steps`` row; the RL step's phase from the ``requests`` table. The
-reward is :mod:`policy.rewards` (the makespan-to-go fall in the window after the
+reward is :mod:`policy.learning.rewards` (the makespan-to-go fall in the window after the
 decision).
 """
 
@@ -24,9 +24,9 @@ import pandas as pd
 import pyarrow as pa
 
 from policy.interface import CANDIDATE_FEATURES
-from policy.learned_features import FEATURES, RAW, R, model_features
-from policy.offline_config import OfflineConfig
-from policy.rewards import RewardModel, decision_rewards
+from policy.learned.features import FEATURES, RAW, R, model_features
+from policy.learning.config import OfflineConfig
+from policy.learning.rewards import RewardModel, decision_rewards
 
 __all__ = ["KINDS", "Decisions", "decision_telemetry", "load_decisions", "logged_rewards"]
 
@@ -132,7 +132,7 @@ def _usable(dec) -> np.ndarray:
 
 
 def _rewards(d: pd.DataFrame, req: pd.DataFrame, steps: pd.DataFrame, config: OfflineConfig) -> np.ndarray:
-    """:mod:`policy.rewards` of decisions ``d`` (columns replica, time_s), per replica."""
+    """:mod:`policy.learning.rewards` of decisions ``d`` (columns replica, time_s), per replica."""
     out = np.zeros(len(d))
     for rep in sorted(req["replica"].unique()):
         m = RewardModel.from_log(req[req["replica"] == rep], steps[steps["replica"] == rep])

@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from policy.learned_features import FEATURES, RAW
-from policy.learned_scorer import build_scorer
+from policy.learned.features import FEATURES, RAW
+from policy.learned.scorer import build_scorer
 from policy.predictors import LENGTH_PREDICTOR, REUSE_PREDICTOR
 
 __all__ = [

@@ -1,7 +1,7 @@
 """kvpilot's learned admission / preemption policy.
 
-**The scorer** (:mod:`policy.learned_scorer`) gives each candidate an admission
-and a preemption score from its :data:`policy.learned_features.FEATURES`.
+**The scorer** (:mod:`policy.learned.scorer`) gives each candidate an admission
+and a preemption score from its :data:`policy.learned.features.FEATURES`.
 
 **Acting.** ``mode="serve"``: admission in the runtime option ``admission``'s order: ``"shortest"``
 (default) ranks by the length model's predicted remaining output, shortest first, moved by the trained
@@ -22,7 +22,7 @@ its place in the admission order, its tool's pause, :mod:`policy.session_reuse`)
 LRU unless ``gpu_eviction`` orders it by the same predictor, and retention stays vLLM's: with hindsight next
 uses they won nothing over LRU where memory binds (docs/results/2026-12-04-memory-binds-admission.md).
 Under asynchronous RL (requests that carry weight versions) the oldest GRPO group goes first and the youngest
-group's contexts leave first (``group_age``, :mod:`policy.group_age`).
+group's contexts leave first (``group_age``, :mod:`policy.learned.group_age`).
 
 **Precedence.** A preempted request goes back first, as in vLLM's own queue
 (``resume_preempted``, on by default: ranked by score, a preempted turn of a
@@ -33,11 +33,11 @@ session ended the RL step minutes late). Then a request that has waited
 Such a decision is deterministic (propensity 1).
 
 **Inputs per step.** Candidates' features live in a per-request table
-(:class:`policy.learned_table.FeatureTable`) refreshed on change events, so a
+(:class:`policy.learned.table.FeatureTable`) refreshed on change events, so a
 step costs a few vectorised numpy calls, not a read of every candidate object.
 
-The exploring behaviour policy that logs for it is :class:`policy.exploring.LoggingPolicy`; its POLICY_DIR
-(:meth:`LearnedPolicy.save` / :meth:`LearnedPolicy.load`) is :mod:`policy.learned_bundle`.
+The exploring behaviour policy that logs for it is :class:`policy.learned.exploring.LoggingPolicy`; its POLICY_DIR
+(:meth:`LearnedPolicy.save` / :meth:`LearnedPolicy.load`) is :mod:`policy.learned.bundle`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from policy.interface import (
     EvictionDecision,
     PreemptionDecision,
 )
-from policy.learned_bundle import (
+from policy.learned.bundle import (
     PolicyLoadError,
     read_manifest,
     read_predictor,
@@ -67,10 +67,10 @@ from policy.learned_bundle import (
     read_tier_reuse,
     write_bundle,
 )
-from policy.learned_features import ENGINE_X, FEATURES, WAIT_X, X
-from policy.learned_sampler import Sampler
-from policy.learned_scorer import ADMIT, PREEMPT, NumpyScorer
-from policy.learned_table import engine_raw
+from policy.learned.features import ENGINE_X, FEATURES, WAIT_X, X
+from policy.learned.sampler import Sampler
+from policy.learned.scorer import ADMIT, PREEMPT, NumpyScorer
+from policy.learned.table import engine_raw
 from policy.options import check_positive
 from policy.predictors import OnlineNextUse
 from policy.session_reuse import SessionStateNextUse, TrainedNextUse
@@ -121,8 +121,8 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "gpu_eviction": False,
     # Under asynchronous RL (requests that carry ``kvpilot_weight_version``): the oldest GRPO group's requests are
     # admitted first, and the youngest group's cached contexts leave the CPU tier (and, with ``gpu_eviction``, GPU
-    # memory) first (policy/group_age.py; docs/results/2026-12-05-async-32b-oldest-group-first.md). Without weight
-    # versions nothing changes.
+    # memory) first (policy/learned/group_age.py; docs/results/2026-12-05-async-32b-oldest-group-first.md).
+    # Without weight versions nothing changes.
     "group_age": True,
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
     # exploring policy's "shortest" component, deterministic) or "scorer" (the learned MLP's admission head), which
@@ -158,7 +158,7 @@ def _softmax(z: np.ndarray) -> np.ndarray:
 
 def _engine_x(state: EngineState) -> tuple[float, float, float, float]:
     """The engine-state feature columns (kv_usage, pinned_frac, log_num_running, log_num_waiting), as
-    :func:`policy.learned_features.step_features` computes them."""
+    :func:`policy.learned.features.step_features` computes them."""
     kv, pinned, running, waiting = (a if a >= 0.0 else 0.0 for a in engine_raw(state))  # NaN as 0, as fmax does
     return kv, pinned, math.log1p(running), math.log1p(waiting)
 
@@ -331,8 +331,8 @@ class LearnedPolicy(Sampler):
         return self._predicted(cands, idx) if self.mode == "log" else None
 
     def _by_age(self, idx: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """Admission keys (higher first) that put the oldest group first (policy.group_age), then ``keys``, then the
-        queue's order: each candidate's place in that lexicographic order, negated. A request with no weight
+        """Admission keys (higher first) that put the oldest group first (policy.learned.group_age), then ``keys``,
+        then the queue's order: each candidate's place in that lexicographic order, negated. A request with no weight
         version (rank 0) counts as the oldest."""
         n = len(keys)
         ranked = np.lexsort((np.arange(n), -keys, self.table.age[idx]))

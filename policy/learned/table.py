@@ -2,7 +2,7 @@
 
 Reading ~20 values of each of hundreds of candidate objects into numpy in every
 engine step cost more than vLLM's ``schedule()`` itself. :class:`FeatureTable`
-keeps one row per request instead: its :func:`policy.learned_features.row_features`
+keeps one row per request instead: its :func:`policy.learned.features.row_features`
 (and length predictions) are computed when the request is first seen and again
 only after an event marks it changed (it was scheduled or preempted, or a
 sibling of its group was scheduled, preempted or finished: the group counters
@@ -36,9 +36,8 @@ from typing import Optional
 
 import numpy as np
 
-from policy.group_age import GroupAges
 from policy.interface import CandidateRequest, CandidateView, EngineState, Event, EventKind
-from policy.learned_features import (
+from policy.learned.features import (
     FEATURES,
     USAGE_X,
     WAIT_X,
@@ -49,7 +48,8 @@ from policy.learned_features import (
     set_features,
     step_features,
 )
-from policy.shortest_first import MAX_TAKE, compiled_shortest_first
+from policy.learned.group_age import GroupAges
+from policy.learned.shortest_first import MAX_TAKE, compiled_shortest_first
 
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
 _PREEMPTIONS = R["preemptions"]
@@ -80,7 +80,7 @@ class TableState:
 
 def engine_raw(state: EngineState) -> tuple[float, float, int, int]:
     """The engine-state inputs shared by every row (kv_usage, pinned fraction, running, waiting), before
-    :func:`policy.learned_features.step_features` transforms them."""
+    :func:`policy.learned.features.step_features` transforms them."""
     return (state.kv_usage, state.num_pinned_blocks / max(state.num_total_blocks, 1), state.num_running,
             state.num_waiting)
 
@@ -106,7 +106,7 @@ class FeatureTable:
         #: (candidates, state) -> their raw matrix (length predictions included)
         self.raw_of = raw_of
         #: candidates -> their (p50, p90) length predictions, as ``raw_of`` puts them in; with it, :meth:`remaining`
-        #: refreshes rows without the raw matrix (:func:`policy.learned_features.light_values`)
+        #: refreshes rows without the raw matrix (:func:`policy.learned.features.light_values`)
         self.preds_of = preds_of
         self.phase_of = phase_of
         self.max_wait_steps = math.inf if max_wait_steps is None else float(max_wait_steps)
@@ -128,7 +128,7 @@ class FeatureTable:
         self.preempted = np.zeros(cap, dtype=bool)  # waiting again after a preemption
         self.preds = np.full((cap, 2), math.nan)  # length p50, p90
         self.step = np.zeros(cap, dtype=np.int64)  # index into self.steps
-        self.age = np.zeros(cap)  # its group's rank in start order under asynchronous RL, else 0 (policy.group_age)
+        self.age = np.zeros(cap)  # its group's rank in start order under async RL, else 0 (policy.learned.group_age)
         self.ages: GroupAges = getattr(self, "ages", None) or GroupAges()  # (kept when the table starts afresh)
         self.aged_rows = 0  # rows with a group age: their requests carry weight versions (asynchronous RL)
         self.since = np.full((cap, 2), math.nan)  # (engine step, time) it (re-)entered the queue
@@ -343,7 +343,7 @@ class FeatureTable:
                  by_age: bool = False) -> Optional[list[int]]:
         """The places of the ``take`` waiting candidates with the least predicted remaining output, least first, the
         queue's order breaking ties: the order :meth:`remaining`, :meth:`first` and a sort give when nobody goes
-        first, in one compiled pass (:mod:`policy.shortest_first`). None where a preempted or starved candidate
+        first, in one compiled pass (:mod:`policy.learned.shortest_first`). None where a preempted or starved candidate
         goes first, where ``by_age`` and a row has a group age (:attr:`aged`: the oldest group goes first), or
         where the order is long: the caller takes the numpy path (the rows are refreshed, the clocks kept)."""
         idx = self._refreshed(cands, state)

@@ -1,6 +1,6 @@
 """The offline learner: fit the scorer on logged decisions, and estimate the greedy policy's value off-policy.
 
-**Objective** (minimised, :class:`policy.offline_config.OfflineConfig` holds every weight):
+**Objective** (minimised, :class:`policy.learning.config.OfflineConfig` holds every weight):
 
 * imitation of the hindsight oracle (admission only): a listwise cross-entropy
   towards ``softmax(log1p(true remaining output) / imitation_temperature)``,
@@ -20,10 +20,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from policy.learned_features import FEATURES
-from policy.learned_scorer import build_scorer
-from policy.offline_config import OfflineConfig
-from policy.offline_data import Decisions
+from policy.learned.features import FEATURES
+from policy.learned.scorer import build_scorer
+from policy.learning.config import OfflineConfig
+from policy.learning.data import Decisions
 
 __all__ = ["RidgeQ", "fit_scorer", "greedy_choice", "row_scores", "evaluate_policy_on"]
 
@@ -200,7 +200,7 @@ def row_scores(scorer_fn, data: Decisions) -> np.ndarray:
 def evaluate_policy_on(scorer_fn, q: Optional[RidgeQ], data: Decisions, config: OfflineConfig,
                        n_boot: int = 500) -> dict[str, float]:
     """OPE of the greedy policy on ``data`` (raw rewards); ``ope.*`` keys."""
-    from policy.ope import estimates
+    from policy.learning.ope import estimates
 
     if len(data) == 0:
         return {"ope.n": 0.0}

@@ -1,14 +1,14 @@
 """The learned policy's input: one feature row per candidate, the same online and offline.
 
-Online (:mod:`policy.learned`) the raw values come from
+Online (:mod:`policy.learned.policy`) the raw values come from
 :class:`policy.interface.CandidateRequest`, the length predictor and the
-:class:`policy.interface.EngineState`; offline (:mod:`policy.offline_data`) from a
+:class:`policy.interface.EngineState`; offline (:mod:`policy.learning.data`) from a
 ``decisions`` row's logged :data:`policy.interface.CANDIDATE_FEATURES`, the
 length predictor replayed on the ``requests`` table, and the ``steps`` row of
 the decision's engine step. Both use the same three parts: :func:`row_features`
 (per request), :func:`step_features` (per engine step) and :func:`set_features`
 (per candidate set); offline calls them through :func:`model_features`, online
-:mod:`policy.learned_table` keeps the per-request part between steps.
+:mod:`policy.learned.table` keeps the per-request part between steps.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def log_remaining(raw: np.ndarray) -> np.ndarray:
 def light_values(cands: Sequence[Any], preds: Sequence[tuple[float, float]]) -> tuple[np.ndarray, list, list]:
     """:func:`log_remaining` of a few candidates straight from them and their (p50, p90), and whether each is
     running and was preempted (waiting with a preemption): the same values as through :func:`candidate_raw
-    <policy.learned_sampler.candidate_raw>`'s matrix, with one numpy call, not one per column (a decision
+    <policy.learned.sampler.candidate_raw>`'s matrix, with one numpy call, not one per column (a decision
     refreshes a handful of rows, cold in the CPU caches)."""
     rems, running, preempted = [], [], []
     inf = math.inf

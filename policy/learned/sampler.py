@@ -1,9 +1,9 @@
 """What the learned policy and the exploring behaviour policy share: their inputs and their precedence.
 
 :class:`StepPhase` follows how much of each RL step is done; :func:`candidate_raw` reads one decision's
-candidates into the raw matrix of :mod:`policy.learned_features`. :class:`Sampler`, the base of
-:class:`policy.learned.LearnedPolicy` and :class:`policy.exploring.LoggingPolicy`, keeps the feature table
-(:class:`policy.learned_table.FeatureTable`), the length predictions, the rng and the order's precedence
+candidates into the raw matrix of :mod:`policy.learned.features`. :class:`Sampler`, the base of
+:class:`policy.learned.policy.LearnedPolicy` and :class:`policy.learned.exploring.LoggingPolicy`, keeps the feature
+table (:class:`policy.learned.table.FeatureTable`), the length predictions, the rng and the order's precedence
 (preempted, then starved requests first), and hands its state to a successor at a hot swap.
 """
 
@@ -19,8 +19,8 @@ import numpy as np
 
 from policy.common import LengthCache, admission_limit
 from policy.interface import CandidateRequest, EngineState, Event, EventKind, Policy, PolicyState, StateMismatch
-from policy.learned_features import ENGINE_RAW, RAW, R
-from policy.learned_table import FeatureTable
+from policy.learned.features import ENGINE_RAW, RAW, R
+from policy.learned.table import FeatureTable
 from policy.options import check_positive
 
 __all__ = ["StepPhase", "candidate_raw", "Sampler", "STATE_KIND", "STATE_VERSION"]
@@ -59,7 +59,7 @@ _STATE_COLS = [R[k] for k in ENGINE_RAW]
 def candidate_raw(
     cands: Sequence[CandidateRequest], preds: Sequence[tuple[float, float]], state: EngineState, phase: StepPhase
 ) -> np.ndarray:
-    """The (n, len(RAW)) raw matrix of one decision's candidates (see :mod:`policy.learned_features`)."""
+    """The (n, len(RAW)) raw matrix of one decision's candidates (see :mod:`policy.learned.features`)."""
     nan = math.nan
     tot = max(state.num_total_blocks, 1)
     phases: dict[Optional[int], float] = {}
@@ -155,7 +155,7 @@ class Sampler(Policy):
 
     def import_state(self, state: PolicyState) -> None:
         """A predecessor's :meth:`export_state`; the predictor's part only where this predictor reads it."""
-        from policy.learned_table import TableState
+        from policy.learned.table import TableState
 
         data = self.state_data(state, STATE_KIND, STATE_VERSION)
         if not isinstance(data, dict) or not isinstance(data.get("table"), TableState):

@@ -1,12 +1,12 @@
 """Fit the learned policy offline from logged decisions: imitation warm start, then doubly robust / IPS.
 
-The logged decisions are read by :mod:`policy.offline_data`, the scorer fitted and the greedy policy's value
-estimated by :mod:`policy.offline_fit`, with the hyper-parameters of :class:`policy.offline_config.OfflineConfig`.
+The logged decisions are read by :mod:`policy.learning.data`, the scorer fitted and the greedy policy's value
+estimated by :mod:`policy.learning.fit`, with the hyper-parameters of :class:`policy.learning.config.OfflineConfig`.
 
 **Held-out evaluation.** The last log directory (or, with one log, the last
 ``holdout_fraction`` of its decisions by time; with one log of a single RL step,
 the decisions acting on the last ``holdout_fraction`` of its GRPO groups) is held
-out (``trained_on.split`` in the manifest says which); :mod:`policy.ope`
+out (``trained_on.split`` in the manifest says which); :mod:`policy.learning.ope`
 estimates the greedy policy's value there (IPS, SNIPS, DR with bootstrap CIs).
 """
 
@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from policy.learned import RUNTIME_DEFAULTS, LearnedPolicy
-from policy.learned_bundle import read_predictor
-from policy.learned_scorer import NumpyScorer
-from policy.offline_config import OfflineConfig
-from policy.offline_data import KINDS, Decisions, decision_telemetry, load_decisions
-from policy.offline_fit import RidgeQ, evaluate_policy_on, fit_scorer
+from policy.learned.bundle import read_predictor
+from policy.learned.policy import RUNTIME_DEFAULTS, LearnedPolicy
+from policy.learned.scorer import NumpyScorer
+from policy.learning.config import OfflineConfig
+from policy.learning.data import KINDS, Decisions, decision_telemetry, load_decisions
+from policy.learning.fit import RidgeQ, evaluate_policy_on, fit_scorer
 from predictors.logs import existing_logs
 
 __all__ = ["SPLITS", "heldout_split", "heldout_mask", "logged_levers", "ope_on_log", "train_policy"]

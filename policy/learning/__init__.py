@@ -1,0 +1,1 @@
+"""Offline learning from logged telemetry: decisions, rewards, the learner and off-policy estimates."""
