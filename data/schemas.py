@@ -105,6 +105,8 @@ REQUESTS = TableSpec(
             _f("finish_reason", pa.string()),
             _f("preemptions", pa.int32()),
             _f("block_hashes", pa.list_(pa.int64())),
+            # seconds the policy held it back in the waiting queue (admission holds; absent in older telemetry)
+            _f("held_s", pa.float64(), True),
         ]
     ),
 )

@@ -22,13 +22,16 @@ from KV use, which stays near full whenever memory binds. kvpilot sizes it from 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["SessionContexts", "fit_session_contexts", "working_set_admits", "working_set_holds"]
+from policy.interface import EngineState, Event, EventKind
+
+__all__ = ["SessionContexts", "WidthHolds", "fit_session_contexts", "working_set_admits", "working_set_holds"]
 
 #: How many ended sessions the logged prior weighs as (online updates move it from there).
 PRIOR_WEIGHT = 8.0
@@ -94,3 +97,125 @@ def working_set_holds(contexts: float, running: float, gpu_kv_tokens: int, tier_
     included), do not fit in ``gpu_kv_tokens`` plus ``tier_tokens`` (a running context's host copy counts too,
     up to the tier's size), and its group is not the oldest in flight."""
     return not oldest and contexts + min(running, tier_tokens) > gpu_kv_tokens + tier_tokens
+
+
+class _Session:
+    """A session in flight as :class:`WidthHolds` sees it: its group's rank, its context now, whether it runs."""
+
+    __slots__ = ("context", "live", "rank")
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.context, self.live = rank, 0, False
+
+
+class WidthHolds:
+    """The width inside the engine: :func:`working_set_holds` from the engine's own events, for the serving hook.
+
+    Under asynchronous RL (requests that carry ``kvpilot_weight_version``, a group and a session) a session is in
+    flight from its first request until a turn ends other than in a tool call or an abort (an aborted request
+    comes back at a weight update); its context now is its latest prompt (its prompt plus output while it waits
+    on a tool), and it runs from its request's first scheduling to that request's end. Groups rank in the order
+    their first request arrived. :meth:`holds` names the waiting turns to keep in vLLM's queue this step: taken
+    oldest group first, a turn waits while the sessions in flight of its group and every older one do not fit in
+    GPU KV plus the host tier (the turns let go before it in this pass counted as running), the oldest group's
+    never, nor a turn of a running session (a preempted one). Other requests are neither held nor counted, so a
+    synchronous run is left alone. A framework's own concurrency cap keeps working: a hold only delays a turn,
+    and the hook's starvation bound releases one held too long. Beyond ``max_sessions`` in flight (sessions that
+    never ended), the oldest groups' are forgotten.
+    """
+
+    def __init__(self, max_sessions: int = 1 << 16) -> None:
+        self.max_sessions = max_sessions
+        self.sessions: dict[str, _Session] = {}
+        self._rank: dict[str, int] = {}  # group id -> rank in arrival order
+        self._session_of: dict[str, str] = {}  # a request from its arrival to its end -> its session
+        self._ranks = 0
+        self._sums: tuple[dict[int, int], dict[int, int], int] | None = None  # per rank, cumulative (see _cumulative)
+
+    def on_event(self, event: Event) -> None:
+        """Follow the sessions in flight."""
+        meta = event.meta
+        sid, gid = meta.session_id, meta.group_id
+        if sid is None or gid is None or meta.weight_version is None:
+            return
+        kind, sessions = event.kind, self.sessions
+        if kind is EventKind.ARRIVED:
+            s = sessions.get(sid)
+            if s is None:
+                rank = self._rank.get(gid)
+                if rank is None:
+                    self._ranks += 1
+                    rank = self._rank[gid] = self._ranks
+                if len(sessions) >= self.max_sessions:
+                    self._forget_oldest()
+                s = sessions[sid] = _Session(rank)
+            s.context = event.num_prompt_tokens
+            self._session_of[event.request_id] = sid
+        elif kind is EventKind.SCHEDULED:
+            s = sessions.get(sid)
+            if s is None or s.live:
+                return
+            s.live = True
+        elif kind is EventKind.FINISHED:
+            self._session_of.pop(event.request_id, None)
+            s = sessions.get(sid)
+            if s is None:
+                return
+            if event.finish_reason in ("tool_call", "abort"):
+                s.live = False
+                s.context = event.num_prompt_tokens + event.num_output_tokens
+            else:
+                del sessions[sid]
+        else:
+            return
+        self._sums = None
+
+    def _forget_oldest(self) -> None:
+        """Drop the sessions of the older half of the groups in flight."""
+        ranks = sorted({s.rank for s in self.sessions.values()})
+        cut = ranks[len(ranks) // 2] if len(ranks) > 1 else ranks[-1] + 1
+        self.sessions = {k: s for k, s in self.sessions.items() if s.rank >= cut}
+        self._rank = {g: r for g, r in self._rank.items() if r >= cut}
+
+    def _cumulative(self) -> tuple[dict[int, int], dict[int, int], int]:
+        """Per group rank in flight, the contexts of the sessions of it and every older group, and the part of them
+        running; and the oldest rank. Kept until the next event that changes a session."""
+        if self._sums is None:
+            tokens: dict[int, int] = defaultdict(int)
+            running: dict[int, int] = defaultdict(int)
+            for s in self.sessions.values():
+                tokens[s.rank] += s.context
+                if s.live:
+                    running[s.rank] += s.context
+            cum_tokens, cum_running, t, r = {}, {}, 0, 0
+            for k in sorted(tokens):
+                t += tokens[k]
+                r += running[k]
+                cum_tokens[k], cum_running[k] = t, r
+            self._sums = cum_tokens, cum_running, min(tokens)
+        return self._sums
+
+    def holds(self, request_ids: Sequence[str], state: EngineState) -> frozenset[str]:
+        """Of the waiting requests ``request_ids``, those to hold this step."""
+        sessions = self.sessions
+        if not sessions:
+            return frozenset()
+        session_of = self._session_of
+        turns = []
+        for i, rid in enumerate(request_ids):
+            s = sessions.get(session_of.get(rid, ""))
+            if s is not None and not s.live:
+                turns.append((s.rank, i, s.context, rid))
+        if not turns:
+            return frozenset()
+        cum_tokens, cum_running, oldest = self._cumulative()
+        gpu = state.num_total_blocks * state.block_size
+        tier = state.num_offload_blocks * state.block_size
+        held, sent = [], 0
+        for rank, _, context, rid in sorted(turns):
+            if rank != oldest and working_set_holds(cum_tokens[rank], cum_running[rank] + sent + context, gpu, tier,
+                                                    False):
+                held.append(rid)
+            else:
+                sent += context
+        return frozenset(held)

@@ -104,12 +104,36 @@ class AdmissionLever(Lever):
         self.quiet_ids: Optional[tuple] = None
         self.logged = False  # this step's decision was logged
         self._idle_s = 0.0
+        self._holding: set[str] = set()  # the requests the last step held
 
     def admit(self, now: float) -> tuple[list, Optional[list]]:
         """Ask the policy and re-order ``waiting``: ``(held-back requests, the full order)`` for :meth:`restore`.
 
-        ``([], None)`` when nothing changed or vLLM could admit nobody this step.
+        ``([], None)`` when nothing changed or vLLM could admit nobody this step. Each request's held time
+        (``ReqInfo.held_s``) runs from the first step that holds it to the first that does not.
         """
+        held, desired = self._admit(now)
+        if held or self._holding:
+            self._held_time(held, now)
+        return held, desired
+
+    def _held_time(self, held: list, now: float) -> None:
+        """Start the holds of ``held`` not under way; end those under way that this step did not hold."""
+        infos = self.tr.infos
+        ids = {r.request_id for r in held}
+        for rid in self._holding - ids:
+            info = infos.get(rid)
+            if info is not None and info.held_at is not None:
+                info.held_s += now - info.held_at
+                info.held_at = None
+        for rid in ids - self._holding:
+            info = infos.get(rid)
+            if info is not None:
+                info.held_at = now
+        self._holding = ids
+
+    def _admit(self, now: float) -> tuple[list, Optional[list]]:
+        """:meth:`admit` but the held time."""
         sched = self.sched
         waiting = sched.waiting
         # vLLM admits nobody while the running set is full (L1072-L1074): skip the policy.

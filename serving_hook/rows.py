@@ -206,6 +206,7 @@ class Rows:
                 "max_tokens": max_tokens if meta.max_tokens is None else meta.max_tokens,
                 "finish_reason": finish_reason,
                 "preemptions": preemptions,
+                "held_s": info.held_s + (now - info.held_at if info.held_at is not None else 0.0),
                 # the prompt's full blocks (as in the workload table); output blocks are in kv_events
                 "block_hashes": hashes_to_int64(block_hashes),
             },

@@ -80,6 +80,8 @@ class ReqInfo:
     running: bool = False  # admitted and not preempted or finished since
     cached_tokens: int = -1
     computed_tokens: int = 0  # scheduled tokens summed over steps (counted with telemetry on)
+    held_s: float = 0.0  # seconds the policy held it back in the waiting queue (ended holds)
+    held_at: Optional[float] = None  # when the hold under way began
     cand: Optional[CandidateRequest] = None  # reused across steps, refreshed per call
 
 

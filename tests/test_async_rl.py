@@ -419,6 +419,45 @@ def test_working_set_holds_the_younger_groups_turns_while_the_older_contexts_do_
     assert run("working-set", kv_fraction=4.0)[0].driver.held_turns == 0
 
 
+def test_the_hooks_width_holds_in_the_engine_what_the_async_drivers_working_set_holds(vllm_engine: Any,
+                                                                                      tmp_path: Path) -> None:
+    """The width in the serving hook: with the learned policy (no trained network) and AReaL's rule alone in the
+    client, the younger group's turns wait in vLLM's queue (the steps telemetry counts them, each request's
+    ``held_s`` says how long) and the run is the one the async driver's own working-set holds give: the same
+    groups' spans, recomputation and throughput. Without the width the older group ends later, recomputing more."""
+    import pyarrow.parquet as pq
+
+    from policy.learned.policy import LearnedPolicy
+    from policy.learned.scorer import build_scorer
+
+    state = {k: v.detach().numpy() for k, v in build_scorer().state_dict().items()}
+    w = prepare_workload(_growing())
+
+    def run(width: bool, admission: str) -> tuple[dict[str, Any], list[list[float]], Any]:
+        def policy() -> LearnedPolicy:
+            p = LearnedPolicy(state, None, width=width)
+            p.session_contexts = {"math": {"mean_peak": 10.0, "sessions": 64.0}}  # both groups start at once
+            return p
+
+        out = tmp_path / f"{width}-{admission}"
+        result = Simulation(w, policy, driver="async", progress=False, trainer=Trainer(), kv_blocks=33,
+                            async_rl=AsyncRL(2, "keep", admission), out_dir=out).run()
+        return result.summary.to_dict(), _group_spans(result), pq.read_table(out / "telemetry" / "requests")
+
+    hook, hook_spans, requests = run(True, "staleness")
+    driver, driver_spans, _ = run(False, "working-set")
+    free, free_spans, free_requests = run(False, "staleness")
+    assert driver["held_turns"] > 0 and hook["held_turns"] == 0  # the hook held, not the client
+    held = {r: s for r, s in zip(requests["request_id"].to_pylist(), requests["held_s"].to_pylist()) if s > 0}
+    assert held and {r.split("-")[0] for r in held} == {"s0g1"}  # the younger group's turns only
+    assert max(free_requests["held_s"].to_pylist()) == 0.0
+    assert [pytest.approx(x) for x in driver_spans] == hook_spans and hook_spans[0][0] == hook_spans[1][0]
+    assert sum(held.values()) == pytest.approx(driver["held_turn_s"], rel=0.05)  # and held as long
+    for key in ("recomputed_tokens", "trajectories_per_s", "makespan_s"):
+        assert hook[key] == pytest.approx(driver[key]), key
+    assert hook_spans[0][1] < free_spans[0][1] and hook["recomputed_tokens"] < free["recomputed_tokens"]
+
+
 def test_a_younger_groups_turn_that_fits_goes_while_an_older_groups_turn_waits(vllm_engine: Any,
                                                                                tmp_path: Path) -> None:
     """Backfill: three groups start together, the middle one's sessions long and the youngest one's short. The

@@ -102,6 +102,7 @@ def request_row(i: int) -> dict:
         "finish_reason": "stop",
         "computed_tokens": 40,
         "preemptions": 0,
+        "held_s": 0.0,
         "block_hashes": [i, i + 1, -i - 2],
     }
 

@@ -1,12 +1,13 @@
 """kvpilot's rollout width (policy/group_width.py): the logged prior of session contexts, its online refinement,
-and the rule that starts a group only while the predicted working set fits."""
+the rule that starts a group only while the predicted working set fits, and the engine's holds."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 import pytest
 
-from policy.group_width import PRIOR_WEIGHT, SessionContexts, fit_session_contexts, working_set_admits
+from policy.group_width import PRIOR_WEIGHT, SessionContexts, WidthHolds, fit_session_contexts, working_set_admits
+from policy.interface import EngineState, Event, EventKind, RequestMeta
 
 
 def _requests(rows: list[tuple]) -> pa.Table:
@@ -44,3 +45,48 @@ def test_a_group_starts_only_while_the_working_set_fits() -> None:
     assert working_set_admits(300, 200, 500, groups_in_flight=2)
     assert not working_set_admits(301, 200, 500, groups_in_flight=2)
     assert working_set_admits(0, 10_000, 500, groups_in_flight=0)  # one group always may
+
+
+def _event(kind: str, rid: str, group: str, version: int | None = 0, prompt: int = 0, output: int = 0,
+           reason: str | None = None) -> Event:
+    meta = RequestMeta(group_id=group, session_id=rid.rsplit("-t", 1)[0], weight_version=version)
+    return Event(EventKind(kind), 0.0, rid, meta, num_prompt_tokens=prompt, num_output_tokens=output,
+                 finish_reason=reason)
+
+
+def _engine(gpu_blocks: int, tier_blocks: int = 0) -> EngineState:
+    return EngineState(time_s=0.0, engine_step=1, num_running=0, num_waiting=0, num_free_blocks=gpu_blocks,
+                       num_total_blocks=gpu_blocks, num_pinned_blocks=0, kv_usage=0.0, block_size=16,
+                       max_num_running=256, max_num_batched_tokens=8192, num_offload_blocks=tier_blocks)
+
+
+def test_the_engines_width_holds_a_younger_groups_turn_while_the_older_contexts_do_not_fit() -> None:
+    """Two groups of two sessions in 1,024 tokens of KV (no tier): while the older group's two contexts and the
+    younger group's do not fit, a younger turn waits; the older group's never does, nor a running session's. A
+    session's end makes room; requests without a weight version are never held nor counted."""
+    w = WidthHolds()
+    for rid, g in (("a0-t0", "a"), ("a1-t0", "a"), ("b0-t0", "b"), ("b1-t0", "b")):
+        w.on_event(_event("arrived", rid, g, prompt=200))
+    assert w.holds(["a0-t0", "a1-t0", "b0-t0", "b1-t0"], _engine(64)) == frozenset()  # 800 tokens fit in 1,024
+    for rid in ("a0-t0", "a1-t0", "b0-t0", "b1-t0"):
+        w.on_event(_event("scheduled", rid, rid[0]))
+        w.on_event(_event("finished", rid, rid[0], prompt=200, output=100, reason="tool_call"))
+    # each paused at 300 tokens; the next turns arrive with 350-token prompts: 1,400 tokens in flight
+    for rid in ("b0-t1", "a0-t1", "a1-t1", "b1-t1"):
+        w.on_event(_event("arrived", rid, rid[0], prompt=350))
+    waiting = ["b0-t1", "a0-t1", "a1-t1", "b1-t1", "x-t0"]
+    w.on_event(_event("arrived", "x-t0", "sync", version=None, prompt=5000))  # a synchronous request: ignored
+    assert w.holds(waiting, _engine(64)) == {"b0-t1", "b1-t1"}  # a's 700 run, then b's 350 + 700 + 700 > 1,024
+    assert w.holds(waiting, _engine(128)) == frozenset()  # 2,048 tokens: everything fits
+    # with a tier, a running context counts twice (its host copy): 1,400 + 1,400 fit in 1,024 + 2,048, not 1,024 x 2
+    assert w.holds(waiting, _engine(64, tier_blocks=128)) == frozenset()
+    assert w.holds(waiting, _engine(64, tier_blocks=64)) == {"b0-t1", "b1-t1"}
+    w.on_event(_event("scheduled", "b0-t1", "b"))  # released by the hook's starvation bound: it runs now
+    assert w.holds(waiting, _engine(64)) == {"b1-t1"}
+    w.on_event(_event("scheduled", "a0-t1", "a"))
+    w.on_event(_event("finished", "a0-t1", "a", prompt=350, output=50, reason="stop"))  # a0 ends: 350 freed
+    w.on_event(_event("scheduled", "a1-t1", "a"))
+    w.on_event(_event("finished", "a1-t1", "a", prompt=350, output=50, reason="stop"))  # group a ends
+    assert w.holds(["b1-t1"], _engine(64)) == frozenset()  # b is the oldest group now
+    w.on_event(_event("finished", "b0-t1", "b", prompt=350, output=10, reason="abort"))  # a weight update's abort
+    assert "b0" in w.sessions and not w.sessions["b0"].live  # comes back: still in flight, paused

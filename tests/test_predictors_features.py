@@ -57,7 +57,7 @@ def fake_telemetry(workload: pa.Table, seed: int = 0) -> pa.Table:
             turn=r.turn, domain=r.domain, paradigm=r.paradigm, replica=0, arrival_s=arrival,
             first_scheduled_s=sched, first_token_s=sched + 0.05, finish_s=fin, prompt_tokens=r.prompt_tokens,
             cached_tokens=0, output_tokens=r.output_tokens, computed_tokens=r.prompt_tokens + r.output_tokens,
-            max_tokens=r.max_tokens, finish_reason=r.finish_reason, preemptions=0,
+            max_tokens=r.max_tokens, finish_reason=r.finish_reason, preemptions=0, held_s=0.0,
             block_hashes=list(r.block_hashes)))
     df = pd.DataFrame(rows)
     return pa.Table.from_pandas(df, schema=REQUESTS.schema, preserve_index=False)

@@ -38,6 +38,7 @@ def request_row(i: int) -> dict:
         "finish_reason": "stop",
         "computed_tokens": 35,
         "preemptions": 0,
+        "held_s": 0.5,
         "block_hashes": [i * 10 + 1, i * 10 + 2, -(i * 10 + 3)],
     }
 

@@ -44,17 +44,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 from policy.common import admission_limit, furthest_first
+from policy.group_width import WidthHolds
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
     CandidateRequest,
     EngineState,
+    Event,
     EvictionDecision,
     PreemptionDecision,
 )
@@ -124,6 +127,11 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # memory) first (policy/learned/group_age.py; docs/results/2026-12-05-async-32b-oldest-group-first.md).
     # Without weight versions nothing changes.
     "group_age": True,
+    # The rollout's width, under asynchronous RL (requests that carry ``kvpilot_weight_version``, a group and a
+    # session): a younger group's turn waits in vLLM's queue while the contexts in flight of its group and every
+    # older one do not fit in GPU KV plus the CPU tier, the oldest group's never (policy.group_width.WidthHolds,
+    # the async driver's working-set holds moved into the engine). Without weight versions nothing changes.
+    "width": True,
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
     # exploring policy's "shortest" component, deterministic) or "scorer" (the learned MLP's admission head), which
     # shortest-first beat where memory binds (docs/results/2026-12-04-memory-binds-admission.md). In ``log`` mode the
@@ -189,6 +197,7 @@ class LearnedPolicy(Sampler):
         host_eviction: bool = RUNTIME_DEFAULTS["host_eviction"],
         gpu_eviction: bool | str = RUNTIME_DEFAULTS["gpu_eviction"],
         group_age: bool = RUNTIME_DEFAULTS["group_age"],
+        width: bool = RUNTIME_DEFAULTS["width"],
         admission_residual: Optional[Mapping[str, float]] = None,
         manifest: Optional[dict] = None,
         predictors_dir: Optional[Path] = None,
@@ -214,7 +223,7 @@ class LearnedPolicy(Sampler):
                         "max_wait_s": max_wait_s, "resume_preempted": bool(resume_preempted),
                         "rescore_tol": rescore_tol, "preempt": bool(preempt), "offload": bool(offload),
                         "host_eviction": bool(host_eviction), "gpu_eviction": gpu_eviction,
-                        "group_age": bool(group_age), "admission": admission,
+                        "group_age": bool(group_age), "width": bool(width), "admission": admission,
                         "reuse_predictor": reuse_predictor,
                         "admission_residual": dict(admission_residual or {})}
         if admission not in ADMISSION_ORDERS:
@@ -228,6 +237,8 @@ class LearnedPolicy(Sampler):
         self.admission = admission
         self.gpu_async = gpu_eviction == "async"  # GPU eviction ordered only under asynchronous RL
         self.group_age = bool(group_age)
+        #: the async rollout's width (None: off); it holds only where requests carry weight versions
+        self.width = WidthHolds() if width else None
         self.mode = mode
         self.temperature = check_positive("temperature", temperature)
         self.epsilon = float(epsilon)
@@ -344,7 +355,22 @@ class LearnedPolicy(Sampler):
         n = len(s)
         return (1.0 - self.epsilon) * _softmax(s / self.temperature) + self.epsilon / n
 
+    def on_event(self, event: Event) -> None:
+        super().on_event(event)
+        if self.width is not None:
+            self.width.on_event(event)
+
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
+        dec = self._admit(waiting, state)
+        width = self.width
+        if dec is None or width is None or not width.sessions:
+            return dec
+        ids = getattr(waiting, "request_ids", None)
+        held = width.holds(ids if ids is not None else [c.request_id for c in waiting], state)
+        return replace(dec, hold=held) if held else dec
+
+    def _admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
+        """The admission order (see :meth:`admit`, which adds the width's holds)."""
         if not waiting:
             return None
         if self.admission == "shortest" and self.mode == "serve":  # log mode explores around the scorer either way
