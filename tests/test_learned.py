@@ -516,3 +516,31 @@ def test_load_fails_loudly_naming_the_file(policy_dir: Path, what: str) -> None:
     name = _break(policy_dir, what)
     with pytest.raises(PolicyLoadError, match=name):
         LearnedPolicy.load(policy_dir)
+
+
+def test_the_width_holds_under_async_rl_and_its_sessions_survive_a_hot_swap() -> None:
+    """Under asynchronous RL the learned policy's admission holds the younger group's turns that do not fit
+    (policy.group_width.WidthHolds); a successor taking its state holds the same; ``width=False`` holds none."""
+    def event(kind: str, rid: str, group: str, prompt: int = 0, output: int = 0, reason: str | None = None) -> Event:
+        meta = RequestMeta(group_id=group, session_id=rid[:2], weight_version=0)
+        return Event(EventKind(kind), 0.0, rid, meta, num_prompt_tokens=prompt, num_output_tokens=output,
+                     finish_reason=reason)
+
+    lengths = {f"{s}-t{k}": 50.0 for s in ("a0", "a1", "b0", "b1") for k in (0, 1)}
+    pols = [LearnedPolicy(_state_dict(), FixedLengths(lengths), width=w) for w in (True, False)]
+    for pol in pols:
+        for rid in ("a0-t0", "a1-t0", "b0-t0", "b1-t0"):
+            pol.on_event(event("arrived", rid, rid[0], prompt=200))
+            pol.on_event(event("scheduled", rid, rid[0]))
+            pol.on_event(event("finished", rid, rid[0], prompt=200, output=100, reason="tool_call"))
+        for rid in ("b0-t1", "a0-t1", "a1-t1", "b1-t1"):
+            pol.on_event(event("arrived", rid, rid[0], prompt=350))
+    waiting = [dataclasses.replace(_cand(0), request_id=rid, meta=RequestMeta(group_id=rid[0], session_id=rid[:2],
+                                                                               weight_version=0))
+               for rid in ("b0-t1", "a0-t1", "a1-t1", "b1-t1")]
+    state = dataclasses.replace(_state(), num_total_blocks=64, block_size=16)  # 1,024 tokens: 1,400 in flight
+    on, off = (pol.admit(waiting, state) for pol in pols)
+    assert set(on.hold) == {"b0-t1", "b1-t1"} and not off.hold
+    successor = LearnedPolicy(_state_dict(), FixedLengths(lengths))
+    successor.import_state(pols[0].export_state())
+    assert set(successor.admit(waiting, state).hold) == {"b0-t1", "b1-t1"}

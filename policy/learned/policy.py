@@ -59,6 +59,7 @@ from policy.interface import (
     EngineState,
     Event,
     EvictionDecision,
+    PolicyState,
     PreemptionDecision,
 )
 from policy.learned.bundle import (
@@ -359,6 +360,19 @@ class LearnedPolicy(Sampler):
         super().on_event(event)
         if self.width is not None:
             self.width.on_event(event)
+
+    def export_state(self) -> PolicyState:
+        """The sampler's state (:meth:`Sampler.export_state`) and the sessions in flight of the width."""
+        st = super().export_state()
+        st.data["width"] = self.width
+        return st
+
+    def import_state(self, state: PolicyState) -> None:
+        """A predecessor's :meth:`export_state`; its width's sessions where both hold the width."""
+        super().import_state(state)
+        width = state.data.get("width")
+        if self.width is not None and isinstance(width, WidthHolds):
+            self.width = width
 
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         dec = self._admit(waiting, state)
