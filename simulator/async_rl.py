@@ -68,7 +68,30 @@ from simulator.round_trip import RoundTrip
 from simulator.runner import ScriptedRunner
 from simulator.workload import PreparedWorkload
 
-__all__ = ["AsyncDriver", "Group"]
+__all__ = ["AsyncDriver", "Group", "next_batch"]
+
+
+def next_batch(ready: list[Any], unconsumed: list[Any], batch: int, eta: int, version: int,
+               last: bool) -> list[Any] | None:
+    """The trainer's next batch at weight version ``version``, or None: wait (see the module docstring).
+
+    ``ready``: the finished groups not trained; ``unconsumed``: every group started and not trained (the ready ones
+    included); each has ``index``, ``version`` (its start version) and ``finish_seq``. ``last``: every group has
+    started and none runs, so a partial batch may go.
+    """
+    ready = sorted(ready, key=lambda g: (g.version, g.finish_seq))
+    if len(ready) >= batch:
+        taken = ready[:batch]
+    elif ready and last:
+        taken = ready  # the last, partial batch
+    else:
+        return None
+    ids = {g.index for g in taken}
+    rest = [g.version + eta for g in unconsumed if g.index not in ids]  # deadlines
+    for m in range(version, version + eta + 1):
+        if sum(1 for d in rest if d <= m) > (m - version) * batch:
+            return None
+    return taken
 
 
 class Group:
@@ -284,20 +307,9 @@ class AsyncDriver(StepDriver):
     # ------------------------------------------------------------------ the trainer
     def _next_batch(self) -> list[Group] | None:
         """The trainer's next batch (see the module docstring), or None: wait."""
-        b, eta, k = self.batch, self.spec.staleness, self.version
-        ready = sorted(self.ready, key=lambda g: (g.version, g.finish_seq))
-        if len(ready) >= b:
-            batch = ready[:b]
-        elif ready and self.next_group == len(self.groups) and self.running_groups == 0:
-            batch = ready  # the last, partial batch
-        else:
-            return None
-        taken = {g.index for g in batch}
-        rest = [self.groups[i].version + eta for i in self.unconsumed if i not in taken]  # deadlines
-        for m in range(k, k + eta + 1):
-            if sum(1 for d in rest if d <= m) > (m - k) * b:
-                return None
-        return batch
+        last = self.next_group == len(self.groups) and self.running_groups == 0
+        return next_batch(self.ready, [self.groups[i] for i in self.unconsumed], self.batch, self.spec.staleness,
+                          self.version, last)
 
     def try_train(self, t: float) -> None:
         """Start a training step if the trainer is free and a batch is ready."""

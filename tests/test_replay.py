@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from training.replay import ReplayConfig, ReplayError, ServerInfo, _Replayer, check_fits, parse_counters
+from training.replay import ReplayConfig, Replayer, ReplayError, ServerInfo, check_fits, parse_counters
 
 METRICS = """\
 # HELP kvpilot_hook_info The kvpilot scheduler hook runs in this server's engine
@@ -67,7 +67,7 @@ def test_prompts_carry_what_the_stream_generated(workload):
     """A later request of a stream reads the tokens its predecessors really generated, where the workload has
     their outputs; the rest is the workload's expansion, so prefix sharing stays exact."""
     w = workload
-    rep = _Replayer(w, ReplayConfig("http://x"), None, ServerInfo("m", 4096, None, {}), None)
+    rep = Replayer(w, ReplayConfig("http://x"), None, ServerInfo("m", 4096, None, {}), None)
     sessions = [s for s in w.sessions if s.scoring or len(s.turns) > 1]
     assert sessions
     s = sessions[0]
@@ -105,7 +105,7 @@ def test_requests_a_failure_leaves_unsent_are_counted(workload):
     async def run():
         transport = httpx.MockTransport(lambda request: httpx.Response(500, text="down"))
         async with httpx.AsyncClient(transport=transport) as client:
-            rep = _Replayer(workload, ReplayConfig("http://x", time_scale=0.0), client,
+            rep = Replayer(workload, ReplayConfig("http://x", time_scale=0.0), client,
                             ServerInfo("m", 4096, None, {}), bar)
             await rep.all_steps()
             return rep.run
@@ -174,3 +174,68 @@ def test_a_replay_whose_last_probe_failed_keeps_its_measurements():
     assert s["preemptions"] is None and s["prefix_cache_hits"] is None and s["prefix_hit_rate"] is None
     text = render_replay(s)
     assert "hit rate unknown" in text and "preemptions         unknown" in text and "counters after" in text
+
+
+def _fake_server(log: list):
+    """An httpx transport standing for a vLLM server with the weight-update endpoints: every completion streams
+    its ``max_tokens`` ids; each call is logged as (path, query, body)."""
+    import json
+
+    import httpx
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        log.append((request.url.path, request.url.query.decode(), body))
+        if request.url.path != "/v1/completions":
+            return httpx.Response(200, json={"status": "ok"})
+        n = body["max_tokens"]
+        chunks = [{"choices": [{"token_ids": [7] * n, "finish_reason": "length"}]},
+                  {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handle)
+
+
+@pytest.mark.parametrize("eta, mode", [(0, "keep"), (1, "recompute"), (2, "abort")])
+def test_the_async_replay_trains_within_the_staleness_bound_and_updates_through_the_servers_endpoints(eta, mode):
+    """``replay --driver async``'s controller against a stand-in server: every trajectory trained once, none past
+    eta; each weight update a /pause in the mode's way then a /resume; every request carries its group's start
+    version (and, for keep, the cache salt of it); later groups start at later versions."""
+    import asyncio
+
+    import httpx
+
+    from data.synth import SynthConfig, generate
+    from simulator.workload import prepare_workload
+    from training.replay import ServerInfo
+    from training.replay_async import AsyncReplay, TrainedReplayer
+
+    w = prepare_workload(generate(dataclasses.replace(SynthConfig.preset("short"), steps=3, prompts_per_step=2,
+                                                      group_size=2, seed=5)))
+    log: list = []
+    spec = AsyncReplay("async", None, eta, mode)
+
+    async def run():
+        async with httpx.AsyncClient(transport=_fake_server(log)) as client:
+            info = ServerInfo("m", 1 << 20, None, {})
+            rep = TrainedReplayer(w, ReplayConfig("http://x", time_scale=0.0), client, info, None, spec=spec)
+            await rep.all_steps()
+            return rep
+
+    rep = asyncio.run(run())
+    s = rep.extra_summary(1.0)
+    assert rep.run.failed == [] and rep.run.completed == w.num_rows
+    assert s["trained_trajectories"] == len(w.sessions) and s["max_staleness"] <= eta
+    assert s["weight_updates"] == 3  # one per batch of the first step's 2 groups
+    pauses = [q for path, q, _ in log if path == "/pause"]
+    expected = {"keep": "mode=keep&clear_cache=false", "recompute": "mode=keep&clear_cache=true",
+                "abort": "mode=abort&clear_cache=true"}[mode]
+    assert pauses == [expected] * 3 and sum(path == "/resume" for path, _, _ in log) == 3
+    sent = [b for path, _, b in log if path == "/v1/completions"]
+    versions = {b["vllm_xargs"]["kvpilot_session_id"]: b["vllm_xargs"]["kvpilot_weight_version"] for b in sent
+                if "kvpilot_session_id" in b["vllm_xargs"]}
+    assert sorted(set(versions.values())) == list(range(3 if eta == 0 else 2 if eta == 1 else 1))
+    assert all(("cache_salt" in b) == (mode == "keep") for b in sent)
+    assert all(b["cache_salt"] == f"kvpilot-v{b['vllm_xargs']['kvpilot_weight_version']}" for b in sent
+               if mode == "keep")

@@ -786,15 +786,31 @@ def replay_cmd(
         "--keep-cache-across-steps", help="Do not reset the server's prefix cache between RL steps (default: "
         "reset it, as RL frameworks do at weight sync; needs VLLM_SERVER_DEV_MODE=1 on the server).")] = False,
     timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds one request may take.")] = 600.0,
+    driver: DriverOpt = "sync",
+    staleness: Annotated[int, typer.Option("--staleness", help="--driver async: the staleness bound eta.")] = 2,
+    weight_sync: Annotated[str, typer.Option(
+        "--weight-sync", help="--driver async: abort, recompute or keep, through the server's /pause and /resume "
+        "(VLLM_SERVER_DEV_MODE=1).")] = "keep",
+    trainer: TrainerOpt = False,
+    train_batch: TrainBatchOpt = None,
+    trainer_preset: Annotated[str, typer.Option(
+        "--trainer-preset", help="The roofline preset that prices the trainer (its time is slept, times "
+        "--time-scale).")] = "H200-7B",
     as_json: AsJsonOpt = False,
     progress: ProgressOpt = True,
 ) -> None:
-    """Replay a workload's RL steps against a running vLLM server (a real client), and summarise what it measured."""
+    """Replay a workload's RL steps against a running vLLM server (a real client), and summarise what it measured.
+    With --trainer or --driver async the client also trains (the priced time, slept) and updates the weights."""
     from simulator.workload import load_workload
     from training.replay import ReplayConfig, ReplayError, render_replay, replay
+    from training.replay_async import AsyncReplay, trained_replayer
 
+    trainer_spec = _trainer_spec(driver, trainer, train_batch)
+    if driver != "async" and (staleness != 2 or weight_sync != "keep"):
+        raise fail("--staleness and --weight-sync need --driver async")
     with reported(*_INPUT_ERRORS):  # ReplayError is a ValueError
         cfg = ReplayConfig(url, concurrency, time_scale, timeout_s, require_hook, not keep_cache, progress)
+        rl = AsyncReplay(driver, trainer_spec, staleness, weight_sync, trainer_preset)
         prepared = load_workload(workload)
     bar = None
     if progress:
@@ -805,7 +821,7 @@ def replay_cmd(
         def bar(total: int):
             return tqdm(total=total, file=sys.stderr, unit="req", desc="replaying", mininterval=0.5)
     with reported(ReplayError):
-        summary = replay(prepared, cfg, bar)
+        summary = replay(prepared, cfg, bar, replayer=trained_replayer(rl) if rl.trainer is not None else None)
     typer.echo(json.dumps(summary, indent=2) if as_json else render_replay(summary))
     if summary["failed"]:
         raise typer.Exit(1)

@@ -33,7 +33,7 @@ import numpy as np
 
 from simulator.workload import PreparedWorkload
 
-__all__ = ["ReplayConfig", "ReplayError", "probe", "replay", "render_replay"]
+__all__ = ["ReplayConfig", "ReplayError", "Replayer", "Streamed", "base_url", "probe", "replay", "render_replay"]
 
 #: The /metrics line the kvpilot plugin adds in a server that runs the hook (serving_hook.plugin).
 HOOK_METRIC = "kvpilot_hook_info"
@@ -107,7 +107,17 @@ class _Run:
     warnings: list[str] = field(default_factory=list)
 
 
-def _base(url: str) -> str:
+@dataclass
+class Streamed:
+    """One streamed answer: its generated ids, when the first came, its finish reason and usage."""
+
+    ids: list[int] = field(default_factory=list)
+    first: Optional[float] = None
+    finish_reason: Optional[str] = None
+    usage: Mapping[str, Any] = field(default_factory=dict)
+
+
+def base_url(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
@@ -132,7 +142,7 @@ def parse_counters(text: str) -> tuple[dict[str, float], Optional[dict[str, str]
 
 async def probe(client: httpx.AsyncClient, url: str) -> ServerInfo:
     """The server's model, its max_model_len, the hook and the counters now; :class:`ReplayError` if unreachable."""
-    base = _base(url)
+    base = base_url(url)
     try:
         models = await client.get(f"{base}/v1/models")
         models.raise_for_status()
@@ -167,7 +177,7 @@ def check_fits(workload: PreparedWorkload, max_model_len: int, url: str) -> None
             f"{url}; {over.size} request(s) do not fit: start the server with a larger --max-model-len")
 
 
-class _Replayer:
+class Replayer:
     """One replay: the HTTP client, the workload's streams as sent so far, the records."""
 
     def __init__(self, workload: PreparedWorkload, cfg: ReplayConfig, client: httpx.AsyncClient, info: ServerInfo,
@@ -181,7 +191,7 @@ class _Replayer:
         self.run = _Run()
         #: per stream: (start position, generated ids) of its requests' outputs, in the order they finished
         self.generated: dict[int, list[tuple[int, list[int]]]] = {}
-        self.url = f"{_base(cfg.url)}/v1/completions"
+        self.url = f"{base_url(cfg.url)}/v1/completions"
         self.outputs: Optional[dict[str, list[int]]] = None  # request id -> generated ids, when recorded
 
     def prompt(self, row: int) -> list[int]:
@@ -210,35 +220,45 @@ class _Replayer:
             "vllm_xargs": {**w.xargs(row), "kvpilot_max_tokens": w.max_tokens[row]},
         }
 
+    async def stream(self, body: Mapping[str, Any], headers: Mapping[str, str],
+                     got: Optional[Streamed] = None) -> Streamed:
+        """POST one completion and stream its answer into ``got`` (a new one by default); raises on an HTTP error
+        or a broken stream."""
+        got = Streamed() if got is None else got
+        async with self.client.stream("POST", self.url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:500]
+                raise RuntimeError(f"HTTP {resp.status_code}: {text}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices") or ():
+                    ids = choice.get("token_ids") or ()
+                    if ids and got.first is None:
+                        got.first = time.perf_counter()
+                    got.ids.extend(ids)
+                    got.finish_reason = choice.get("finish_reason") or got.finish_reason
+                got.usage = chunk.get("usage") or got.usage
+        return got
+
     async def request(self, row: int) -> bool:
         """Send one row and stream its answer; records its timings and generated ids. False if it failed."""
         w = self.w
-        body = self.body(row)
         headers = {"X-Session-ID": w.session_id[row], "X-Request-Id": w.request_id[row]}
-        ids: list[int] = []
-        usage: Mapping[str, Any] = {}
         async with self.sem:
             t0 = time.perf_counter()
-            first = None
             try:
-                async with self.client.stream("POST", self.url, json=body, headers=headers) as resp:
-                    if resp.status_code != 200:
-                        text = (await resp.aread()).decode(errors="replace")[:500]
-                        raise RuntimeError(f"HTTP {resp.status_code}: {text}")
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        for choice in chunk.get("choices") or ():
-                            got = choice.get("token_ids") or ()
-                            if got and first is None:
-                                first = time.perf_counter()
-                            ids.extend(got)
-                        usage = chunk.get("usage") or usage
+                got = await self.stream(self.body(row), headers)
             except Exception as e:  # noqa: BLE001 -- one request's failure is counted, the replay goes on
                 self.fail(row, f"{type(e).__name__}: {e}")
                 return False
             t1 = time.perf_counter()
+        return self.record(row, got, t0, t1)
+
+    def record(self, row: int, got: Streamed, t0: float, t1: float) -> bool:
+        """Count a row's answer (its generated ids in ``got``); False, counted as failed, if it is short."""
+        w, ids = self.w, got.ids
         if len(ids) != w.output_tokens[row]:
             self.fail(row, f"generated {len(ids)} tokens, expected {w.output_tokens[row]}")
             return False
@@ -247,13 +267,13 @@ class _Replayer:
         r.turns += w.kind[row] == "rollout"
         r.prompt_tokens += w.prompt_tokens[row]
         r.output_tokens += len(ids)
-        details = usage.get("prompt_tokens_details") or {}
+        details = got.usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         r.cached_tokens = r.cached_tokens + cached if cached is not None and r.cached_tokens is not None else None
-        if first is not None:
-            r.ttft.append(first - t0)
+        if got.first is not None:
+            r.ttft.append(got.first - t0)
             if len(ids) > 1:
-                r.tpot.append((t1 - first) / (len(ids) - 1))
+                r.tpot.append((t1 - got.first) / (len(ids) - 1))
         self.generated.setdefault(int(w.tokens.stream[row]), []).append((w.prompt_tokens[row], ids))
         if self.outputs is not None:
             self.outputs[w.request_id[row]] = ids
@@ -293,7 +313,7 @@ class _Replayer:
     async def reset_cache(self) -> None:
         """Weight sync between steps: the server's prefix cache reset (warned once where it cannot be)."""
         try:
-            resp = await self.client.post(f"{_base(self.cfg.url)}/reset_prefix_cache")
+            resp = await self.client.post(f"{base_url(self.cfg.url)}/reset_prefix_cache")
             ok = resp.status_code == 200
         except httpx.HTTPError:
             ok = False
@@ -302,6 +322,10 @@ class _Replayer:
         elif not self.run.warnings:
             self.run.warnings.append("the server has no /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1): "
                                      "the prefix cache was kept across steps")
+
+    def extra_summary(self, wall: float) -> dict[str, Any]:
+        """Summary keys of a replayer with more to report (a trainer's: :mod:`training.replay_async`)."""
+        return {}
 
     async def all_steps(self) -> None:
         w = self.w
@@ -320,7 +344,8 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
-async def _replay(workload: PreparedWorkload, cfg: ReplayConfig, bar_factory: Any, outputs: bool) -> dict[str, Any]:
+async def _replay(workload: PreparedWorkload, cfg: ReplayConfig, bar_factory: Any, outputs: bool,
+                  replayer: Any) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4)
     timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
@@ -331,7 +356,7 @@ async def _replay(workload: PreparedWorkload, cfg: ReplayConfig, bar_factory: An
                               "replay with --no-require-hook")
         check_fits(workload, info.max_model_len, cfg.url)
         bar = bar_factory(workload.num_rows) if bar_factory is not None else None
-        rep = _Replayer(workload, cfg, client, info, bar)
+        rep = replayer(workload, cfg, client, info, bar)
         if outputs:
             rep.outputs = {}
         t0 = time.perf_counter()
@@ -346,7 +371,7 @@ async def _replay(workload: PreparedWorkload, cfg: ReplayConfig, bar_factory: An
         except ReplayError as e:  # the run is measured: keep it, without the server's counters
             after = None
             rep.run.warnings.append(f"the server's counters after the replay are unknown: {e}")
-    summary = _summary(rep.run, info, after, wall)
+    summary = {**_summary(rep.run, info, after, wall), **rep.extra_summary(wall)}
     if outputs:
         summary["outputs"] = rep.outputs
     return summary
@@ -391,13 +416,14 @@ def _summary(r: _Run, info: ServerInfo, after: Optional[dict[str, float]], wall:
 
 
 def replay(workload: PreparedWorkload, cfg: ReplayConfig, bar_factory: Any = None,
-           outputs: bool = False) -> dict[str, Any]:
+           outputs: bool = False, replayer: Any = None) -> dict[str, Any]:
     """Replay a prepared workload's RL steps against ``cfg.url``; the summary. :class:`ReplayError` before any
     request is sent when the server or the workload is unfit. ``bar_factory(total)``: a progress bar, or None.
-    ``outputs``: add ``outputs``, each completed request's generated token ids by request id."""
+    ``outputs``: add ``outputs``, each completed request's generated token ids by request id. ``replayer``: the
+    client's class (default: synchronous steps; :func:`training.replay_async.trained_replayer` adds a trainer)."""
     if workload.trace:
         raise ReplayError("the workload is a trace (arrival_s set): replay drives RL steps only")
-    return asyncio.run(_replay(workload, cfg, bar_factory, outputs))
+    return asyncio.run(_replay(workload, cfg, bar_factory, outputs, replayer or Replayer))
 
 
 def _known(v: Any, fmt: str = "") -> str:
@@ -421,4 +447,6 @@ def render_replay(s: Mapping[str, Any]) -> str:
         f"{_known(s['prefix_cache_hits'])} hits of {_known(s['prefix_cache_queries'])} queried tokens",
         f"preemptions         {_known(s['preemptions'])}",
     ]
+    if "trained_trajectories" in s:
+        lines.append(s["trainer_line"])
     return "\n".join(lines + [f"warning: {w}" for w in s["warnings"]] + [f"failed: {f}" for f in s["failures"]])
