@@ -111,6 +111,7 @@ class TrainedReplayer(Replayer):
         self.tasks: set[asyncio.Task] = set()
         self.live: dict[int, tuple[int, Streamed]] = {}  # row -> (its prompt's tokens, its answer so far)
         self.between: dict[str, int] = {}  # a session between turns -> its context
+        self.last_turns = {s.turns[-1] for s in w.sessions}
         self.staleness: list[int] = []
         self.updates = self.reprefill_tokens = 0
         self.trained = 0
@@ -158,7 +159,7 @@ class TrainedReplayer(Replayer):
             t1 = time.perf_counter()
         done = Streamed(sampled, first, got.finish_reason, got.usage)
         ok = self.record(row, done, t0, t1)
-        if ok and w.kind[row] == "rollout":
+        if ok and row not in self.last_turns and w.kind[row] == "rollout":  # its session's next turn will come
             self.between[sid] = w.prompt_tokens[row] + out
         return ok
 
