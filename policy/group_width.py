@@ -118,8 +118,10 @@ class WidthHolds:
     their first request arrived. :meth:`holds` names the waiting turns to keep in vLLM's queue this step: taken
     oldest group first, a turn waits while the sessions in flight of its group and every older one do not fit in
     GPU KV plus the host tier (the turns let go before it in this pass counted as running), the oldest group's
-    never, nor a turn of a running session (a preempted one). Other requests are neither held nor counted, so a
-    synchronous run is left alone. A framework's own concurrency cap keeps working: a hold only delays a turn,
+    never, nor a turn of a running session (a preempted one). It is work-conserving: where nothing runs and
+    nothing else waits, the first held turn goes (on vLLM's CPU server, holding while the older groups waited on
+    their tools idled the engine: docs/results). Other requests are neither held nor counted, so a synchronous run
+    is left alone. A framework's own concurrency cap keeps working: a hold only delays a turn,
     and the hook's starvation bound releases one held too long. Beyond ``max_sessions`` in flight (sessions that
     never ended), the oldest groups' are forgotten.
     """
@@ -218,4 +220,6 @@ class WidthHolds:
                 held.append(rid)
             else:
                 sent += context
+        if held and not sent and state.num_running == 0 and len(turns) == len(request_ids):
+            del held[0]  # work-conserving: an idle engine takes the oldest group's turn held first
         return frozenset(held)

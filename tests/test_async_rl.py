@@ -419,12 +419,14 @@ def test_working_set_holds_the_younger_groups_turns_while_the_older_contexts_do_
     assert run("working-set", kv_fraction=4.0)[0].driver.held_turns == 0
 
 
-def test_the_hooks_width_holds_in_the_engine_what_the_async_drivers_working_set_holds(vllm_engine: Any,
-                                                                                      tmp_path: Path) -> None:
+def test_the_hooks_width_holds_the_younger_groups_turns_in_the_engine_and_never_idles_it(vllm_engine: Any,
+                                                                                         tmp_path: Path) -> None:
     """The width in the serving hook: with the learned policy (no trained network) and AReaL's rule alone in the
     client, the younger group's turns wait in vLLM's queue (the steps telemetry counts them, each request's
-    ``held_s`` says how long) and the run is the one the async driver's own working-set holds give: the same
-    groups' spans, recomputation and throughput. Without the width the older group ends later, recomputing more."""
+    ``held_s`` says how long), the older group's never. Unlike the async driver's own working-set holds, which keep
+    the engine idle while the older group waits on its tools (the same spans as the hook's first version, and less
+    throughput than no holds at all), the hook's are work-conserving: an idle engine takes a held turn, so the run
+    keeps the throughput of no holds while recomputing less."""
     import pyarrow.parquet as pq
 
     from policy.learned.policy import LearnedPolicy
@@ -433,7 +435,7 @@ def test_the_hooks_width_holds_in_the_engine_what_the_async_drivers_working_set_
     state = {k: v.detach().numpy() for k, v in build_scorer().state_dict().items()}
     w = prepare_workload(_growing())
 
-    def run(width: bool, admission: str) -> tuple[dict[str, Any], list[list[float]], Any]:
+    def run(width: bool, admission: str) -> tuple[dict[str, Any], list[list[float]], Any, Any]:
         def policy() -> LearnedPolicy:
             p = LearnedPolicy(state, None, width=width)
             p.session_contexts = {"math": {"mean_peak": 10.0, "sessions": 64.0}}  # both groups start at once
@@ -442,20 +444,20 @@ def test_the_hooks_width_holds_in_the_engine_what_the_async_drivers_working_set_
         out = tmp_path / f"{width}-{admission}"
         result = Simulation(w, policy, driver="async", progress=False, trainer=Trainer(), kv_blocks=33,
                             async_rl=AsyncRL(2, "keep", admission), out_dir=out).run()
-        return result.summary.to_dict(), _group_spans(result), pq.read_table(out / "telemetry" / "requests")
+        return (result.summary.to_dict(), _group_spans(result), pq.read_table(out / "telemetry" / "requests"),
+                result.steps)
 
-    hook, hook_spans, requests = run(True, "staleness")
-    driver, driver_spans, _ = run(False, "working-set")
-    free, free_spans, free_requests = run(False, "staleness")
-    assert driver["held_turns"] > 0 and hook["held_turns"] == 0  # the hook held, not the client
+    hook, hook_spans, requests, steps = run(True, "staleness")
+    driver, driver_spans, _, _ = run(False, "working-set")
+    free, free_spans, free_requests, _ = run(False, "staleness")
+    assert driver["held_turns"] > 0 and hook["held_turns"] == 0 and sum(steps["held"].to_pylist()) > 0
     held = {r: s for r, s in zip(requests["request_id"].to_pylist(), requests["held_s"].to_pylist()) if s > 0}
     assert held and {r.split("-")[0] for r in held} == {"s0g1"}  # the younger group's turns only
     assert max(free_requests["held_s"].to_pylist()) == 0.0
-    assert [pytest.approx(x) for x in driver_spans] == hook_spans and hook_spans[0][0] == hook_spans[1][0]
-    assert sum(held.values()) == pytest.approx(driver["held_turn_s"], rel=0.05)  # and held as long
-    for key in ("recomputed_tokens", "trajectories_per_s", "makespan_s"):
-        assert hook[key] == pytest.approx(driver[key]), key
-    assert hook_spans[0][1] < free_spans[0][1] and hook["recomputed_tokens"] < free["recomputed_tokens"]
+    assert hook_spans[0][0] == hook_spans[1][0] == driver_spans[1][0]  # both groups started at once
+    assert driver["trajectories_per_s"] < 0.9 * free["trajectories_per_s"]  # idling behind the tools costs
+    assert hook["trajectories_per_s"] >= 0.99 * free["trajectories_per_s"]
+    assert hook["recomputed_tokens"] < free["recomputed_tokens"] and hook_spans[0][1] <= free_spans[0][1]
 
 
 def test_a_younger_groups_turn_that_fits_goes_while_an_older_groups_turn_waits(vllm_engine: Any,

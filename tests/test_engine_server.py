@@ -108,6 +108,24 @@ def test_replay_agrees_with_simulate(hook_server, workload_file, tmp_path):
     assert served["makespan_s"] > 0 and len(served["makespan_per_step_s"]) == len(prepared.steps)
 
 
+def test_replay_async_runs_every_weight_update_mode_on_the_server(hook_server, workload_file):
+    """``replay --driver async``: AReaL's rule in the client, the trainer's batches, the weight updates through the
+    server's /pause and /resume in each mode (abort resubmits what it cut off): every request served once, every
+    trajectory trained within eta; and a synchronous replay with the same trainer trains the same."""
+    from simulator.workload import load_workload
+
+    prepared = load_workload(workload_file)
+    sync = replay_json(hook_server.url, workload_file, "--trainer")
+    assert sync["failed"] == 0 and sync["weight_updates"] == len(prepared.steps) and sync["max_staleness"] == 0
+    for mode in ("abort", "recompute", "keep"):
+        run = replay_json(hook_server.url, workload_file, "--driver", "async", "--staleness", "1",
+                          "--weight-sync", mode)
+        assert run["failed"] == 0, (mode, run["failures"])
+        assert run["requests"] == prepared.num_rows and run["trained_trajectories"] == len(prepared.sessions)
+        assert run["max_staleness"] <= 1 and run["weight_updates"] == len(prepared.steps), mode
+        assert run["trajectories_per_s"] > 0 and (mode != "keep" or run["reprefill_tokens"] == 0), mode
+
+
 def test_identity_with_stock_vllm(hook_server, stock_server, workload_file):
     """Same replay, same generated ids and the same /metrics counters, with and without the hook."""
     from simulator.workload import load_workload

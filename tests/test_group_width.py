@@ -3,6 +3,8 @@ the rule that starts a group only while the predicted working set fits, and the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pyarrow as pa
 import pytest
 
@@ -90,3 +92,20 @@ def test_the_engines_width_holds_a_younger_groups_turn_while_the_older_contexts_
     assert w.holds(["b1-t1"], _engine(64)) == frozenset()  # b is the oldest group now
     w.on_event(_event("finished", "b0-t1", "b", prompt=350, output=10, reason="abort"))  # a weight update's abort
     assert "b0" in w.sessions and not w.sessions["b0"].live  # comes back: still in flight, paused
+
+
+def test_the_engines_width_is_work_conserving() -> None:
+    """Where nothing runs and only held turns wait, the first of them (the oldest group's first) goes: the width
+    never idles the engine; with a request running, or another request waiting, the holds stand."""
+    w = WidthHolds()
+    for rid, g in (("a0-t0", "a"), ("b0-t0", "b"), ("c0-t0", "c")):
+        w.on_event(_event("arrived", rid, g, prompt=900))
+        w.on_event(_event("scheduled", rid, g))
+        w.on_event(_event("finished", rid, g, prompt=900, output=100, reason="tool_call"))
+    for rid in ("c0-t1", "b0-t1"):  # a0 still on its tool: 3 x 1,000 tokens paused in 1,024 of KV
+        w.on_event(_event("arrived", rid, rid[0], prompt=1000))
+    assert w.holds(["c0-t1", "b0-t1"], _engine(64)) == {"c0-t1"}  # idle engine: the older held turn goes
+    busy = dataclasses.replace(_engine(64), num_running=1)
+    assert w.holds(["c0-t1", "b0-t1"], busy) == {"c0-t1", "b0-t1"}
+    w.on_event(_event("arrived", "x-t0", "sync", version=None, prompt=10))
+    assert w.holds(["c0-t1", "b0-t1", "x-t0"], _engine(64)) == {"c0-t1", "b0-t1"}  # x runs

@@ -239,3 +239,34 @@ def test_the_async_replay_trains_within_the_staleness_bound_and_updates_through_
     assert all(("cache_salt" in b) == (mode == "keep") for b in sent)
     assert all(b["cache_salt"] == f"kvpilot-v{b['vllm_xargs']['kvpilot_weight_version']}" for b in sent
                if mode == "keep")
+
+
+def test_a_connection_dropped_before_any_answer_is_tried_once_more(workload):
+    """The server closing an idle keep-alive connection as the client reuses it costs no trajectory: a request
+    that got nothing back is sent once more (counted in ``retried``); one that fails again is lost."""
+    import asyncio
+
+    import httpx
+
+    log: list = []
+    ok = _fake_server(log)
+    calls: dict[str, int] = {}
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        rid = request.headers.get("X-Request-Id", "")
+        calls[rid] = calls.get(rid, 0) + 1
+        if request.url.path == "/v1/completions" and (calls[rid] == 1 or rid.endswith("-0-t0")):
+            raise httpx.ReadError("connection closed")
+        return ok.handle_request(request)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(flaky)) as client:
+            rep = Replayer(workload, ReplayConfig("http://x", time_scale=0.0), client, ServerInfo("m", 4096, None, {}),
+                           None)
+            await rep.all_steps()
+            return rep.run
+
+    r = asyncio.run(run())
+    always = [rid for rid in calls if rid.endswith("-0-t0")]
+    assert always and len(r.failed) == len(always) and all(calls[rid] == 2 for rid in always)
+    assert r.retried == len(calls) and r.completed + len(r.failed) + r.not_sent == workload.num_rows

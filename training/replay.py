@@ -104,6 +104,7 @@ class _Run:
     trajectories: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
     resets: int = 0
+    retried: int = 0  # requests sent again after the server closed the connection before answering
     warnings: list[str] = field(default_factory=list)
 
 
@@ -223,8 +224,18 @@ class Replayer:
     async def stream(self, body: Mapping[str, Any], headers: Mapping[str, str],
                      got: Optional[Streamed] = None) -> Streamed:
         """POST one completion and stream its answer into ``got`` (a new one by default); raises on an HTTP error
-        or a broken stream."""
+        or a broken stream. A connection the server closed before any answer (an idle keep-alive connection it
+        dropped as the client reused it) is tried once more."""
         got = Streamed() if got is None else got
+        try:
+            return await self._stream(body, headers, got)
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+            if got.ids or got.usage:
+                raise
+            self.run.retried += 1
+            return await self._stream(body, headers, got)
+
+    async def _stream(self, body: Mapping[str, Any], headers: Mapping[str, str], got: Streamed) -> Streamed:
         async with self.client.stream("POST", self.url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:500]
@@ -409,6 +420,7 @@ def _summary(r: _Run, info: ServerInfo, after: Optional[dict[str, float]], wall:
         "tpot_p50_s": _pct(r.tpot, 50),
         "tpot_p99_s": _pct(r.tpot, 99),
         "cache_resets": r.resets,
+        "retried": r.retried,
         "model": info.model,
         "hook": info.hook,
         "warnings": r.warnings,
