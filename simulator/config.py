@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policy.interface import Policy
+from simulator.cost_model import CostModel
 from simulator.errors import SimulationError
 from simulator.fitted_cost import StepCost, engine_limits, load_cost
 from simulator.routers import Router, make_router
@@ -93,7 +94,8 @@ def _priced_model(cost: StepCost) -> None:
     """A trainer is priced by the preset's model and GPU: a fitted engine has neither (an error that says so)."""
     if cost.model is None:
         raise SimulationError(f"the fitted preset {cost.name} has no model or GPU to price a training step or a "
-                              "weight update by; use a roofline preset (e.g. H200-7B) with a trainer")
+                              "weight update by; name a roofline preset for the trainer (Trainer.preset, "
+                              "--trainer-preset, e.g. H200-7B)")
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,10 @@ class Trainer:
     the weight update after it pauses rollout for ``model bytes / link_bytes_per_s + sync_fixed_s``.
 
     ``gpus`` None: as many trainer GPUs as rollout replicas (one GPU each); ``flops`` None: the preset GPU's dense
-    BF16 peak. ``train_batch``: GRPO groups per training step (None: the workload's groups per RL step, so that
-    synchronous and asynchronous runs train the same batches). A trajectory's tokens are its last turn's prompt
+    BF16 peak. ``preset``: the roofline preset (e.g. ``H200-7B``) whose model and GPU price the trainer; None: the
+    run's own, which must then be a roofline preset (a fitted one, e.g. a CPU server's, prices no trainer).
+    ``train_batch``: GRPO groups per training step (None: the workload's groups per RL step, so that synchronous
+    and asynchronous runs train the same batches). A trajectory's tokens are its last turn's prompt
     and output (the sequence it trains on).
     """
 
@@ -118,6 +122,7 @@ class Trainer:
     link_bytes_per_s: float = 50e9
     #: Per weight update: pause, broadcast set-up, resume.
     sync_fixed_s: float = 0.5
+    preset: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("train_batch", "gpus"):
@@ -134,17 +139,29 @@ class Trainer:
             v = getattr(self, name)
             if not (_number(v) and v >= 0):
                 raise SimulationError(f"trainer {name} must be a number of seconds >= 0, got {v!r}")
+        if self.preset is not None:
+            try:
+                CostModel.preset(self.preset)
+            except ValueError as e:
+                raise SimulationError(f"trainer preset: {e}") from None
+
+    def _pricing(self, cost: StepCost) -> StepCost:
+        """The cost model that prices the trainer: ``preset``'s, else the run's (which must have a model)."""
+        if self.preset is not None:
+            return CostModel.preset(self.preset)
+        _priced_model(cost)
+        return cost
 
     def train_s(self, tokens: int, cost: StepCost, replicas: int) -> float:
         """Seconds of one training step on ``tokens`` tokens."""
-        _priced_model(cost)
+        cost = self._pricing(cost)
         gpus = self.gpus or replicas
         flops = self.flops if self.flops is not None else cost.gpu.peak_flops
         return 6.0 * cost.model.params * tokens / (gpus * flops * self.mfu) + self.fixed_s
 
     def sync_s(self, cost: StepCost) -> float:
         """Seconds of one weight update (rollout paused)."""
-        _priced_model(cost)
+        cost = self._pricing(cost)
         return cost.model.params * cost.model.bytes_per_param / self.link_bytes_per_s + self.sync_fixed_s
 
 

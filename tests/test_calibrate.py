@@ -97,8 +97,16 @@ def test_a_fitted_preset_models_its_engine(known_run):
     # the physics bound holds on a fitted engine too (no schedule beats it), and is not vacuous
     b = result.summary.bound
     assert 0.3 * result.summary.metrics.simulated_s < b.bound_total_s <= result.summary.metrics.simulated_s
-    with pytest.raises(SimulationError, match="no model or GPU to price a training step"):
+    with pytest.raises(SimulationError, match="no model or GPU to price a training step.*--trainer-preset"):
         Trainer().sync_s(cfg.cost)
+    # a roofline preset prices the trainer of a fitted engine's run (as replay --trainer-preset does the server's)
+    from simulator.cost_model import CostModel
+
+    roofline = CostModel.preset("H200-7B")
+    assert Trainer(preset="H200-7B").train_s(10_000, cfg.cost, 1) == Trainer().train_s(10_000, roofline, 1) > 2.0
+    assert Trainer(preset="H200-7B").sync_s(cfg.cost) == Trainer().sync_s(roofline)
+    with pytest.raises(SimulationError, match="trainer preset: unknown cost-model preset 'H9-1B'"):
+        Trainer(preset="H9-1B")
 
 
 def test_time_scale_scales_the_waits(known_run, tmp_path):

@@ -541,6 +541,6 @@ def test_the_width_holds_under_async_rl_and_its_sessions_survive_a_hot_swap() ->
     state = dataclasses.replace(_state(), num_total_blocks=64, block_size=16)  # 1,024 tokens: 1,400 in flight
     on, off = (pol.admit(waiting, state) for pol in pols)
     assert set(on.hold) == {"b0-t1", "b1-t1"} and not off.hold
-    successor = LearnedPolicy(_state_dict(), FixedLengths(lengths))
+    successor = LearnedPolicy(_state_dict(), FixedLengths(lengths), width=True)
     successor.import_state(pols[0].export_state())
     assert set(successor.admit(waiting, state).hold) == {"b0-t1", "b1-t1"}

@@ -801,6 +801,7 @@ def replay_cmd(
 ) -> None:
     """Replay a workload's RL steps against a running vLLM server (a real client), and summarise what it measured.
     With --trainer or --driver async the client also trains (the priced time, slept) and updates the weights."""
+    from simulator.config import SimulationError
     from simulator.workload import load_workload
     from training.replay import ReplayConfig, ReplayError, render_replay, replay
     from training.replay_async import AsyncReplay, trained_replayer
@@ -808,9 +809,11 @@ def replay_cmd(
     trainer_spec = _trainer_spec(driver, trainer, train_batch)
     if driver != "async" and (staleness != 2 or weight_sync != "keep"):
         raise fail("--staleness and --weight-sync need --driver async")
-    with reported(*_INPUT_ERRORS):  # ReplayError is a ValueError
+    with reported(*_INPUT_ERRORS, SimulationError):  # ReplayError is a ValueError
         cfg = ReplayConfig(url, concurrency, time_scale, timeout_s, require_hook, not keep_cache, progress)
-        rl = AsyncReplay(driver, trainer_spec, staleness, weight_sync, trainer_preset)
+        if trainer_spec is not None:
+            trainer_spec = dataclasses.replace(trainer_spec, preset=trainer_preset)
+        rl = AsyncReplay(driver, trainer_spec, staleness, weight_sync)
         prepared = load_workload(workload)
     bar = None
     if progress:

@@ -8,7 +8,7 @@ It runs the workload's GRPO groups as :mod:`simulator.async_rl` does, against a 
   (:class:`policy.group_width.WidthHolds`), which sees each request's ``kvpilot_weight_version``.
 * **The trainer** takes a batch as the simulated one does (:func:`simulator.async_rl.next_batch`: the lowest
   start versions first, never a batch that would push a group past ``eta``), sleeps its priced training time
-  (:class:`simulator.config.Trainer` on a roofline preset, times ``time_scale``), then updates the weights.
+  (:class:`simulator.config.Trainer`, on its roofline ``preset``, times ``time_scale``), then updates the weights.
 * **A weight update** goes through the server's own endpoints (``VLLM_SERVER_DEV_MODE=1``): ``POST /pause``,
   the update's priced time slept, ``POST /resume``. ``keep``: ``/pause?mode=keep&clear_cache=false``, and every
   request carries ``cache_salt`` of its group's start version (a session keeps hitting its own blocks, other
@@ -27,7 +27,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import httpx
@@ -45,33 +45,29 @@ DEFAULT_TRAINER_PRESET = "H200-7B"
 
 @dataclass(frozen=True)
 class AsyncReplay:
-    """A replay's RL controller: the trainer (None: synchronous steps without one) and, for ``driver`` "async",
-    the staleness bound and weight-update mode."""
+    """A replay's RL controller: the trainer (None: synchronous steps without one; its ``preset`` defaults to
+    :data:`DEFAULT_TRAINER_PRESET`) and, for ``driver`` "async", the staleness bound and weight-update mode."""
 
     driver: str = "sync"
     trainer: Optional[Trainer] = None
     staleness: int = 2
     weight_sync: str = "keep"
-    trainer_preset: str = DEFAULT_TRAINER_PRESET
 
     def __post_init__(self) -> None:
         if self.driver not in ("sync", "async"):
             raise ReplayError(f"--driver must be sync or async, got {self.driver!r}")
         if self.driver == "async" and self.trainer is None:
             object.__setattr__(self, "trainer", Trainer())
+        if self.trainer is not None and self.trainer.preset is None:
+            object.__setattr__(self, "trainer", replace(self.trainer, preset=DEFAULT_TRAINER_PRESET))
         if not isinstance(self.staleness, int) or self.staleness < 0:
             raise ReplayError(f"--staleness must be an integer >= 0, got {self.staleness!r}")
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise ReplayError(f"--weight-sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {self.weight_sync!r}")
-        if self.trainer is not None:
-            try:
-                CostModel.preset(self.trainer_preset)
-            except ValueError as e:
-                raise ReplayError(f"--trainer-preset: {e}") from None
 
     def cost(self) -> CostModel:
         """The roofline cost model that prices the trainer."""
-        return CostModel.preset(self.trainer_preset)
+        return CostModel.preset(self.trainer.preset)
 
 
 class _Group:
@@ -282,7 +278,7 @@ class TrainedReplayer(Replayer):
             "driver": self.spec.driver,
             "staleness_eta": self.spec.staleness if self.spec.driver == "async" else None,
             "weight_sync": self.spec.weight_sync if self.spec.driver == "async" else None,
-            "trainer_preset": self.spec.trainer_preset,
+            "trainer_preset": self.spec.trainer.preset,
             "trained_trajectories": self.trained,
             "trajectories_per_s": self.trained / wall if wall > 0 else 0.0,
             "max_staleness": max(st, default=0),

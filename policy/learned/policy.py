@@ -131,8 +131,10 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # The rollout's width, under asynchronous RL (requests that carry ``kvpilot_weight_version``, a group and a
     # session): a younger group's turn waits in vLLM's queue while the contexts in flight of its group and every
     # older one do not fit in GPU KV plus the CPU tier, the oldest group's never (policy.group_width.WidthHolds,
-    # the async driver's working-set holds moved into the engine). Without weight versions nothing changes.
-    "width": True,
+    # the async driver's working-set holds in the engine, work-conserving). Off by default: on vLLM's CPU server
+    # the holds cost more engine time than the recomputation they saved (docs/results). Without weight versions
+    # nothing changes.
+    "width": False,
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
     # exploring policy's "shortest" component, deterministic) or "scorer" (the learned MLP's admission head), which
     # shortest-first beat where memory binds (docs/results/2026-12-04-memory-binds-admission.md). In ``log`` mode the
