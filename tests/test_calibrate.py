@@ -109,6 +109,22 @@ def test_a_fitted_preset_models_its_engine(known_run):
         Trainer(preset="H9-1B")
 
 
+def test_a_fitted_engines_run_prices_its_trainer_on_the_named_preset(known_run, tmp_path):
+    """``--trainer`` on a fitted preset needs ``--trainer-preset`` (a named error, exit 2, without); with it the run
+    trains; ``--trainer-preset`` alone, without a trainer, is an error too."""
+    tmp, preset, _ = known_run
+    wl = tmp / "workload.parquet"
+    no = cli("simulate", "-w", wl, "--preset", preset, "--trainer", "--no-progress", "-o", tmp_path / "a")
+    assert no.exit_code == 2 and "--trainer-preset" in said(no)
+    ok = cli("simulate", "-w", wl, "--preset", preset, "--trainer", "--trainer-preset", "H200-7B", "--no-progress",
+             "--json", "-o", tmp_path / "b")
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.stdout)["trajectories_per_s"] > 0
+    alone = cli("simulate", "-w", wl, "--preset", preset, "--trainer-preset", "H200-7B", "--no-progress", "-o",
+                tmp_path / "c")
+    assert alone.exit_code == 2 and "--trainer-preset needs --trainer or --driver async" in said(alone)
+
+
 def test_time_scale_scales_the_waits(known_run, tmp_path):
     tmp, preset, result = known_run
     runs = {}

@@ -200,17 +200,23 @@ MaxGroupsOpt = Annotated[Optional[int], typer.Option(
     "docs/results/2026-12-05-async-32b-twelve-batches.md.")]
 
 
-def _trainer_spec(driver: str, trainer: bool, train_batch: Optional[int]):
+TrainerPresetOpt = Annotated[Optional[str], typer.Option(
+    "--trainer-preset", help="The roofline preset (e.g. H200-7B) that prices the trainer; default: the run's "
+    "--preset (replay: H200-7B). Needed where --preset is a fitted engine's (kvpilot calibrate's).")]
+
+
+def _trainer_spec(driver: str, trainer: bool, train_batch: Optional[int], preset: Optional[str] = None):
     """The run's Trainer (None: a synchronous run without one); bad settings exit 2."""
     from simulator.config import DRIVERS, SimulationError, Trainer, check_choice
 
     with reported(SimulationError):
         check_choice("driver", driver, DRIVERS)
         if driver == "sync" and not trainer:
-            if train_batch is not None:
-                raise fail("--train-batch needs --trainer or --driver async")
+            for flag, given in (("--train-batch", train_batch), ("--trainer-preset", preset)):
+                if given is not None:
+                    raise fail(f"{flag} needs --trainer or --driver async")
             return None
-        return Trainer(train_batch=train_batch)
+        return Trainer(train_batch=train_batch, preset=preset)
 
 
 def _check_async_only(driver: str, max_groups: Optional[int], admission: str, staleness: Optional[str],
@@ -314,6 +320,7 @@ def simulate(
     staleness: StalenessOpt = None,
     weight_sync: WeightSyncOpt = None,
     train_batch: TrainBatchOpt = None,
+    trainer_preset: TrainerPresetOpt = None,
     trainer: TrainerOpt = False,
     admission: AdmissionOpt = "auto",
     max_groups: MaxGroupsOpt = None,
@@ -321,7 +328,7 @@ def simulate(
     """Simulate a workload on vLLM's real scheduler (CPU) with a policy, and summarise the run."""
     from simulator.config import SimulationError
 
-    trainer_spec = _trainer_spec(driver, trainer, train_batch)
+    trainer_spec = _trainer_spec(driver, trainer, train_batch, trainer_preset)
     staleness, weight_sync = _check_async_only(driver, max_groups, admission, staleness, weight_sync)
     with reported(SimulationError):  # every setting of the run, checked once, before anything runs
         config = SimConfig(policy, policy_options=_policy_options(policy_options), replicas=replicas, router=router,
@@ -499,6 +506,7 @@ def evaluate_cmd(
     staleness: StalenessOpt = None,
     weight_sync: WeightSyncOpt = None,
     train_batch: TrainBatchOpt = None,
+    trainer_preset: TrainerPresetOpt = None,
     trainer: TrainerOpt = False,
     admission: AdmissionOpt = "auto",
     max_groups: MaxGroupsOpt = None,
@@ -513,7 +521,7 @@ def evaluate_cmd(
     kvs, totals = _kv_sizes(kv_fractions, kv_total)
     reps, tiers = _number_list(replicas, int, "--replicas"), _number_list(offload_gib, float, "--offload-gib")
     preset = _checked_preset(preset)
-    trainer_spec = _trainer_spec(driver, trainer, train_batch)
+    trainer_spec = _trainer_spec(driver, trainer, train_batch, trainer_preset)
     staleness, weight_sync = _check_async_only(driver, max_groups, admission, staleness, weight_sync)
     with reported(EvaluationError, SimulationError):  # the grid, its base run and how it runs: before anything runs
         base = evaluation_config(preset=preset, keep_cache_across_steps=keep_cache, time_scale=time_scale,
@@ -793,9 +801,7 @@ def replay_cmd(
         "(VLLM_SERVER_DEV_MODE=1).")] = "keep",
     trainer: TrainerOpt = False,
     train_batch: TrainBatchOpt = None,
-    trainer_preset: Annotated[str, typer.Option(
-        "--trainer-preset", help="The roofline preset that prices the trainer (its time is slept, times "
-        "--time-scale).")] = "H200-7B",
+    trainer_preset: TrainerPresetOpt = None,
     as_json: AsJsonOpt = False,
     progress: ProgressOpt = True,
 ) -> None:
@@ -806,13 +812,11 @@ def replay_cmd(
     from training.replay import ReplayConfig, ReplayError, render_replay, replay
     from training.replay_async import AsyncReplay, trained_replayer
 
-    trainer_spec = _trainer_spec(driver, trainer, train_batch)
+    trainer_spec = _trainer_spec(driver, trainer, train_batch, trainer_preset)
     if driver != "async" and (staleness != 2 or weight_sync != "keep"):
         raise fail("--staleness and --weight-sync need --driver async")
     with reported(*_INPUT_ERRORS, SimulationError):  # ReplayError is a ValueError
         cfg = ReplayConfig(url, concurrency, time_scale, timeout_s, require_hook, not keep_cache, progress)
-        if trainer_spec is not None:
-            trainer_spec = dataclasses.replace(trainer_spec, preset=trainer_preset)
         rl = AsyncReplay(driver, trainer_spec, staleness, weight_sync)
         prepared = load_workload(workload)
     bar = None
