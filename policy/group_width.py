@@ -31,10 +31,16 @@ import pyarrow.compute as pc
 
 from policy.interface import EngineState, Event, EventKind
 
-__all__ = ["SessionContexts", "WidthHolds", "fit_session_contexts", "working_set_admits", "working_set_holds"]
+__all__ = ["WIDTH_HOLD_BOUND_S", "SessionContexts", "WidthHolds", "fit_session_contexts", "working_set_admits",
+           "working_set_holds"]
 
 #: How many ended sessions the logged prior weighs as (online updates move it from there).
 PRIOR_WEIGHT = 8.0
+#: The longest :class:`WidthHolds` keeps a turn (its decisions' ``hold_bound_s``), above the hook's 30 s default:
+#: its holds cannot stall the engine (the oldest group is never held, an idle engine takes a held turn), and at
+#: H200-32B they last a minute or more (under the 30 s bound AReaL's rule with the width ran 0.80x the width
+#: without it: docs/results). A group that never ends (a client that left) holds younger turns at most this long.
+WIDTH_HOLD_BOUND_S = 600.0
 
 
 def fit_session_contexts(requests: pa.Table) -> dict[str, dict[str, float]]:

@@ -144,6 +144,9 @@ class AdmissionDecision:
     order: Optional[Sequence[str]] = None
     hold: Collection[str] = frozenset()
     propensity: float = 1.0
+    #: The longest these holds may last, in seconds since a request's arrival: None, the hook's starvation bound
+    #: (``KVPILOT_MAX_HOLD_S``); a policy whose holds cannot stall the engine may set a longer one.
+    hold_bound_s: Optional[float] = None
     #: What the policy predicted for the candidates it decided over (request id -> e.g. ``{"len_p50": ..}``),
     #: logged with the decision's features; ``None``: nothing predicted.
     predictions: Optional[Mapping[str, Mapping[str, float]]] = None

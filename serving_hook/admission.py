@@ -8,7 +8,8 @@ the ``FCFSRequestQueue`` (a deque) in place to the policy's order, and takes the
 of it; they are put back right after the step (``finally``), so they keep the policy's order, and no request
 is lost. A policy may hold back every waiting request even with free blocks (to keep paused sessions' KV
 until their tools return), but not for ever: a request that has waited ``max_hold_s`` (the hook's
-starvation bound, ``KVPILOT_MAX_HOLD_S``) since its arrival is not held (counted in ``hold_overridden``).
+starvation bound, ``KVPILOT_MAX_HOLD_S``, or the decision's own ``hold_bound_s``) since its arrival is not held
+(counted in ``hold_overridden``).
 Requests in
 ``kv_holding_waiting`` are not candidates (vLLM always drains them first). With
 ``--scheduling-policy priority`` the queue is a heap and this lever is left to vLLM (logged once).
@@ -105,6 +106,7 @@ class AdmissionLever(Lever):
         self.logged = False  # this step's decision was logged
         self._idle_s = 0.0
         self._holding: set[str] = set()  # the requests the last step held
+        self.bound_s = max_hold_s  # the last decision's hold bound (AdmissionDecision.hold_bound_s)
 
     def admit(self, now: float) -> tuple[list, Optional[list]]:
         """Ask the policy and re-order ``waiting``: ``(held-back requests, the full order)`` for :meth:`restore`.
@@ -158,7 +160,9 @@ class AdmissionLever(Lever):
             ordered = _reordered(order, reqs, ids)
         held = [r for r in ordered if r.request_id in hold] if hold else []
         if held:
-            limit = now - self.max_hold_s
+            bound = dec.hold_bound_s
+            self.bound_s = self.max_hold_s if bound is None or not bound >= 0 else float(bound)
+            limit = now - self.bound_s
             starved = [r for r in held if r.arrival_time <= limit]
             if starved:
                 self.stats.hold_overridden += len(starved)
@@ -207,7 +211,7 @@ class AdmissionLever(Lever):
         """After a step that ran nothing because of ``held``: seconds until the first hold's release by
         ``max_hold_s``. Marks the queue quiet."""
         self.quiet_ids = tuple(r.request_id for r in self.sched.waiting)
-        return max(0.0, min(r.arrival_time for r in held) + self.max_hold_s - now)
+        return max(0.0, min(r.arrival_time for r in held) + self.bound_s - now)
 
     def fallback_s(self) -> float:
         """The next wait of an idle held engine that cannot wait for its inputs: growing while idle."""

@@ -33,18 +33,23 @@ class Clock:
 
 
 class HoldAll(Policy):
-    """Holds every waiting request back, always."""
+    """Holds every waiting request back, always (``bound_s``: the decisions' own hold bound)."""
 
     name = "test-hold-all"
     uses_admission = True
 
+    def __init__(self, bound_s: float | None = None) -> None:
+        self.bound_s = bound_s
+
     def admit(self, waiting, state):
-        return AdmissionDecision(hold=frozenset(c.request_id for c in waiting))
+        return AdmissionDecision(hold=frozenset(c.request_id for c in waiting), hold_bound_s=self.bound_s)
 
 
-def test_deferred_admission_loses_nothing_and_the_starvation_bound_admits(vllm_engine):
+@pytest.mark.parametrize("bound_s", [None, 3.0])
+def test_deferred_admission_loses_nothing_and_the_starvation_bound_admits(vllm_engine, bound_s):
+    """Each held request goes once it has waited the hook's bound (2 s), or the decisions' own where they set one."""
     engine = vllm_engine
-    s = engine.make_scheduler(hook_scheduler(HoldAll(), max_hold_s=2.0), num_blocks=64, max_num_seqs=8)
+    s = engine.make_scheduler(hook_scheduler(HoldAll(bound_s), max_hold_s=2.0), num_blocks=64, max_num_seqs=8)
     clock = s.kvpilot_clock = Clock()
     for i in range(3):
         s.add_request(engine.make_request(f"r{i}", fake_runner.prompt_tokens(f"w{i}", 20), 3, arrival_time=0.5 * i))
@@ -61,8 +66,9 @@ def test_deferred_admission_loses_nothing_and_the_starvation_bound_admits(vllm_e
         if not s.has_requests():
             break
     assert not s.has_requests()
-    # each waited exactly until it had waited max_hold_s (2 s) since its arrival, not a step more
-    assert admitted == {"r0": 2.0, "r1": 2.5, "r2": 3.0}
+    # each waited exactly until it had waited the bound since its arrival, not a step more
+    wait = 2.0 if bound_s is None else bound_s
+    assert admitted == {"r0": wait, "r1": wait + 0.5, "r2": wait + 1.0}
     assert s.kvpilot_stats.hold_overridden == 3
     assert s.kvpilot_stats.held > 0
 

@@ -51,7 +51,7 @@ from typing import Any, Optional
 import numpy as np
 
 from policy.common import admission_limit, furthest_first
-from policy.group_width import WidthHolds
+from policy.group_width import WIDTH_HOLD_BOUND_S, WidthHolds
 from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
@@ -383,7 +383,7 @@ class LearnedPolicy(Sampler):
             return dec
         ids = getattr(waiting, "request_ids", None)
         held = width.holds(ids if ids is not None else [c.request_id for c in waiting], state)
-        return replace(dec, hold=held) if held else dec
+        return replace(dec, hold=held, hold_bound_s=WIDTH_HOLD_BOUND_S) if held else dec
 
     def _admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         """The admission order (see :meth:`admit`, which adds the width's holds)."""
