@@ -133,7 +133,7 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # older one do not fit in GPU KV plus the CPU tier, the oldest group's never (policy.group_width.WidthHolds,
     # the async driver's working-set holds in the engine, work-conserving). Off by default: on vLLM's CPU server
     # the holds cost more engine time than the recomputation they saved; at H200-32B, simulated, they give AReaL's
-    # rule 1.19x (docs/results). Without weight versions nothing changes.
+    # rule 1.19-1.45x (docs/results). Without weight versions nothing changes.
     "width": False,
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
     # exploring policy's "shortest" component, deterministic) or "scorer" (the learned MLP's admission head), which
