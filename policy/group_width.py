@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from policy.interface import EngineState, Event, EventKind
+from policy.learned.group_age import GroupAges
 
 __all__ = ["WIDTH_HOLD_BOUND_S", "SessionContexts", "WidthHolds", "fit_session_contexts", "working_set_admits",
            "working_set_holds"]
@@ -135,9 +136,8 @@ class WidthHolds:
     def __init__(self, max_sessions: int = 1 << 16) -> None:
         self.max_sessions = max_sessions
         self.sessions: dict[str, _Session] = {}
-        self._rank: dict[str, int] = {}  # group id -> rank in arrival order
+        self.ages = GroupAges()  # each group's rank in arrival order
         self._session_of: dict[str, str] = {}  # a request from its arrival to its end -> its session
-        self._ranks = 0
         self._sums: tuple[dict[int, int], dict[int, int], int] | None = None  # per rank, cumulative (see _cumulative)
 
     def on_event(self, event: Event) -> None:
@@ -150,13 +150,9 @@ class WidthHolds:
         if kind is EventKind.ARRIVED:
             s = sessions.get(sid)
             if s is None:
-                rank = self._rank.get(gid)
-                if rank is None:
-                    self._ranks += 1
-                    rank = self._rank[gid] = self._ranks
                 if len(sessions) >= self.max_sessions:
                     self._forget_oldest()
-                s = sessions[sid] = _Session(rank)
+                s = sessions[sid] = _Session(self.ages.rank(meta))
             s.context = event.num_prompt_tokens
             self._session_of[event.request_id] = sid
         elif kind is EventKind.SCHEDULED:
@@ -183,7 +179,6 @@ class WidthHolds:
         ranks = sorted({s.rank for s in self.sessions.values()})
         cut = ranks[len(ranks) // 2] if len(ranks) > 1 else ranks[-1] + 1
         self.sessions = {k: s for k, s in self.sessions.items() if s.rank >= cut}
-        self._rank = {g: r for g, r in self._rank.items() if r >= cut}
 
     def _cumulative(self) -> tuple[dict[int, int], dict[int, int], int]:
         """Per group rank in flight, the contexts of the sessions of it and every older group, and the part of them

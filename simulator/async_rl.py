@@ -68,7 +68,19 @@ from simulator.round_trip import RoundTrip
 from simulator.runner import ScriptedRunner
 from simulator.workload import PreparedWorkload
 
-__all__ = ["AsyncDriver", "Group", "next_batch"]
+__all__ = ["AsyncDriver", "Group", "grpo_groups", "next_batch"]
+
+
+def grpo_groups(workload: PreparedWorkload, sessions: list[Any]) -> tuple[list[list[Any]], int]:
+    """The workload's GRPO groups in start order (step, then first row), each the list of its ``sessions`` (anything
+    with ``step`` and ``turns``), and the groups of the first RL step (the trainer's default batch)."""
+    w = workload
+    by_group: dict[tuple[int, str], list[Any]] = {}
+    for s in sessions:
+        by_group.setdefault((s.step, w.group_id[s.turns[0]]), []).append(s)
+    order = sorted(by_group, key=lambda k: (w.steps.index(k[0]), min(x.turns[0] for x in by_group[k])))
+    first = w.steps[0]
+    return [by_group[k] for k in order], sum(1 for k in by_group if k[0] == first)
 
 
 def next_batch(ready: list[Any], unconsumed: list[Any], batch: int, eta: int, version: int,
@@ -123,14 +135,10 @@ class AsyncDriver(StepDriver):
                          session_ids=session_ids, round_trip=round_trip)
         self.spec = spec
         w = workload
-        by_group: dict[tuple[int, str], list[Trajectory]] = {}
-        for traj in self.trajectories:
-            by_group.setdefault((traj.step, w.group_id[traj.turns[0]]), []).append(traj)
-        order = sorted(by_group, key=lambda k: (w.steps.index(k[0]), min(x.turns[0] for x in by_group[k])))
-        self.groups = [Group(i, by_group[k]) for i, k in enumerate(order)]
+        groups, first_step = grpo_groups(w, self.trajectories)
+        self.groups = [Group(i, trajs) for i, trajs in enumerate(groups)]
         self.group_of = {x.session: g for g in self.groups for x in g.trajs}
-        first = w.steps[0]
-        self.batch = trainer.train_batch or sum(1 for k in by_group if k[0] == first)
+        self.batch = trainer.train_batch or first_step
         self.next_group = 0  # groups started
         self.running_groups = 0
         self.ready: list[Group] = []  # finished, not trained

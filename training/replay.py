@@ -349,6 +349,10 @@ class Replayer:
             t0 = time.perf_counter()
             await asyncio.gather(*(self.trajectory(s.turns, s.scoring, t0) for s in by_step[step]))
             self.run.steps.append(time.perf_counter() - t0)
+            await self.step_done(by_step[step])
+
+    async def step_done(self, sessions: list) -> None:
+        """After an RL step's last trajectory (``sessions``: its sessions); a trainer trains here."""
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import httpx
 
-from simulator.async_rl import next_batch
+from simulator.async_rl import grpo_groups, next_batch
 from simulator.config import WEIGHT_SYNC_MODES, Trainer
 from simulator.cost_model import CostModel
 from training.replay import Replayer, ReplayError, Streamed, base_url
@@ -88,14 +88,10 @@ class TrainedReplayer(Replayer):
         self.spec = spec
         self.cost = spec.cost()
         w = self.w
-        keyed: dict[tuple[int, str], list[Any]] = {}
-        for s in w.sessions:
-            keyed.setdefault((s.step, w.group_id[s.turns[0]]), []).append(s)
-        order = sorted(keyed, key=lambda k: (w.steps.index(k[0]), min(x.turns[0] for x in keyed[k])))
-        self.groups = [_Group(i, keyed[k]) for i, k in enumerate(order)]
+        groups, first_step = grpo_groups(w, list(w.sessions))
+        self.groups = [_Group(i, sessions) for i, sessions in enumerate(groups)]
         self.group_of = {s.session_id: g for g in self.groups for s in g.sessions}
-        first = w.steps[0]
-        self.batch = spec.trainer.train_batch or sum(1 for k in keyed if k[0] == first)
+        self.batch = spec.trainer.train_batch or first_step
         self.version = 0
         self.started = self.running = self._finished = 0
         self.ready: list[_Group] = []
@@ -162,25 +158,18 @@ class TrainedReplayer(Replayer):
     # ------------------------------------------------------------------ the controller
     async def all_steps(self) -> None:
         if self.spec.driver == "sync":
-            await self._sync_steps()
+            await super().all_steps()
             return
         self._admit()
         await self.done.wait()
         await asyncio.gather(*self.tasks)
 
-    async def _sync_steps(self) -> None:
-        """Synchronous steps, each followed by its training step and weight update (nothing in flight then)."""
-        for i, step in enumerate(self.w.steps):
-            if i and self.cfg.reset_between_steps:
-                await self.reset_cache()
-            t0 = time.perf_counter()
-            sessions = [s for s in self.w.sessions if s.step == step]
-            await asyncio.gather(*(self.trajectory(s.turns, s.scoring, t0) for s in sessions))
-            self.run.steps.append(time.perf_counter() - t0)
-            self.staleness += [0] * len(sessions)
-            await self._train(sessions)
-            await self.wait(self.spec.trainer.sync_s(self.cost))
-            self.updates += 1
+    async def step_done(self, sessions: list) -> None:
+        """Synchronous steps: the step's training and weight update (nothing in flight then)."""
+        self.staleness += [0] * len(sessions)
+        await self._train(sessions)
+        await self.wait(self.spec.trainer.sync_s(self.cost))
+        self.updates += 1
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
