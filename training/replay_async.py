@@ -136,6 +136,7 @@ class TrainedReplayer(Replayer):
                 rid = w.request_id[row] + (f"#a{attempt}" if attempt else "")
                 got = Streamed()
                 self.live[row] = (len(body["prompt"]), got)
+                updates = self.updates
                 try:
                     await self.stream(body, {"X-Session-ID": sid, "X-Request-Id": rid}, got)
                 except Exception as e:  # noqa: BLE001 -- one request's failure is counted, the replay goes on
@@ -145,7 +146,11 @@ class TrainedReplayer(Replayer):
                     self.live.pop(row, None)
                 first = first if first is not None else got.first
                 sampled += got.ids
-                if len(sampled) >= out or got.finish_reason != "abort":
+                # cut off by an update: the stream says abort, or (cut before its first chunk) ended short while an
+                # abort update came
+                cut = got.finish_reason == "abort" or (self.spec.weight_sync == "abort" and (
+                    self.updates != updates or not self.resumed.is_set()))
+                if len(sampled) >= out or not cut:
                     break
                 await self.resumed.wait()  # the update that aborted it ends first
             t1 = time.perf_counter()
