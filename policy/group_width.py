@@ -18,6 +18,10 @@ from KV use, which stays near full whenever memory binds. kvpilot sizes it from 
   room twice (on the GPU and its host copy, up to the tier's size) and a paused one once. Without the hold the
   youngest group's turns evict the older groups' paused contexts, which return and are recomputed while the
   trainer waits for exactly those older groups. A held turn goes as soon as a session's end makes room.
+* :class:`WidthHolds` runs that rule inside the engine, and holds nothing while the oldest group's contexts alone
+  outgrow GPU KV plus the tier (on vLLM's CPU server one group can): they evict each other whether or not a younger
+  turn waits, so a hold keeps nothing and only idles the engine (in the simulator calibrated on that server the
+  hook's width ran 0.77x no holds there, 0.96x with this check; docs/results).
 """
 
 from __future__ import annotations
@@ -125,7 +129,8 @@ class WidthHolds:
     their first request arrived. :meth:`holds` names the waiting turns to keep in vLLM's queue this step: taken
     oldest group first, a turn waits while the sessions in flight of its group and every older one do not fit in
     GPU KV plus the host tier (the turns let go before it in this pass counted as running), the oldest group's
-    never, nor a turn of a running session (a preempted one). It is work-conserving: where nothing runs and
+    never, nor a turn of a running session (a preempted one), nor any turn while the oldest group's contexts alone
+    do not fit (a hold would keep nothing). It is work-conserving: where nothing runs and
     nothing else waits, the first held turn goes (on vLLM's CPU server, holding while the older groups waited on
     their tools idled the engine: docs/results). Other requests are neither held nor counted, so a synchronous run
     is left alone. A framework's own concurrency cap keeps working: a hold only delays a turn,
@@ -214,6 +219,8 @@ class WidthHolds:
         cum_tokens, cum_running, oldest = self._cumulative()
         gpu = state.num_total_blocks * state.block_size
         tier = state.num_offload_blocks * state.block_size
+        if cum_tokens[oldest] > gpu + tier:
+            return frozenset()  # the oldest group alone outgrows memory: holding a younger turn keeps nothing
         held, sent = [], 0
         for rank, _, context, rid in sorted(turns):
             if rank != oldest and working_set_holds(cum_tokens[rank], cum_running[rank] + sent + context, gpu, tier,

@@ -95,17 +95,34 @@ def test_the_engines_width_holds_a_younger_groups_turn_while_the_older_contexts_
 
 
 def test_the_engines_width_is_work_conserving() -> None:
-    """Where nothing runs and only held turns wait, the first of them (the oldest group's first) goes: the width
-    never idles the engine; with a request running, or another request waiting, the holds stand."""
+    """Where nothing runs and only held turns wait, the first of them goes: the width never idles the engine; with a
+    request running, or another request waiting, the holds stand."""
     w = WidthHolds()
-    for rid, g in (("a0-t0", "a"), ("b0-t0", "b"), ("c0-t0", "c")):
-        w.on_event(_event("arrived", rid, g, prompt=900))
+    for rid, g, prompt in (("a0-t0", "a", 500), ("b0-t0", "b", 200), ("b1-t0", "b", 200)):
+        w.on_event(_event("arrived", rid, g, prompt=prompt))
         w.on_event(_event("scheduled", rid, g))
-        w.on_event(_event("finished", rid, g, prompt=900, output=100, reason="tool_call"))
-    for rid in ("c0-t1", "b0-t1"):  # a0 still on its tool: 3 x 1,000 tokens paused in 1,024 of KV
-        w.on_event(_event("arrived", rid, rid[0], prompt=1000))
-    assert w.holds(["c0-t1", "b0-t1"], _engine(64)) == {"c0-t1"}  # idle engine: the older held turn goes
+        w.on_event(_event("finished", rid, g, prompt=prompt, output=100, reason="tool_call"))
+    for rid in ("b0-t1", "b1-t1"):  # a0 still on its tool at 600 tokens; b's turns bring 1,400 in 1,024 of KV
+        w.on_event(_event("arrived", rid, "b", prompt=400))
+    assert w.holds(["b0-t1", "b1-t1"], _engine(64)) == {"b1-t1"}  # idle engine: the first held turn goes
     busy = dataclasses.replace(_engine(64), num_running=1)
-    assert w.holds(["c0-t1", "b0-t1"], busy) == {"c0-t1", "b0-t1"}
+    assert w.holds(["b0-t1", "b1-t1"], busy) == {"b0-t1", "b1-t1"}
     w.on_event(_event("arrived", "x-t0", "sync", version=None, prompt=10))
-    assert w.holds(["c0-t1", "b0-t1", "x-t0"], _engine(64)) == {"c0-t1", "b0-t1"}  # x runs
+    assert w.holds(["b0-t1", "b1-t1", "x-t0"], _engine(64)) == {"b0-t1", "b1-t1"}  # x runs
+
+
+def test_the_engines_width_holds_nothing_while_the_oldest_group_alone_does_not_fit() -> None:
+    """A hold keeps the older groups' contexts: where the oldest group's alone outgrow GPU KV plus the tier (one
+    group's contexts can outgrow a small KV), they evict each other anyway and a hold would only idle the engine, so
+    the younger turn goes; with room for the oldest group, the same turn waits."""
+    w = WidthHolds()
+    for rid, g in (("a0-t0", "a"), ("a1-t0", "a"), ("b0-t0", "b")):
+        w.on_event(_event("arrived", rid, g, prompt=600))
+        w.on_event(_event("scheduled", rid, g))
+        w.on_event(_event("finished", rid, g, prompt=600, output=100, reason="tool_call"))
+    w.on_event(_event("arrived", "b0-t1", "b", prompt=800))  # a's two contexts: 1,400 tokens, paused
+    busy = dataclasses.replace(_engine(64), num_running=1)
+    assert w.holds(["b0-t1"], busy) == frozenset()  # 1,400 > 1,024: a does not fit, holding b keeps nothing
+    more = dataclasses.replace(_engine(96), num_running=1)
+    assert w.holds(["b0-t1"], more) == {"b0-t1"}  # a fits in 1,536, a and b do not: b waits
+    assert w.holds(["b0-t1"], dataclasses.replace(_engine(64, tier_blocks=32), num_running=1)) == {"b0-t1"}
