@@ -92,6 +92,9 @@ def test_model_checks_its_input_and_scores_the_same_compiled(tmp_path: Path) -> 
     np.testing.assert_allclose(loaded.predict(X), model.predict(X), rtol=1e-6, atol=1e-9)
     with pytest.raises(TierTrainingError):
         TierConfig(rounds=-1)
+    for bad in ((), (1.0, 0.0), (math.inf,)):
+        with pytest.raises(TierTrainingError, match="time scales"):
+            TierConfig(time_scales=bad)
 
 
 def test_changing_the_trained_model_changes_the_tier_order() -> None:
@@ -146,10 +149,13 @@ def test_tier_training_replays_the_log_and_keeps_a_model_only_where_it_wins(vllm
     policy_dir = tmp_path / "pol"
     train_policy([log], pred, policy_dir, OfflineConfig(epochs=1), progress=False)
     said: list[str] = []
-    cfg = TierConfig(rounds=1, num_trees=10, jobs=1)
+    cfg = TierConfig(rounds=1, num_trees=10, jobs=1, time_scales=(1.0, 3.0))
     result = train_tier(policy_dir, [log], cfg, progress=said.append)
-    assert said[0].startswith("tier: the rule's order") and len(result.history) == 1
-    assert result.history[0]["rows"] > 0  # the tier decided, and its owners were labelled
+    assert said[0].startswith("tier: the rule's order") and "time scale(s) 1, 3" in said[0]
+    assert len(result.history) == 1 and result.history[0]["rows"] > 0  # the tier decided, its owners labelled
+    # the log replayed once per time scale, and the slower tools took longer
+    fast, slow = result.history[0]["makespans_s"]
+    assert slow > fast
     runtime = json.loads((policy_dir / "policy.json").read_text())["config"]["runtime"]
     served = LearnedPolicy.load(policy_dir)
     if result.kept:

@@ -705,6 +705,10 @@ def train(
         "--tier-rounds", min=0, help="CPU tier: fits of its next-use model, each replayed on every logged workload "
         "(LOG/workload.parquet) to score it and to record the states it leads to; the best is kept where it beats "
         "the session-state rule. 0: the rule orders the tier.")] = 2,
+    tier_time_scales: Annotated[str, typer.Option(
+        "--tier-time-scales", help="CPU tier: the tool-latency scales each logged workload is replayed at, comma "
+        "separated; scales above 1 show the model the longer pauses (in admissions) of a faster engine or slower "
+        "tools.")] = "1,3",
     jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="Parallel simulations of the search and the "
                                       "tier training.")] = 2,
     backend: Annotated[str, typer.Option("--backend", help="Where the search's and the tier training's "
@@ -740,7 +744,8 @@ def train(
     from training.tier_training import TierConfig, TierTrainingError
 
     with reported(TierTrainingError, prefix="tier training: "):
-        tier = TierConfig(rounds=tier_rounds, jobs=jobs, backend=backend, address=address)
+        tier = TierConfig(rounds=tier_rounds, jobs=jobs, backend=backend, address=address,
+                          time_scales=tuple(_number_list(tier_time_scales, float, "--tier-time-scales")))
     from serving_hook.model_registry import RegistryError
 
     # a missing log is a TrainError naming it; a store MLflow cannot open or write a RegistryError naming it

@@ -17,6 +17,12 @@ on vLLM's real scheduler and each one labelled with what happened next:
 The model with the shortest mean makespan over the rule's is kept if it beats the rule by
 :attr:`TierConfig.min_gain`; otherwise the bundle keeps the rule. Replays run on the logs' own engine, in
 parallel on a process pool or as Ray tasks (the policy search's runner). Hyper-parameters: :class:`TierConfig`.
+
+Every logged workload is replayed at each of :attr:`TierConfig.time_scales` (its tool latencies scaled). The
+model's times are in admissions, which carries it across engine speeds only while a tool's pause is as many
+admissions long as on the logs' engine; a bundle served on a faster engine (a smaller model: H200-7B decodes
+about 4x faster than H200-32B) or with slower tools meets pauses several times longer. Replays with tools 3x
+slower show the model that regime (measured in docs/results/2026-12-07-tier-model-across-engines.md).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class TierConfig:
     num_trees: int = DEFAULT_TREES
     learning_rate: float = LEARNING_RATE
     min_gain: float = 0.005  # keep a model only if its mean makespan ratio to the rule is below 1 - min_gain
+    #: each logged workload is replayed with its tool latencies scaled by each of these (module docstring)
+    time_scales: tuple[float, ...] = (1.0, 3.0)
     jobs: int = 2
     backend: str = "process"  # or "ray"
     address: str | None = None  # Ray cluster address (backend "ray"); None: a local Ray
@@ -62,6 +70,10 @@ class TierConfig:
             raise TierTrainingError(f"tier training needs rounds >= 0, num_trees >= 1, jobs >= 1, min_gain >= 0 and "
                                     f"learning_rate > 0, got {self.rounds}, {self.num_trees}, {self.jobs}, "
                                     f"{self.min_gain}, {self.learning_rate}")
+        if not self.time_scales or not all(isinstance(t, (int, float)) and 0 < t < float("inf")
+                                               for t in self.time_scales):
+            raise TierTrainingError(f"tier training needs one or more time scales, each > 0, got "
+                                    f"{list(self.time_scales)}")
         if self.backend not in ("process", "ray"):
             raise TierTrainingError(f"tier training backend must be 'process' or 'ray', got {self.backend!r}")
 
@@ -170,14 +182,17 @@ def train_tier(policy_dir: Path, log_dirs: Sequence[Path], cfg: TierConfig | Non
     run = parallel_runner(cfg, _replay)
     target = policy_dir / "predictors" / TIER_REUSE_DIR
 
+    cases = [(p, t) for p in plays for t in cfg.time_scales]
+
     def replay(order: str) -> list[dict[str, Any]]:
-        return run([(str(policy_dir), {"reuse_predictor": order}, str(p.workload), p.options) for p in plays])
+        return run([(str(policy_dir), {"reuse_predictor": order}, str(p.workload), {**p.options, "time_scale": t})
+                    for p, t in cases])
 
     got = replay(RULE)
     base = [g["makespan_s"] for g in got]
     Xs, ys = [g["X"] for g in got], [g["y"] for g in got]
-    say(f"tier: the rule's order: {', '.join(f'{b:.1f} s' for b in base)} on {len(plays)} logged workload(s), "
-        f"{sum(len(y) for y in ys):,} owner snapshots")
+    say(f"tier: the rule's order: {', '.join(f'{b:.1f} s' for b in base)} on {len(plays)} logged workload(s) at "
+        f"time scale(s) {', '.join(f'{t:g}' for t in cfg.time_scales)}, {sum(len(y) for y in ys):,} owner snapshots")
     if sum(len(y) for y in ys) < MIN_SNAPSHOTS:
         raise TierTrainingError(f"the tier chose what to evict for only {sum(len(y) for y in ys)} owner(s) in the "
                                 f"replays (fewer than {MIN_SNAPSHOTS}): the logs' tier holds their working set, so "
