@@ -25,6 +25,11 @@ def test_train_group_keeps_its_subcommands(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "--logs before `predictors`" in res.output
     res = CliRunner().invoke(app, ["train", "--logs", str(tmp_path / "nope")])
     assert res.exit_code == 2 and "no such log" in res.output and "nope" in res.output
+    for bad, said in (("0,3", "each > 0"), ("1,x", "comma-separated list of floats")):
+        res = CliRunner().invoke(app, ["train", "--logs", str(tmp_path), "--tier-time-scales", bad,
+                                       "-o", str(tmp_path / "w")])
+        assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
+        assert not (tmp_path / "w").exists()  # refused before anything ran
 
 
 def test_demo_champion_uses_the_preemption_head() -> None:
