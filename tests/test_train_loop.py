@@ -3,6 +3,7 @@ leaves holds the run (params, metrics, artifacts), the registered model and its 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,12 @@ def test_train_group_keeps_its_subcommands(tmp_path: Path) -> None:
                                        "-o", str(tmp_path / "w")])
         assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
         assert not (tmp_path / "w").exists()  # refused before anything ran
+    for bad in ("lpt", "returning,x", ","):
+        res = CliRunner().invoke(app, ["train", "--logs", str(tmp_path), "--admission-orders", bad,
+                                       "-o", str(tmp_path / "w")])
+        out = " ".join(res.output.split())
+        assert res.exit_code == 2 and "--admission-orders: unknown order" in out and "returning, progress" in out, out
+        assert not (tmp_path / "w").exists()
 
 
 def test_demo_champion_uses_the_preemption_head() -> None:
@@ -61,7 +68,7 @@ def test_train_logs_one_run_and_registers_a_version(run_dir: Path, tmp_path: Pat
     res = CliRunner().invoke(app, ["train", "--logs", str(run_dir), "--experiment", "train-test", "-o",
                                    str(tmp_path / "work"), "--heldout-workload", str(heldout), "--trees", "20",
                                    "--search-iterations", "1", "--search-population", "2", "--jobs", "1",
-                                   "--no-progress"])
+                                   "--admission-orders", "none", "--no-progress"])
     assert res.exit_code == 0, res.output
     # the held-out table: the trained policy beside its prior (no trained network) and vLLM default
     assert "kvpilot v1" in res.output and "learned-prior v1" in res.output and "vllm-default" in res.output
@@ -84,11 +91,11 @@ def test_train_logs_one_run_and_registers_a_version(run_dir: Path, tmp_path: Pat
         m["heldout.candidate.makespan_s"] / m["heldout.prior.makespan_s"])
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "heldout")}
     assert {"heldout/summary.md", "heldout/makespan.png"} <= artifacts
-    # the policy search simulated the logged workload: the zero residual and two samples; what it kept is served
+    # the policy search simulated the logged workload (shortest-first only: --admission-orders none): the zero
+    # residual and two samples; what it kept is served
     assert m["search.samples"] == 3 and m["search.makespan_ratio_vs_trained_prior_order"] > 0
+    assert m["search.admission.shortest"] == 1.0
     assert "policy/search.json" in {a.path for a in client.list_artifacts(run.info.run_id, "policy")}
-    import json
-
     runtime = json.loads((tmp_path / "work" / "policy" / "policy.json").read_text())["config"]["runtime"]
     assert runtime["admission"] == "shortest"  # the order the search moved
     assert runtime["admission_residual"] == {k.removeprefix("search.residual."): v for k, v in m.items()
@@ -143,6 +150,11 @@ def test_demo_loop_leaves_run_model_and_alias(tmp_path: Path, vllm_engine) -> No
     exp = client.get_experiment_by_name("demo-test")
     runs = client.search_runs([exp.experiment_id])
     assert len(runs) == 1 and runs[0].data.metrics
+    # train chose the admission order by simulating the logged workload (one of the three, served as kept)
+    m = runs[0].data.metrics
+    chosen = [o for o in ("shortest", "returning", "progress") if m.get(f"search.admission.{o}") == 1.0]
+    runtime = json.loads((tmp_path / "demo" / "train" / "policy" / "policy.json").read_text())["config"]["runtime"]
+    assert len(chosen) == 1 and runtime["admission"] == chosen[0], (chosen, runtime["admission"])
     champion = client.get_model_version_by_alias("kvpilot", "champion")
     assert str(champion.version) == result.version and champion.run_id == runs[0].info.run_id
     assert "champion" in client.get_registered_model("kvpilot").aliases

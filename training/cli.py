@@ -695,10 +695,14 @@ def train(
     kv_fraction: HeldoutKv = None,
     preset: HeldoutPreset = None,
     offload_gib: HeldoutTier = None,
+    admission_orders: Annotated[str, typer.Option(
+        "--admission-orders", help="Admission orders tried beside the prior's shortest-first, each simulated on "
+        "every logged workload (LOG/workload.parquet), the best kept where it beats shortest-first by 0.5%: "
+        "comma separated among returning, progress; 'none': shortest-first, no simulation.")] = "returning",
     search_iterations: Annotated[int, typer.Option(
         "--search-iterations", min=0, help="Policy search: CEM iterations over the admission residual, each "
-        "simulating --search-population samples on every logged workload (LOG/workload.parquet); 0: no search, "
-        "the prior's order.")] = 0,
+        "simulating --search-population samples on every logged workload (LOG/workload.parquet), after the CPU "
+        "tier and preemption head are each tried off; 0: no CEM.")] = 0,
     search_population: Annotated[int, typer.Option("--search-population", min=2, help="Samples per search "
                                                    "iteration.")] = 8,
     tier_rounds: Annotated[int, typer.Option(
@@ -733,14 +737,18 @@ def train(
         policy_cfg = OfflineConfig.from_json(policy_config)
     params = PredictorParams(test_steps=tuple(steps) if steps else None, num_trees=trees)
     heldout = _heldout(heldout_workload, heldout_seed, kv_fraction, preset, offload_gib)
-    search = None
-    if search_iterations:
-        from training.policy_search import SearchConfig, SearchError
+    from training.policy_search import ORDER_CHOICES, SearchConfig, SearchError
 
-        with reported(SearchError, prefix="policy search: "):
-            search = SearchConfig(iterations=search_iterations, population=search_population,
-                                  elite=min(SearchConfig.elite, search_population), jobs=jobs, backend=backend,
-                                  address=address)
+    orders = () if admission_orders.strip().lower() == "none" else \
+        tuple(o.strip() for o in admission_orders.split(",") if o.strip())
+    bad = [o for o in orders if o not in ORDER_CHOICES]
+    if bad or not (orders or admission_orders.strip().lower() == "none"):
+        raise fail(f"--admission-orders: unknown order(s) {', '.join(bad) or repr(admission_orders)}; give some of "
+                   f"{', '.join(ORDER_CHOICES)} (comma separated), or none")
+    with reported(SearchError, prefix="policy search: "):
+        search = SearchConfig(iterations=search_iterations, population=search_population,
+                              elite=min(SearchConfig.elite, search_population), orders=orders, jobs=jobs,
+                              backend=backend, address=address)
     from training.tier_training import TierConfig, TierTrainingError
 
     with reported(TierTrainingError, prefix="tier training: "):

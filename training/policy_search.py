@@ -9,9 +9,15 @@ the prior's key), simulates each sample on every logged workload on the logs' ow
 CPU tier, decode stride), and moves its sampling distribution toward the samples with the shortest makespans
 relative to the zero residual (the prior's order). The best sample is kept only if it beats the zero residual by
 :attr:`SearchConfig.min_gain`; otherwise the residual stays empty and the policy serves its prior's order.
-Before the residual, the levers the bundle trained are chosen the same way, from a small action set: as trained,
-the CPU tier off, the preemption head off (each kept only if it beats the bundle as trained by ``min_gain``).
-Samples run in parallel on a process pool (``backend="process"``) or as Ray tasks (``backend="ray"``).
+Before the residual, the admission order and the levers are chosen the same way, from a small action set: the bundle
+as trained (the prior's shortest-first order), each admission order of ``orders`` (by default the trajectories'
+returning turns first; heddle's progress first on request), and with CEM iterations the levers the bundle trained
+turned off (the CPU tier, the preemption head). A choice is kept only if it beats the bundle as trained by
+``min_gain``, the best one where several do. The rules disagree by regime (shortest-first wins where memory binds,
+the returning turns first on short search sessions), and the logged workloads say which regime the logs' engine
+serves. With ``iterations = 0`` only this choice runs (``kvpilot train``'s default: a few simulations), and the CEM
+runs only over the shortest-first order, which its residual moves. Samples run in parallel on a process pool
+(``backend="process"``) or as Ray tasks (``backend="ray"``).
 
 Everything the search does is in :func:`search_admission`, its hyper-parameters in :class:`SearchConfig`.
 """
@@ -31,6 +37,14 @@ import numpy as np
 #: SortedRL's signal), the session's turn (progress-first, heddle's), the wait (FCFS), the context it will hold
 #: at the end (its memory), and the scorer's admission head (what offline learning ranked).
 DEFAULT_INPUTS = ("group_done_frac", "turn", "log_wait_s", "log_pred_final_context", "scorer")
+#: The admission orders the search may try beside the prior's shortest-first (``LearnedPolicy``'s option
+#: ``admission``).
+ORDER_CHOICES = ("returning", "progress")
+#: Those it tries by default. Heddle's ``progress`` is left out: on Search-R1 it and ``returning`` simulated within
+#: 0.2% of each other on PolyTrace step 0, and held out on step 1 ``progress`` ran 1.7% slower than shortest-first
+#: where ``returning`` ran 1.1% faster (docs/results/2026-12-07-admission-order-by-simulation.md): one more order is
+#: one more chance to keep a lucky one.
+DEFAULT_ORDERS = ("returning",)
 
 
 class SearchError(ValueError):
@@ -41,29 +55,39 @@ class SearchError(ValueError):
 class SearchConfig:
     """The cross-entropy method's hyper-parameters."""
 
-    iterations: int = 3
+    iterations: int = 0  # CEM iterations; 0: the admission order only, no CEM
     population: int = 8  # samples per iteration
     elite: int = 3  # the samples the next distribution is fitted to
     init_std: float = 1.0  # weights are on standardised features; the prior's key, log1p(remaining), has std ~1-2
     min_std: float = 0.1
     min_gain: float = 0.005  # keep the best sample only if its mean makespan ratio is below 1 - min_gain
     inputs: tuple[str, ...] = DEFAULT_INPUTS
+    orders: tuple[str, ...] = DEFAULT_ORDERS  # admission orders tried beside shortest-first (of ORDER_CHOICES)
     seed: int = 0
     jobs: int = 2
     backend: str = "process"  # or "ray"
     address: str | None = None  # Ray cluster address (backend "ray"); None: a local Ray
 
+    @property
+    def active(self) -> bool:
+        """Whether there is anything to simulate: another admission order or CEM iterations."""
+        return bool(self.orders or self.iterations)
+
     def __post_init__(self) -> None:
         from policy.learned.features import FEATURES
         from policy.learned.policy import SCORER_INPUT
 
-        if not (self.iterations >= 1 and self.population >= 2 and 1 <= self.elite <= self.population):
-            raise SearchError(f"search needs iterations >= 1, population >= 2 and 1 <= elite <= population, got "
+        if not (self.iterations >= 0 and self.population >= 2 and 1 <= self.elite <= self.population):
+            raise SearchError(f"search needs iterations >= 0, population >= 2 and 1 <= elite <= population, got "
                               f"{self.iterations}, {self.population}, {self.elite}")
         unknown = [k for k in self.inputs if k not in (*FEATURES, SCORER_INPUT)]
         if unknown or not self.inputs:
             raise SearchError(f"search inputs must be names of {', '.join((*FEATURES, SCORER_INPUT))}; got "
                               f"{', '.join(unknown) or 'none'}")
+        bad = [o for o in self.orders if o not in ORDER_CHOICES]
+        if bad:
+            raise SearchError(f"search admission orders must be among {', '.join(ORDER_CHOICES)}; got "
+                              f"{', '.join(bad)}")
         if not (self.init_std > 0 and self.min_std > 0 and self.min_gain >= 0 and self.jobs >= 1):
             raise SearchError("search init_std and min_std must be > 0, min_gain >= 0 and jobs >= 1")
         if self.backend not in ("process", "ray"):
@@ -83,7 +107,7 @@ class SearchResult:
     residual: dict[str, float]  # the weights kept ({}: the prior's order)
     ratio: float  # the kept policy's mean makespan over the bundle's as trained with the prior's order
     history: list[dict[str, Any]] = field(default_factory=list)  # one row per residual sample
-    levers: dict[str, Any] = field(default_factory=dict)  # runtime options set (the order searched, levers off)
+    levers: dict[str, Any] = field(default_factory=dict)  # runtime options set (the admission order, levers off)
 
     def runtime(self) -> dict[str, Any]:
         """The runtime options to serve: the levers chosen and the residual."""
@@ -91,9 +115,11 @@ class SearchResult:
 
     def metrics(self) -> dict[str, float]:
         """MLflow metrics: the kept ratio, the samples simulated, the kept weights and levers."""
+        order = self.levers.get("admission", "shortest")
         return {"search.makespan_ratio_vs_trained_prior_order": self.ratio, "search.samples": float(len(self.history)),
                 **{f"search.residual.{k}": v for k, v in self.residual.items()},
-                **{f"search.lever.{k}": float(v) for k, v in self.levers.items() if isinstance(v, bool)}}
+                **{f"search.lever.{k}": float(v) for k, v in self.levers.items() if isinstance(v, bool)},
+                **{f"search.admission.{o}": float(o == order) for o in ("shortest", *ORDER_CHOICES)}}
 
 
 def replays(log_dirs: Sequence[Path]) -> list[Replay]:
@@ -133,9 +159,10 @@ def _simulate(policy_dir: str, runtime: dict[str, Any], workload: str, options: 
     return float(res.summary.metrics.makespan_s)
 
 
-def parallel_runner(cfg: Any, task: Callable[..., Any] = _simulate) -> Callable[[list[tuple]], list[Any]]:
-    """A function that runs a batch of ``task`` argument tuples in parallel (``cfg``'s ``jobs``, ``backend``,
-    ``address``) and returns their results in order."""
+def parallel_runner(cfg: Any, task: Callable[..., Any] | None = None) -> Callable[[list[tuple]], list[Any]]:
+    """A function that runs a batch of ``task`` argument tuples (default: :func:`_simulate`) in parallel (``cfg``'s
+    ``jobs``, ``backend``, ``address``) and returns their results in order."""
+    task = task or _simulate
     if cfg.backend == "ray":
         from training.evaluate import _import_ray
 
@@ -179,22 +206,26 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
     def ratio(made: list[float], base: list[float]) -> float:
         return float(np.mean([m / b for m, b in zip(made, base)]))
 
-    # the levers first: the bundle's own, and each lever it trained turned off (a small action set); the residual
-    # moves the prior's shortest-first order, so every sample serves that order
+    # the admission order and levers first (a small action set): the bundle as trained, each other order, and with
+    # CEM iterations each lever the bundle trained turned off
     policy_dir = Path(policy_dir).resolve()
-    levers = [{"admission": "shortest", **lv} for lv in lever_choices(policy_dir)]
+    levers = lever_choices(policy_dir, cfg.orders, with_off=cfg.iterations > 0)
     got = makespans([{**lv, "admission_residual": {}} for lv in levers])
     base = got[0]
-    say(f"search: the bundle's levers, prior order: {', '.join(f'{b:.1f} s' for b in base)} on {len(plays)} "
+    say(f"search: the bundle as trained, shortest first: {', '.join(f'{b:.1f} s' for b in base)} on {len(plays)} "
         f"logged workload(s)")
     kept = 0  # the index of the levers kept
     for i, (lv, made) in enumerate(zip(levers[1:], got[1:]), start=1):
         r = ratio(made, base)
-        say(f"search: levers {lv}: {r:.4f}x")
+        say(f"search: {lv}: {r:.4f}x")
         if r < 1.0 - cfg.min_gain and r < ratio(got[kept], base):
             kept = i
     lever, base = levers[kept], got[kept]
     lever_ratio = ratio(base, got[0])
+    say(f"search: kept {lever} ({lever_ratio:.4f}x)")
+    if not cfg.iterations or lever["admission"] != "shortest":  # the residual moves shortest-first only
+        return SearchResult({}, lever_ratio, [{"iteration": 0, "residual": {}, "ratio": 1.0, "levers": lever}],
+                            lever)
 
     def ratios(thetas: list[np.ndarray], base: list[float]) -> list[float]:
         return [ratio(m, base) for m in makespans([{**lever, "admission_residual": weights(t)} for t in thetas])]
@@ -219,10 +250,13 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
     return SearchResult(weights(best_theta), best * lever_ratio, history, lever)
 
 
-def lever_choices(policy_dir: Path) -> list[dict[str, bool]]:
-    """The bundle's levers as trained (``{}``), then each trained lever turned off: the CPU tier (``offload``),
-    the preemption head (``preempt``)."""
+def lever_choices(policy_dir: Path, orders: Sequence[str] = DEFAULT_ORDERS,
+                  with_off: bool = True) -> list[dict[str, Any]]:
+    """The runtime options tried: the bundle as trained with the prior's shortest-first order, each admission order
+    of ``orders``, then (``with_off``) each trained lever turned off: the CPU tier (``offload``), the preemption head
+    (``preempt``)."""
     from policy.learned.bundle import read_manifest
 
     runtime = read_manifest(Path(policy_dir)).get("config", {}).get("runtime", {})
-    return [{}] + [{k: False} for k in ("offload", "preempt") if runtime.get(k)]
+    off = [{"admission": "shortest", k: False} for k in ("offload", "preempt") if with_off and runtime.get(k)]
+    return [{"admission": "shortest"}, *({"admission": o} for o in orders), *off]

@@ -303,8 +303,10 @@ def train_and_register(
     ``policy_config`` is a :class:`policy.learning.config.OfflineConfig`; None (here and for the other parameter
     objects): the defaults. ``heldout.follow``: the held-out settings (:data:`ENGINE_FIELDS`) taken from the
     logs where they all agree (:func:`logs_engine`, :func:`logs_mix`), in place of ``heldout``'s. ``search``: a
-    :class:`training.policy_search.SearchConfig` to learn the admission residual by simulating the logged
-    workloads (None: no search, the prior's order). ``tier``: the :class:`training.tier_training.TierConfig` that fits
+    :class:`training.policy_search.SearchConfig` that chooses the admission order (and with iterations learns the
+    admission residual) by simulating the logged workloads (None: the defaults, the order chosen, no CEM; skipped
+    with a note where the logs cannot be replayed and no iterations were asked for). ``tier``: the
+    :class:`training.tier_training.TierConfig` that fits
     the CPU tier's next-use model on replays of the logged workloads (:mod:`training.tier_training`; skipped with
     a note where the logs cannot be replayed or the bundle has no tier; ``rounds=0``: no tier model).
     One training at a time per ``work_dir`` (:class:`TrainError` for a second)."""
@@ -383,13 +385,17 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
     taken = {k: v for k, v in engine.items() if k in follow_logs}
     heldout = dataclasses.replace(heldout, **taken)
 
-    if search is not None:  # the logs' workloads must be replayable: checked before anything is fitted
-        from training.policy_search import SearchError, replays
+    from training.policy_search import SearchConfig, SearchError, replays
 
+    search = search or SearchConfig()
+    if search.active:  # the logs' workloads must be replayable: checked before anything is fitted
         try:
             replays(log_dirs)
         except SearchError as err:
-            raise TrainError(f"policy search: {err}") from None
+            if search.iterations:  # asked for: an error; the default order choice: skipped with a note
+                raise TrainError(f"policy search: {err}") from None
+            console.print(f"admission order: not chosen ({err}); the prior's shortest-first order", highlight=False)
+            search = None
     _stage(console, f"1/4 data: {len(log_dirs)} log folder(s)")
     console.print(f"held-out evaluation on {heldout.engine()}"
                   + (f" ({', '.join(k for k, v in taken.items() if v is not None or k == 'kv_fraction')} as the "
@@ -433,7 +439,7 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
             except ValueError as err:  # no usable decisions, a bad log
                 raise TrainError(f"policy: {err}") from None
         metrics.update({k: float(v) for k, v in policy_metrics.items()})
-        if search is not None:
+        if search is not None and search.active:
             metrics.update(_search(policy_dir, log_dirs, search, console))
         if tier is None or tier.rounds:
             metrics.update(_tier(policy_dir, log_dirs, tier, console))
@@ -457,14 +463,16 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
 
 
 def _search(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Console) -> dict[str, float]:
-    """Learn POLICY_DIR's admission residual by simulating the logged workloads (:mod:`training.policy_search`),
-    write it into the bundle's runtime options, log the samples; the search's metrics."""
+    """Choose POLICY_DIR's admission order (and learn its admission residual) by simulating the logged workloads
+    (:mod:`training.policy_search`), write them into the bundle's runtime options, log the samples; the search's
+    metrics."""
     import mlflow
 
     from policy.learned.bundle import update_runtime
     from training.policy_search import search_admission
 
-    _stage(console, f"3b/4 policy search: the admission residual by simulating {len(log_dirs)} logged workload(s)")
+    _stage(console, f"3b/4 policy search: the admission order{' and residual' if cfg.iterations else ''} by "
+                    f"simulating {len(log_dirs)} logged workload(s)")
     found = search_admission(policy_dir, log_dirs, cfg, progress=lambda m: console.print(m, highlight=False))
     update_runtime(policy_dir, found.runtime())
     mlflow.log_dict({"residual": found.residual, "samples": found.history}, "policy/search.json")

@@ -57,6 +57,7 @@ from policy.interface import (
     PreemptionDecision,
 )
 from policy.options import check_positive
+from policy.session_progress import TURN_WEIGHT_TOKENS, SessionProgress
 
 
 class ProgressivePriorityPolicy(Policy):
@@ -70,14 +71,13 @@ class ProgressivePriorityPolicy(Policy):
 
     def __init__(
         self,
-        turn_weight_tokens: float = 512.0,
+        turn_weight_tokens: float = TURN_WEIGHT_TOKENS,
         length_predictor: Any = None,
         max_sessions: int = 1 << 16,
         workload: Any = None,
     ) -> None:
         self.turn_weight_tokens = check_positive("turn_weight_tokens", turn_weight_tokens, allow_zero=True)
-        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
-            raise ValueError(f"option max_sessions must be an integer >= 1, got {max_sessions!r}")
+        self.tracker = SessionProgress(self.turn_weight_tokens, max_sessions)
         self.max_sessions = max_sessions
         self.predictor = None
         self.lengths: Optional[LengthCache] = None
@@ -86,45 +86,22 @@ class ProgressivePriorityPolicy(Policy):
             self.lengths = LengthCache(self.predictor)
         obs = getattr(self.predictor, "observe", None)
         self._observe = obs if callable(obs) else None
-        #: session_id -> [turns finished, output tokens of finished turns]
-        self._sessions: dict[str, list] = {}
 
     # ------------------------------------------------------------- state
     def on_event(self, event: Event) -> None:
         if self._observe is not None:
             self._observe(event)
-        if event.kind is not EventKind.FINISHED:
-            return
-        if self.lengths is not None:
+        if event.kind is EventKind.FINISHED and self.lengths is not None:
             self.lengths.forget(event.request_id)
-        sid = event.meta.session_id
-        if sid is None or event.finish_reason == "abort":
-            return
-        s = self._sessions.pop(sid, None)  # re-inserted last: least recently updated go first
-        if s is None:
-            if len(self._sessions) >= self.max_sessions:
-                del self._sessions[next(iter(self._sessions))]
-            s = [0, 0]
-        s[0] = max(s[0], (event.meta.turn or 0) + 1)
-        s[1] += event.num_output_tokens
-        self._sessions[sid] = s
+        self.tracker.observe(event)
 
     def session_progress(self, session_id: str) -> tuple[int, int]:
         """(turns finished, output tokens of finished turns) seen for a session."""
-        s = self._sessions.get(session_id)
-        return (s[0], s[1]) if s is not None else (0, 0)
+        return self.tracker.get(session_id)
 
     def progress(self, c: CandidateRequest) -> float:
         """The trajectory's progress score in tokens (see the module docstring)."""
-        turn = c.meta.turn or 0
-        tokens = c.num_output_tokens
-        sid = c.meta.session_id
-        if sid is not None:
-            s = self._sessions.get(sid)
-            if s is not None:
-                turn = max(turn, s[0])
-                tokens += s[1]
-        return self.turn_weight_tokens * turn + tokens
+        return self.tracker.score(c)
 
     # --------------------------------------------------------- decisions
     def _tiebreak(self, cands: Sequence[CandidateRequest]) -> list[float]:
@@ -134,21 +111,8 @@ class ProgressivePriorityPolicy(Policy):
 
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         tie = self._tiebreak(waiting)
-        sessions = self._sessions
-        w = self.turn_weight_tokens
-        keys = []
-        for c, t in zip(waiting, tie):  # self.progress(c), inlined: this runs for every waiting request
-            m = c.meta
-            turn = m.turn or 0
-            tokens = c.num_output_tokens
-            sid = m.session_id
-            if sid is not None:
-                st = sessions.get(sid)
-                if st is not None:
-                    if st[0] > turn:
-                        turn = st[0]
-                    tokens += st[1]
-            keys.append((-(w * turn + tokens), t, c.arrival_s, c.request_id))
+        keys = [(-p, t, c.arrival_s, c.request_id)
+                for p, t, c in zip(self.tracker.scores(waiting), tie, waiting)]
         return AdmissionDecision(order=top_ids(keys, admission_limit(state, len(waiting))))
 
     def preempt(self, running: Sequence[CandidateRequest], state: EngineState) -> Optional[PreemptionDecision]:

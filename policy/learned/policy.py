@@ -6,7 +6,10 @@ and a preemption score from its :data:`policy.learned.features.FEATURES`.
 **Acting.** ``mode="serve"``: admission in the runtime option ``admission``'s order: ``"shortest"``
 (default) ranks by the length model's predicted remaining output, shortest first, moved by the trained
 ``admission_residual`` where it has one (weights on standardised features and on the admission head, learned by
-simulation: :mod:`training.policy_search`); ``"scorer"`` by the admission score. ``learned-prior``
+simulation: :mod:`training.policy_search`); ``"returning"`` puts the trajectories' returning turns before first
+turns and ``"progress"`` ranks by heddle's progress score (:mod:`policy.session_progress`), both keeping the
+queue's order among equals (``kvpilot train`` chooses the order by simulation); ``"scorer"`` by the
+admission score. ``learned-prior``
 (:data:`PRIOR`) is the same bundle with no trained network deciding anything. The victim is the one with the highest
 preemption score when ``preempt`` is on (``kvpilot
 train`` turns it on when the logs hold preemption decisions), else vLLM's tail victim. ``mode="log"``: a
@@ -56,8 +59,10 @@ from policy.interface import (
     AdmissionDecision,
     CachedPrefix,
     CandidateRequest,
+    CandidateView,
     EngineState,
     Event,
+    EventKind,
     EvictionDecision,
     PolicyState,
     PreemptionDecision,
@@ -77,6 +82,7 @@ from policy.learned.scorer import ADMIT, PREEMPT, NumpyScorer
 from policy.learned.table import engine_raw
 from policy.options import check_positive
 from policy.predictors import OnlineNextUse
+from policy.session_progress import SessionProgress
 from policy.session_reuse import SessionStateNextUse, TrainedNextUse
 
 __all__ = ["RUNTIME_DEFAULTS", "PRIOR", "LearnedPolicy", "create_learned", "create_ablation", "ABLATIONS"]
@@ -136,9 +142,16 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # rule 1.19-1.45x (docs/results). Without weight versions nothing changes.
     "width": False,
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
-    # exploring policy's "shortest" component, deterministic) or "scorer" (the learned MLP's admission head), which
-    # shortest-first beat where memory binds (docs/results/2026-12-04-memory-binds-admission.md). In ``log`` mode the
-    # admission order is the scorer's Plackett-Luce sample either way (it explores).
+    # exploring policy's "shortest" component, deterministic); "returning" (a trajectory's returning turn before
+    # any first turn, the queue's order otherwise: a short session back from its tool uses its cached context before
+    # it is evicted, and a long first turn is not held back behind shorter ones); "progress" (the trajectory
+    # furthest along first, heddle's progress score, policy.session_progress, the queue's order among equals); or
+    # "scorer" (the learned MLP's admission head), which shortest-first beat where memory binds
+    # (docs/results/2026-12-04-memory-binds-admission.md). `kvpilot train` chooses between "shortest" and
+    # "returning" ("progress" on request) by simulating the logged workloads (training/policy_search.py):
+    # shortest-first wins where memory binds, the returning turns first on Search-R1's short search sessions
+    # (docs/results/2026-12-07-admission-order-by-simulation.md). In ``log`` mode
+    # the admission order is the scorer's Plackett-Luce sample either way (it explores).
     "admission": "shortest",
     # The trained admission residual: weights on the candidates' standardised features (names of FEATURES) and on
     # the scorer's admission head standardised over the queue ("scorer"), added to the prior's key
@@ -156,7 +169,9 @@ SCORER_INPUT = "scorer"
 #: order (a context never used again, ``inf``, still leaves first).
 AGE_S = 1e6
 #: The admission orders of :data:`RUNTIME_DEFAULTS`'s ``admission``.
-ADMISSION_ORDERS = ("scorer", "shortest")
+ADMISSION_ORDERS = ("scorer", "shortest", "returning", "progress")
+#: The admission orders that rank by how far each trajectory has come (:mod:`policy.session_progress`).
+SESSION_ORDERS = ("returning", "progress")
 #: The reuse predictors of :data:`RUNTIME_DEFAULTS`'s ``reuse_predictor``.
 REUSE_PREDICTORS = ("session-state", "session-trained", "online", "trained")
 
@@ -238,6 +253,9 @@ class LearnedPolicy(Sampler):
             raise ValueError(f"option reuse_predictor must be one of {', '.join(REUSE_PREDICTORS)}, "
                              f"got {reuse_predictor!r}")
         self.admission = admission
+        #: the sessions' progress (the key of the SESSION_ORDERS), None in any other order
+        self.progress = SessionProgress() if admission in SESSION_ORDERS else None
+        self._keys: dict[str, float] = {}  # request id -> its key in that order (see _progress_keys)
         self.gpu_async = gpu_eviction == "async"  # GPU eviction ordered only under asynchronous RL
         self.group_age = bool(group_age)
         #: the async rollout's width (None: off); it holds only where requests carry weight versions
@@ -360,6 +378,10 @@ class LearnedPolicy(Sampler):
 
     def on_event(self, event: Event) -> None:
         super().on_event(event)
+        if self.progress is not None:
+            self.progress.observe(event)
+            if event.kind is EventKind.FINISHED or event.kind is EventKind.PREEMPTED:
+                self._keys.pop(event.request_id, None)
         if self.width is not None:
             self.width.on_event(event)
 
@@ -367,6 +389,7 @@ class LearnedPolicy(Sampler):
         """The sampler's state (:meth:`Sampler.export_state`) and the sessions in flight of the width."""
         st = super().export_state()
         st.data["width"] = self.width
+        st.data["progress"] = self.progress
         return st
 
     def import_state(self, state: PolicyState) -> None:
@@ -375,6 +398,9 @@ class LearnedPolicy(Sampler):
         width = state.data.get("width")
         if self.width is not None and isinstance(width, WidthHolds):
             self.width = width
+        progress = state.data.get("progress")
+        if self.progress is not None and isinstance(progress, SessionProgress):
+            self.progress = progress
 
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         dec = self._admit(waiting, state)
@@ -400,6 +426,12 @@ class LearnedPolicy(Sampler):
             keys = self._by_age(idx, -rem) if self.group_age and self.table.aged else \
                 -rem - np.arange(len(waiting)) * 1e-9
             return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
+        if self.progress is not None and self.mode == "serve":  # "progress" or "returning"
+            _, idx = self._remaining(waiting, state)
+            keys = self._progress_keys(waiting)
+            if self.group_age and self.table.aged:
+                keys = self._by_age(idx, keys)
+            return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
         s, idx = self.scores(waiting, state, ADMIT)
         first = self.table.first(idx, state)
         if self.mode == "serve":
@@ -417,6 +449,23 @@ class LearnedPolicy(Sampler):
         order = self._order([], keys, waiting, state)
         head = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
         return AdmissionDecision(order=order, propensity=float(self._probs(s)[head]), predictions=predictions)
+
+    def _progress_keys(self, waiting: Sequence[CandidateRequest]) -> np.ndarray:
+        """Each waiting request's key in a SESSION_ORDERS order (higher first): its progress score, or for
+        ``returning`` whether it has any. A request's key is computed when it is first seen waiting and kept until
+        it is preempted or finishes: its session's earlier turns ended before it arrived, so only its own output
+        moves the score, and only a preemption sends a request with output back to the queue. So a step reads no
+        candidate it has seen (the view builds only the new ones)."""
+        cache = self._keys
+        ids = waiting.request_ids if isinstance(waiting, CandidateView) else [c.request_id for c in waiting]
+        new = [i for i, r in enumerate(ids) if r not in cache]
+        if new:
+            got = self.progress.scores(waiting.take(new) if isinstance(waiting, CandidateView) else
+                                       [waiting[i] for i in new])
+            returning = self.admission == "returning"
+            for i, k in zip(new, got):
+                cache[ids[i]] = (1.0 if k > 0.0 else 0.0) if returning else k
+        return np.fromiter((cache[r] for r in ids), dtype=np.float64, count=len(ids))
 
     def _residual_order(self, waiting: Sequence[CandidateRequest], state: EngineState) -> list[str]:
         """The prior's order moved by the trained residual: keys ``-log1p(predicted remaining)`` plus the residual's
@@ -523,11 +572,11 @@ def create_learned(model: Optional[str] = None, mode: str = "serve", **options: 
 
 #: The learned policy's ablation rows (``kvpilot evaluate``; each takes ``model`` as ``learned`` does), each named
 #: for what it runs. The network's ladder: ``learned-prior`` (no trained network: the rules it starts from),
-#: ``learned-admission`` (the network's admission residual; vLLM's victims), ``learned`` (every lever the bundle
-#: trained), with ``learned-tier-rule`` between the last two (every trained lever but the tier model: the
-#: session-state rule orders the tier). The levers' rows: ``learned-no-tier`` (no CPU tier, LRU on the GPU),
-#: ``learned-gpu-evict`` (no tier, GPU eviction by predicted next use), ``learned-tier-lru`` (the tier with vLLM's
-#: LRU order there).
+#: ``learned-admission`` (the admission order `train` chose and the network's admission residual; vLLM's victims),
+#: ``learned`` (every lever the bundle trained), with ``learned-tier-rule`` between the last two (every trained lever
+#: but the tier model: the session-state rule orders the tier). The levers' rows: ``learned-no-tier`` (no CPU tier,
+#: LRU on the GPU), ``learned-gpu-evict`` (no tier, GPU eviction by predicted next use), ``learned-tier-lru`` (the
+#: tier with vLLM's LRU order there).
 ABLATIONS: dict[str, dict[str, Any]] = {
     "learned-prior": PRIOR,
     "learned-admission": {"preempt": False, "reuse_predictor": "session-state"},

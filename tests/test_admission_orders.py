@@ -1,0 +1,130 @@
+"""The learned policy's session admission orders (``returning``, ``progress``) and how `kvpilot train` chooses its
+order: by simulating the logged workloads, keeping another order only where it beats shortest-first by ``min_gain``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from policy.interface import Event, EventKind, RequestStatus
+from policy.learned.policy import LearnedPolicy
+from policy.session_progress import SessionProgress
+from tests.test_learned import FixedLengths, _cand, _state, _state_dict
+
+
+def _turn(i: int, session: str, turn: int):
+    c = _cand(i)
+    c.meta = dataclasses.replace(c.meta, session_id=session, turn=turn)
+    return c
+
+
+def _finish(pol, c, tokens: int) -> None:
+    pol.on_event(Event(EventKind.FINISHED, 1.0, c.request_id, c.meta, num_output_tokens=tokens,
+                       finish_reason="tool_call"))
+
+
+def test_returning_turns_go_before_first_turns_and_the_queue_order_holds_among_equals() -> None:
+    """``returning``: a session's later turn before any first turn, whatever the predicted lengths; among first
+    turns the queue's order, so a long first turn is not held back behind shorter ones (shortest-first would)."""
+    lengths = {"r0": 3000.0, "r1": 50.0, "r2": 400.0, "r3": 60.0}
+    waiting = [_turn(0, "a", 0), _turn(1, "b", 0), _turn(2, "c", 1)]
+    pol = LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="returning")
+    assert list(pol.admit(waiting, _state()).order) == ["r2", "r0", "r1"]
+    shortest = LearnedPolicy(_state_dict(), FixedLengths(lengths))
+    assert list(shortest.admit(waiting, _state()).order) == ["r1", "r2", "r0"]
+    # session d finishes a turn, and its next one arrives: it returns, though the framework sends no turn number
+    _finish(pol, _turn(9, "d", 0), 100)
+    waiting.append(_turn(3, "d", 0))
+    assert list(pol.admit(waiting, _state(2, 1.0)).order) == ["r2", "r3", "r0", "r1"]
+    # a preempted request still goes back first (vLLM's precedence)
+    waiting[1].status, waiting[1].num_preemptions = RequestStatus.PREEMPTED, 1
+    pol.on_event(Event(EventKind.PREEMPTED, 2.0, "r1", waiting[1].meta))
+    assert list(pol.admit(waiting, _state(3, 2.0)).order)[0] == "r1"
+
+
+def test_progress_ranks_by_turns_and_tokens_of_the_session_and_survives_a_hot_swap() -> None:
+    """``progress``: heddle's score, turns x 512 + the session's output tokens so far; the tracker's state moves to
+    a successor policy at a hot swap."""
+    lengths = {f"r{i}": 100.0 for i in range(4)}
+    waiting = [_turn(0, "a", 1), _turn(2, "c", 2), _turn(3, "d", 0)]
+    pol = LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="progress")
+    assert list(pol.admit(waiting, _state()).order) == ["r2", "r0", "r3"]  # turn 2, turn 1, turn 0
+    _finish(pol, _turn(8, "b", 0), 300)  # b's first turn wrote 300 tokens; its second arrives: ahead of a's
+    assert pol.progress.get("b") == (1, 300)
+    waiting.insert(1, _turn(1, "b", 1))
+    assert list(pol.admit(waiting, _state(2, 1.0)).order) == ["r2", "r1", "r0", "r3"]
+    successor = LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="progress")
+    successor.import_state(pol.export_state())
+    assert list(successor.admit(waiting, _state(3, 2.0)).order) == ["r2", "r1", "r0", "r3"]
+
+
+def test_session_progress_forgets_the_least_recently_updated_and_ignores_aborts() -> None:
+    tracker = SessionProgress(max_sessions=2)
+    for sid, tokens in (("a", 10), ("b", 20), ("a", 5), ("c", 30)):  # c evicts b, the least recently updated
+        c = _turn(0, sid, 0)
+        tracker.observe(Event(EventKind.FINISHED, 0.0, c.request_id, c.meta, num_output_tokens=tokens,
+                              finish_reason="stop"))
+    assert tracker.get("a") == (1, 15) and tracker.get("b") == (0, 0) and tracker.get("c") == (1, 30)
+    c = _turn(1, "a", 1)
+    tracker.observe(Event(EventKind.FINISHED, 0.0, c.request_id, c.meta, num_output_tokens=99, finish_reason="abort"))
+    assert tracker.get("a") == (1, 15)
+    assert tracker.score(_turn(2, "a", 1)) == 512.0 + 15
+    with pytest.raises(ValueError, match="max_sessions"):
+        SessionProgress(max_sessions=0)
+
+
+@pytest.fixture()
+def replayable_log(tmp_path: Path) -> Path:
+    """A log folder the search accepts (its workload and engine); the simulations are stubbed in these tests."""
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "workload.parquet").write_bytes(b"")
+    (log / "summary.json").write_text(json.dumps({"preset": "H200-7B", "kv_blocks": 100, "decode_stride": 32}))
+    return log
+
+
+@pytest.fixture()
+def bundle(tmp_path: Path) -> Path:
+    return LearnedPolicy(_state_dict(), None, offload=True).save(tmp_path / "policy")
+
+
+@pytest.mark.parametrize("made, kept", [
+    ({"shortest": 100.0, "returning": 98.0, "progress": 99.0}, "returning"),  # the best of those that beat it
+    ({"shortest": 100.0, "returning": 101.0, "progress": 97.0}, "progress"),
+    ({"shortest": 100.0, "returning": 99.8, "progress": 104.0}, "shortest"),  # 0.2%: under min_gain
+])
+def test_train_keeps_another_order_only_where_the_logged_workloads_run_it_faster(
+        monkeypatch, replayable_log: Path, bundle: Path, made: dict, kept: str) -> None:
+    from training import policy_search as ps
+
+    ran: list[dict] = []
+
+    def simulate(policy_dir, runtime, workload, options):
+        ran.append(runtime)
+        return made[runtime["admission"]] * (0.5 if runtime.get("offload") is False else 1.0)
+
+    monkeypatch.setattr(ps, "_simulate", simulate)
+    found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, orders=("returning", "progress")))
+    # no CEM iterations (train's default): the three orders, not the tier turned off
+    assert [r["admission"] for r in ran] == ["shortest", "returning", "progress"]
+    assert found.levers == {"admission": kept} and found.residual == {}
+    assert found.ratio == pytest.approx(made[kept] / made["shortest"])
+    assert found.metrics()[f"search.admission.{kept}"] == 1.0
+    assert found.runtime() == {"admission": kept, "admission_residual": {}}
+    # train's default tries the returning turns first only
+    ran.clear()
+    default = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1))
+    assert [r["admission"] for r in ran] == ["shortest", "returning"]
+    assert default.levers == {"admission": "returning" if made["returning"] < 0.995 * made["shortest"] else "shortest"}
+    # with CEM iterations the levers the bundle trained are tried off too (here the tier, which wins by half)
+    ran.clear()
+    cem = ps.SearchConfig(jobs=1, iterations=1, population=2, elite=1)
+    with_cem = ps.search_admission(bundle, [replayable_log], cem)
+    assert {"admission": "shortest", "offload": False} in [{k: r[k] for k in r if k != "admission_residual"}
+                                                            for r in ran]
+    assert with_cem.levers == {"admission": "shortest", "offload": False}
+    with pytest.raises(ps.SearchError, match="admission orders must be among"):
+        ps.SearchConfig(orders=("lpt",))
