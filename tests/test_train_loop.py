@@ -123,6 +123,13 @@ def test_a_search_over_logs_without_their_workload_fails_before_fitting(run_dir:
                                    "--search-iterations", "1", "--no-progress"])
     assert res.exit_code == 2 and "noworkload.parquet" in "".join(res.output.split()), res.output
     assert not (tmp_path / "work" / "policy").exists()
+    # the default (no CEM asked for) trains anyway: the admission order is not chosen, with a note, shortest-first
+    res = CliRunner().invoke(app, ["train", "--logs", str(logs), "-o", str(tmp_path / "work"), "--trees", "5",
+                                   "--tier-rounds", "0", "--jobs", "1", "--no-progress"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 0 and "admission order: not chosen" in out and "no workload.parquet" in out, out
+    runtime = json.loads((tmp_path / "work" / "policy" / "policy.json").read_text())["config"]["runtime"]
+    assert runtime["admission"] == "shortest"
 
 
 @pytest.mark.vllm

@@ -395,7 +395,7 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
             if search.iterations:  # asked for: an error; the default order choice: skipped with a note
                 raise TrainError(f"policy search: {err}") from None
             console.print(f"admission order: not chosen ({err}); the prior's shortest-first order", highlight=False)
-            search = None
+            search = dataclasses.replace(search, orders=())
     _stage(console, f"1/4 data: {len(log_dirs)} log folder(s)")
     console.print(f"held-out evaluation on {heldout.engine()}"
                   + (f" ({', '.join(k for k, v in taken.items() if v is not None or k == 'kv_fraction')} as the "
@@ -439,7 +439,7 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
             except ValueError as err:  # no usable decisions, a bad log
                 raise TrainError(f"policy: {err}") from None
         metrics.update({k: float(v) for k, v in policy_metrics.items()})
-        if search is not None and search.active:
+        if search.active:
             metrics.update(_search(policy_dir, log_dirs, search, console))
         if tier is None or tier.rounds:
             metrics.update(_tier(policy_dir, log_dirs, tier, console))
