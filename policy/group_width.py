@@ -41,11 +41,14 @@ __all__ = ["WIDTH_HOLD_BOUND_S", "SessionContexts", "WidthHolds", "fit_session_c
 
 #: How many ended sessions the logged prior weighs as (online updates move it from there).
 PRIOR_WEIGHT = 8.0
-#: The longest :class:`WidthHolds` keeps a turn (its decisions' ``hold_bound_s``), above the hook's 30 s default:
-#: its holds cannot stall the engine (the oldest group is never held, an idle engine takes a held turn), and at
-#: H200-32B they last a minute or more (under the 30 s bound AReaL's rule with the width ran 0.80x the width
-#: without it: docs/results). A group that never ends (a client that left) holds younger turns at most this long.
-WIDTH_HOLD_BOUND_S = 600.0
+#: The longest :class:`WidthHolds` keeps a turn since its arrival (its decisions' ``hold_bound_s``), far above the
+#: hook's 30 s default: its holds cannot stall the engine (the oldest group is never held, an idle engine takes a
+#: held turn). At H200-32B they last minutes (under a 30 s bound AReaL's rule with the width ran 0.80x the width
+#: without it), and in a synchronous step a young group's first turns wait, from the step's start, for the older
+#: groups' whole sessions: on a 128-session step at H200-32B a 600 s bound released them in a flood and ran 1.5-3.4%
+#: slower than no bound (docs/results/2026-12-07-width-in-synchronous-steps.md). A group that never ends (a client
+#: that left) holds younger turns at most this long.
+WIDTH_HOLD_BOUND_S = 3600.0
 
 
 def fit_session_contexts(requests: pa.Table) -> dict[str, dict[str, float]]:
@@ -122,26 +125,27 @@ class _Session:
 class WidthHolds:
     """The width inside the engine: :func:`working_set_holds` from the engine's own events, for the serving hook.
 
-    Under asynchronous RL (requests that carry ``kvpilot_weight_version``, a group and a session) a session is in
-    flight from its first request until a turn ends other than in a tool call or an abort (an aborted request
-    comes back at a weight update); its context now is its latest prompt (its prompt plus output while it waits
-    on a tool), and it runs from its request's first scheduling to that request's end. Groups rank in the order
-    their first request arrived. :meth:`holds` names the waiting turns to keep in vLLM's queue this step: taken
-    oldest group first, a turn waits while the sessions in flight of its group and every older one do not fit in
-    GPU KV plus the host tier (the turns let go before it in this pass counted as running), the oldest group's
-    never, nor a turn of a running session (a preempted one), nor any turn while the oldest group's contexts alone
-    do not fit (a hold would keep nothing). It is work-conserving: where nothing runs and
-    nothing else waits, the first held turn goes (on vLLM's CPU server, holding while the older groups waited on
-    their tools idled the engine: docs/results). Other requests are neither held nor counted, so a synchronous run
-    is left alone. A framework's own concurrency cap keeps working: a hold only delays a turn,
-    and the hook's starvation bound releases one held too long. Beyond ``max_sessions`` in flight (sessions that
-    never ended), the oldest groups' are forgotten.
+    Every request with a group and a session counts, synchronous or not: a session is in flight from its first
+    request until a turn ends other than in a tool call or an abort (an aborted request comes back at a weight
+    update); its context now is its latest prompt (its prompt plus output while it waits on a tool), and it runs from
+    its request's first scheduling to that request's end. Groups rank in the order their first request arrived
+    (under asynchronous RL, their weight versions' order; in a synchronous step, the order the framework sent them).
+    :meth:`holds` names the waiting turns to keep in vLLM's queue this step: taken oldest group first, a turn waits
+    while the sessions in flight of its group and every older one do not fit in GPU KV plus the host tier (the turns
+    let go before it in this pass counted as running), the oldest group's never, nor a turn of a running session (a
+    preempted one), nor any turn while the oldest group's contexts alone do not fit (a hold would keep nothing). So
+    in a synchronous step a younger group's sessions start as the older ones end, instead of all at once, evicting
+    each other's paused contexts. It is work-conserving: where nothing runs and nothing else waits, the first held
+    turn goes (on vLLM's CPU server, holding while the older groups waited on their tools idled the engine:
+    docs/results). Requests without a group or a session are neither held nor counted. A framework's own concurrency
+    cap keeps working: a hold only delays a turn, and the hook's starvation bound releases one held too long. Beyond
+    ``max_sessions`` in flight (sessions that never ended), the oldest groups' are forgotten.
     """
 
     def __init__(self, max_sessions: int = 1 << 16) -> None:
         self.max_sessions = max_sessions
         self.sessions: dict[str, _Session] = {}
-        self.ages = GroupAges()  # each group's rank in arrival order
+        self.ages = GroupAges(versioned_only=False)  # each group's rank in arrival order
         self._session_of: dict[str, str] = {}  # a request from its arrival to its end -> its session
         self._sums: tuple[dict[int, int], dict[int, int], int] | None = None  # per rank, cumulative (see _cumulative)
 
@@ -149,7 +153,7 @@ class WidthHolds:
         """Follow the sessions in flight."""
         meta = event.meta
         sid, gid = meta.session_id, meta.group_id
-        if sid is None or gid is None or meta.weight_version is None:
+        if sid is None or gid is None:
             return
         kind, sessions = event.kind, self.sessions
         if kind is EventKind.ARRIVED:

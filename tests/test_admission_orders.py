@@ -107,7 +107,8 @@ def test_train_keeps_another_order_only_where_the_logged_workloads_run_it_faster
         return made[runtime["admission"]] * (0.5 if runtime.get("offload") is False else 1.0)
 
     monkeypatch.setattr(ps, "_simulate", simulate)
-    found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, orders=("returning", "progress")))
+    found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, orders=("returning", "progress"),
+                                                                          width=False))
     # no CEM iterations (train's default): the three orders, not the tier turned off
     assert [r["admission"] for r in ran] == ["shortest", "returning", "progress"]
     assert found.levers == {"admission": kept} and found.residual == {}
@@ -116,15 +117,45 @@ def test_train_keeps_another_order_only_where_the_logged_workloads_run_it_faster
     assert found.runtime() == {"admission": kept, "admission_residual": {}}
     # train's default tries the returning turns first only
     ran.clear()
-    default = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1))
+    default = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, width=False))
     assert [r["admission"] for r in ran] == ["shortest", "returning"]
     assert default.levers == {"admission": "returning" if made["returning"] < 0.995 * made["shortest"] else "shortest"}
     # with CEM iterations the levers the bundle trained are tried off too (here the tier, which wins by half)
     ran.clear()
-    cem = ps.SearchConfig(jobs=1, iterations=1, population=2, elite=1)
+    cem = ps.SearchConfig(jobs=1, iterations=1, population=2, elite=1, width=False)
     with_cem = ps.search_admission(bundle, [replayable_log], cem)
     assert {"admission": "shortest", "offload": False} in [{k: r[k] for k in r if k != "admission_residual"}
                                                             for r in ran]
     assert with_cem.levers == {"admission": "shortest", "offload": False}
     with pytest.raises(ps.SearchError, match="admission orders must be among"):
         ps.SearchConfig(orders=("lpt",))
+
+
+@pytest.mark.parametrize("order_made, width_factor, kept", [
+    ({"shortest": 100.0, "returning": 101.0}, 0.8, {"admission": "shortest", "width": True}),
+    ({"shortest": 100.0, "returning": 90.0}, 0.99, {"admission": "returning", "width": True}),  # on the kept order
+    ({"shortest": 100.0, "returning": 90.0}, 0.997, {"admission": "returning"}),  # 0.3%: under min_gain
+    ({"shortest": 100.0, "returning": 101.0}, 1.2, {"admission": "shortest"}),
+])
+def test_train_turns_the_width_on_only_where_the_logged_workloads_run_it_faster_with_the_order_kept(
+        monkeypatch, replayable_log: Path, bundle: Path, order_made: dict, width_factor: float, kept: dict) -> None:
+    from training import policy_search as ps
+
+    ran: list[dict] = []
+
+    def simulate(policy_dir, runtime, workload, options):
+        ran.append(runtime)
+        return order_made[runtime["admission"]] * (width_factor if runtime.get("width") else 1.0)
+
+    monkeypatch.setattr(ps, "_simulate", simulate)
+    found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1))  # train's default
+    order = "returning" if order_made["returning"] < 0.995 * order_made["shortest"] else "shortest"
+    assert [(r["admission"], r.get("width", False)) for r in ran] == [("shortest", False), ("returning", False),
+                                                                       (order, True)]
+    assert found.levers == kept
+    assert found.ratio == pytest.approx(order_made[order] * (width_factor if kept.get("width") else 1.0) / 100.0)
+    assert found.metrics().get("search.lever.width", 0.0) == float(kept.get("width", False))
+    # --no-width never tries it
+    ran.clear()
+    ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, width=False))
+    assert not any(r.get("width") for r in ran)

@@ -65,7 +65,7 @@ def _engine(gpu_blocks: int, tier_blocks: int = 0) -> EngineState:
 def test_the_engines_width_holds_a_younger_groups_turn_while_the_older_contexts_do_not_fit() -> None:
     """Two groups of two sessions in 1,024 tokens of KV (no tier): while the older group's two contexts and the
     younger group's do not fit, a younger turn waits; the older group's never does, nor a running session's. A
-    session's end makes room; requests without a weight version are never held nor counted."""
+    session's end makes room; requests without a group are never held nor counted."""
     w = WidthHolds()
     for rid, g in (("a0-t0", "a"), ("a1-t0", "a"), ("b0-t0", "b"), ("b1-t0", "b")):
         w.on_event(_event("arrived", rid, g, prompt=200))
@@ -77,7 +77,7 @@ def test_the_engines_width_holds_a_younger_groups_turn_while_the_older_contexts_
     for rid in ("b0-t1", "a0-t1", "a1-t1", "b1-t1"):
         w.on_event(_event("arrived", rid, rid[0], prompt=350))
     waiting = ["b0-t1", "a0-t1", "a1-t1", "b1-t1", "x-t0"]
-    w.on_event(_event("arrived", "x-t0", "sync", version=None, prompt=5000))  # a synchronous request: ignored
+    w.on_event(Event(EventKind.ARRIVED, 0.0, "x-t0", RequestMeta(session_id="x"), num_prompt_tokens=5000))  # no group
     assert w.holds(waiting, _engine(64)) == {"b0-t1", "b1-t1"}  # a's 700 run, then b's 350 + 700 + 700 > 1,024
     assert w.holds(waiting, _engine(128)) == frozenset()  # 2,048 tokens: everything fits
     # with a tier, a running context counts twice (its host copy): 1,400 + 1,400 fit in 1,024 + 2,048, not 1,024 x 2
@@ -94,6 +94,23 @@ def test_the_engines_width_holds_a_younger_groups_turn_while_the_older_contexts_
     assert "b0" in w.sessions and not w.sessions["b0"].live  # comes back: still in flight, paused
 
 
+def test_the_width_holds_in_synchronous_steps_too_groups_ranked_in_arrival_order() -> None:
+    """Without weight versions (a synchronous RL step: every group sent at once) the groups rank in the order their
+    first request arrived: the first-sent group's sessions start, a later group's first turns wait while the contexts
+    do not fit, and start as the older sessions end."""
+    w = WidthHolds()
+    first = [("c0-t0", "c"), ("c1-t0", "c"), ("a0-t0", "a"), ("a1-t0", "a")]  # c sent first: the oldest
+    for rid, g in first:
+        w.on_event(_event("arrived", rid, g, version=None, prompt=400))
+    ids = [rid for rid, _ in first]
+    assert w.holds(ids, _engine(64)) == {"a0-t0", "a1-t0"}  # c's 800 run; then 400 + 800 + 800 > 1,024
+    assert w.holds(ids, _engine(128)) == frozenset()  # 2,048 tokens: everything fits
+    for rid in ("c0-t0", "c1-t0"):
+        w.on_event(_event("scheduled", rid, "c", version=None))
+        w.on_event(_event("finished", rid, "c", version=None, prompt=400, output=100, reason="stop"))
+    assert w.holds(["a0-t0", "a1-t0"], _engine(64)) == frozenset()  # c ended: a is the oldest now
+
+
 def test_the_engines_width_is_work_conserving() -> None:
     """Where nothing runs and only held turns wait, the first of them goes: the width never idles the engine; with a
     request running, or another request waiting, the holds stand."""
@@ -107,7 +124,7 @@ def test_the_engines_width_is_work_conserving() -> None:
     assert w.holds(["b0-t1", "b1-t1"], _engine(64)) == {"b1-t1"}  # idle engine: the first held turn goes
     busy = dataclasses.replace(_engine(64), num_running=1)
     assert w.holds(["b0-t1", "b1-t1"], busy) == {"b0-t1", "b1-t1"}
-    w.on_event(_event("arrived", "x-t0", "sync", version=None, prompt=10))
+    w.on_event(Event(EventKind.ARRIVED, 0.0, "x-t0", RequestMeta(), num_prompt_tokens=10))  # no group, no session
     assert w.holds(["b0-t1", "b1-t1", "x-t0"], _engine(64)) == {"b0-t1", "b1-t1"}  # x runs
 
 

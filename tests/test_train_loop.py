@@ -127,7 +127,7 @@ def test_a_search_over_logs_without_their_workload_fails_before_fitting(run_dir:
     res = CliRunner().invoke(app, ["train", "--logs", str(logs), "-o", str(tmp_path / "work"), "--trees", "5",
                                    "--tier-rounds", "0", "--jobs", "1", "--no-progress"])
     out = " ".join(res.output.split())
-    assert res.exit_code == 0 and "admission order: not chosen" in out and "no workload.parquet" in out, out
+    assert res.exit_code == 0 and "admission order and width: not chosen" in out and "no workload.parquet" in out, out
     runtime = json.loads((tmp_path / "work" / "policy" / "policy.json").read_text())["config"]["runtime"]
     assert runtime["admission"] == "shortest"
 

@@ -63,6 +63,7 @@ class SearchConfig:
     min_gain: float = 0.005  # keep the best sample only if its mean makespan ratio is below 1 - min_gain
     inputs: tuple[str, ...] = DEFAULT_INPUTS
     orders: tuple[str, ...] = DEFAULT_ORDERS  # admission orders tried beside shortest-first (of ORDER_CHOICES)
+    width: bool = True  # then the width (policy.group_width.WidthHolds) tried on, with the order kept
     seed: int = 0
     jobs: int = 2
     backend: str = "process"  # or "ray"
@@ -70,8 +71,8 @@ class SearchConfig:
 
     @property
     def active(self) -> bool:
-        """Whether there is anything to simulate: another admission order or CEM iterations."""
-        return bool(self.orders or self.iterations)
+        """Whether there is anything to simulate: another admission order, the width or CEM iterations."""
+        return bool(self.orders or self.width or self.iterations)
 
     def __post_init__(self) -> None:
         from policy.learned.features import FEATURES
@@ -221,6 +222,13 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
         if r < 1.0 - cfg.min_gain and r < ratio(got[kept], base):
             kept = i
     lever, base = levers[kept], got[kept]
+    if cfg.width and not read_runtime(policy_dir).get("width"):
+        wide = {**lever, "width": True}
+        made = makespans([{**wide, "admission_residual": {}}])[0]
+        r = ratio(made, base)
+        say(f"search: {wide}: {r:.4f}x")
+        if r < 1.0 - cfg.min_gain:
+            lever, base = wide, made
     lever_ratio = ratio(base, got[0])
     say(f"search: kept {lever} ({lever_ratio:.4f}x)")
     if not cfg.iterations or lever["admission"] != "shortest":  # the residual moves shortest-first only
@@ -250,13 +258,18 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
     return SearchResult(weights(best_theta), best * lever_ratio, history, lever)
 
 
+def read_runtime(policy_dir: Path) -> dict[str, Any]:
+    """POLICY_DIR's runtime options as trained."""
+    from policy.learned.bundle import read_manifest
+
+    return read_manifest(Path(policy_dir)).get("config", {}).get("runtime", {})
+
+
 def lever_choices(policy_dir: Path, orders: Sequence[str] = DEFAULT_ORDERS,
                   with_off: bool = True) -> list[dict[str, Any]]:
     """The runtime options tried: the bundle as trained with the prior's shortest-first order, each admission order
     of ``orders``, then (``with_off``) each trained lever turned off: the CPU tier (``offload``), the preemption head
     (``preempt``)."""
-    from policy.learned.bundle import read_manifest
-
-    runtime = read_manifest(Path(policy_dir)).get("config", {}).get("runtime", {})
+    runtime = read_runtime(policy_dir)
     off = [{"admission": "shortest", k: False} for k in ("offload", "preempt") if with_off and runtime.get(k)]
     return [{"admission": "shortest"}, *({"admission": o} for o in orders), *off]

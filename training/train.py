@@ -394,8 +394,9 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
         except SearchError as err:
             if search.iterations:  # asked for: an error; the default order choice: skipped with a note
                 raise TrainError(f"policy search: {err}") from None
-            console.print(f"admission order: not chosen ({err}); the prior's shortest-first order", highlight=False)
-            search = dataclasses.replace(search, orders=())
+            console.print(f"admission order and width: not chosen ({err}); the prior's shortest-first order, no "
+                          "width", highlight=False)
+            search = dataclasses.replace(search, orders=(), width=False)
     _stage(console, f"1/4 data: {len(log_dirs)} log folder(s)")
     console.print(f"held-out evaluation on {heldout.engine()}"
                   + (f" ({', '.join(k for k, v in taken.items() if v is not None or k == 'kv_fraction')} as the "
@@ -471,7 +472,8 @@ def _search(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Conso
     from policy.learned.bundle import update_runtime
     from training.policy_search import search_admission
 
-    _stage(console, f"3b/4 policy search: the admission order{' and residual' if cfg.iterations else ''} by "
+    what = "the admission order" + (" and width" if cfg.width else "") + (" and residual" if cfg.iterations else "")
+    _stage(console, f"3b/4 policy search: {what} by "
                     f"simulating {len(log_dirs)} logged workload(s)")
     found = search_admission(policy_dir, log_dirs, cfg, progress=lambda m: console.print(m, highlight=False))
     update_runtime(policy_dir, found.runtime())

@@ -19,11 +19,13 @@ MAX_GROUPS = 1 << 16
 
 
 class GroupAges:
-    """Each group's rank in start order (1 for the first group seen), from requests that carry a weight version."""
+    """Each group's rank in start order (1 for the first group seen), from requests that carry a weight version (with
+    ``versioned_only=False``, from every request with a group: the width's ranks, synchronous steps included)."""
 
-    def __init__(self) -> None:
+    def __init__(self, versioned_only: bool = True) -> None:
         self._rank: dict[str, int] = {}
         self._next = 1
+        self.versioned_only = versioned_only
 
     def rank(self, meta: RequestMeta) -> int:
         """The rank of the request's group in start order; 0 where it carries no weight version or no group."""
@@ -39,6 +41,6 @@ class GroupAges:
     def known(self, meta: RequestMeta) -> int:
         """:meth:`rank` without ranking a group not seen yet: such a group counts as the youngest."""
         gid = meta.group_id
-        if gid is None or meta.weight_version is None:
+        if gid is None or (meta.weight_version is None and self.versioned_only):
             return 0
         return self._rank.get(gid, self._next)

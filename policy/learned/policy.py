@@ -134,12 +134,12 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # memory) first (policy/learned/group_age.py; docs/results/2026-12-05-async-32b-oldest-group-first.md).
     # Without weight versions nothing changes.
     "group_age": True,
-    # The rollout's width, under asynchronous RL (requests that carry ``kvpilot_weight_version``, a group and a
-    # session): a younger group's turn waits in vLLM's queue while the contexts in flight of its group and every
-    # older one do not fit in GPU KV plus the CPU tier, the oldest group's never (policy.group_width.WidthHolds,
-    # the async driver's working-set holds in the engine, work-conserving). Off by default: on vLLM's CPU server
-    # the holds cost more engine time than the recomputation they saved; at H200-32B, simulated, they give AReaL's
-    # rule 1.19-1.45x (docs/results). Without weight versions nothing changes.
+    # The rollout's width (requests with a group and a session, synchronous steps and asynchronous RL alike): a
+    # younger group's turn waits in vLLM's queue while the contexts in flight of its group and every older one do not
+    # fit in GPU KV plus the CPU tier, the oldest group's never (policy.group_width.WidthHolds, work-conserving). Off
+    # unless `kvpilot train` turns it on by simulating the logged workloads (training/policy_search.py): at H200-32B
+    # on GPU KV it cuts a synchronous step's recomputation by two thirds, while on vLLM's CPU server the holds cost
+    # more engine time than the recomputation they saved (docs/results).
     "width": False,
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
     # exploring policy's "shortest" component, deterministic); "returning" (a trajectory's returning turn before
@@ -160,8 +160,9 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "admission_residual": {},
 }
 #: The options that make a bundle its prior, ``learned-prior``: the same code, predictors and tiers, with no
-#: decision taken by a trained network (shortest predicted remaining first, vLLM's tail victim).
-PRIOR: dict[str, Any] = {"preempt": False, "admission": "shortest", "admission_residual": {},
+#: decision taken by a trained network and no lever chosen by simulation (shortest predicted remaining first, vLLM's
+#: tail victim, no width).
+PRIOR: dict[str, Any] = {"preempt": False, "admission": "shortest", "admission_residual": {}, "width": False,
                          "reuse_predictor": "session-state"}
 #: The admission residual's inputs besides FEATURES: the scorer's admission head, standardised over the queue.
 SCORER_INPUT = "scorer"
