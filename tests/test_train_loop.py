@@ -98,6 +98,9 @@ def test_train_logs_one_run_and_registers_a_version(run_dir: Path, tmp_path: Pat
     assert "policy/search.json" in {a.path for a in client.list_artifacts(run.info.run_id, "policy")}
     runtime = json.loads((tmp_path / "work" / "policy" / "policy.json").read_text())["config"]["runtime"]
     assert runtime["admission"] == "shortest"  # the order the search moved
+    # the width was simulated with the levers kept, and is served exactly where the search kept it
+    assert "'width': True}:" in " ".join(res.output.split()), res.output
+    assert runtime.get("width", False) == (m.get("search.lever.width", 0.0) == 1.0)
     assert runtime["admission_residual"] == {k.removeprefix("search.residual."): v for k, v in m.items()
                                              if k.startswith("search.residual.")}
     version = client.get_model_version("kvpilot", "1")
@@ -162,6 +165,7 @@ def test_demo_loop_leaves_run_model_and_alias(tmp_path: Path, vllm_engine) -> No
     chosen = [o for o in ("shortest", "returning", "progress") if m.get(f"search.admission.{o}") == 1.0]
     runtime = json.loads((tmp_path / "demo" / "train" / "policy" / "policy.json").read_text())["config"]["runtime"]
     assert len(chosen) == 1 and runtime["admission"] == chosen[0], (chosen, runtime["admission"])
+    assert runtime.get("width", False) == (m.get("search.lever.width", 0.0) == 1.0)
     champion = client.get_model_version_by_alias("kvpilot", "champion")
     assert str(champion.version) == result.version and champion.run_id == runs[0].info.run_id
     assert "champion" in client.get_registered_model("kvpilot").aliases

@@ -472,7 +472,9 @@ def _search(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Conso
     from policy.learned.bundle import update_runtime
     from training.policy_search import search_admission
 
-    what = "the admission order" + (" and width" if cfg.width else "") + (" and residual" if cfg.iterations else "")
+    parts = ["the admission order", *(["the width"] if cfg.width else []),
+             *(["the residual"] if cfg.iterations else [])]
+    what = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
     _stage(console, f"3b/4 policy search: {what} by "
                     f"simulating {len(log_dirs)} logged workload(s)")
     found = search_admission(policy_dir, log_dirs, cfg, progress=lambda m: console.print(m, highlight=False))
