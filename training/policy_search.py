@@ -13,11 +13,15 @@ Before the residual, the admission order and the levers are chosen the same way,
 as trained (the prior's shortest-first order), each admission order of ``orders`` (by default the trajectories'
 returning turns first; heddle's progress first on request), and with CEM iterations the levers the bundle trained
 turned off (the CPU tier, the preemption head). A choice is kept only if it beats the bundle as trained by
-``min_gain``, the best one where several do. The rules disagree by regime (shortest-first wins where memory binds,
-the returning turns first on short search sessions), and the logged workloads say which regime the logs' engine
-serves. With ``iterations = 0`` only this choice runs (``kvpilot train``'s default: a few simulations), and the CEM
-runs only over the shortest-first order, which its residual moves. Samples run in parallel on a process pool
-(``backend="process"``) or as Ray tasks (``backend="ray"``).
+``min_gain``, the best one where several do. Then, with ``width``, the choice kept is simulated once more with the
+rollout's width on (:class:`policy.group_width.WidthHolds`: a younger GRPO group's turns wait while the older
+groups' contexts do not fit in GPU KV plus the tier), kept where it beats that choice by ``min_gain``: where memory
+binds over a tier every session of a synchronous step in flight at once evicts the others' paused contexts. The
+rules disagree by regime (shortest-first and the width win where memory binds, the returning turns first on short
+search sessions), and the logged workloads say which regime the logs' engine serves. With ``iterations = 0`` only
+this choice runs (``kvpilot train``'s default: a few simulations), and the CEM runs only over the shortest-first
+order, which its residual moves. Samples run in parallel on a process pool (``backend="process"``) or as Ray tasks
+(``backend="ray"``).
 
 Everything the search does is in :func:`search_admission`, its hyper-parameters in :class:`SearchConfig`.
 """

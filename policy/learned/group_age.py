@@ -28,7 +28,8 @@ class GroupAges:
         self.versioned_only = versioned_only
 
     def rank(self, meta: RequestMeta) -> int:
-        """The rank of the request's group in start order; 0 where it carries no weight version or no group."""
+        """The rank of the request's group in start order; 0 where it has no group, or no weight version where only
+        versioned requests rank."""
         r = self.known(meta)
         if r == self._next:  # a group not seen yet: ranked now
             if len(self._rank) >= MAX_GROUPS:

@@ -138,8 +138,8 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # younger group's turn waits in vLLM's queue while the contexts in flight of its group and every older one do not
     # fit in GPU KV plus the CPU tier, the oldest group's never (policy.group_width.WidthHolds, work-conserving). Off
     # unless `kvpilot train` turns it on by simulating the logged workloads (training/policy_search.py): at H200-32B
-    # on GPU KV it cuts a synchronous step's recomputation by two thirds, while on vLLM's CPU server the holds cost
-    # more engine time than the recomputation they saved (docs/results).
+    # on GPU KV it cuts a synchronous step's recomputation by three quarters, while on vLLM's CPU server the holds
+    # cost more engine time than the recomputation they saved (docs/results).
     "width": False,
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
     # exploring policy's "shortest" component, deterministic); "returning" (a trajectory's returning turn before
