@@ -1,14 +1,15 @@
 """kvpilot on a real engine: vLLM's CPU server with the hook, measured, beside the calibrated simulator.
 
-One held-out agentic RL step on a config-only model (``models/small-llama``: random weights, prefill a real share
-of the step) with KV that binds (``--num-gpu-blocks-override``). First the registry loop on the server's own
-telemetry: the exploring ``logging`` policy serves training steps of another seed, ``kvpilot train`` fits a bundle
-on that telemetry, ``promote`` makes it the champion. Then, for each policy (vllm-default, the rules, with the
-champion's length model where they predict lengths, ``learned-prior`` and the champion served as ``registry``)
-and stock vLLM (no ``--scheduler-cls``), the step is replayed in ``--runs`` rounds, each policy once a round on a
-fresh server in an order rotated by round, tool waits scaled by ``--time-scale``. ``kvpilot calibrate`` fits a
-preset to vllm-default's own steps and the client's round trip (given the replayed workload), and the simulator
-predicts each policy's makespan on it at the same time scale.
+One held-out agentic RL step on a config-only model (``models/small-llama``: random weights, prefill a real share of
+the step) with KV that binds (``--num-gpu-blocks-override``). First the registry loop on the server's own telemetry:
+the exploring ``logging`` policy serves training steps of another seed, ``kvpilot calibrate`` fits a preset to that
+run's steps, ``kvpilot train`` fits a bundle on that telemetry and chooses its admission order and width by
+simulating that preset (``--engine-preset``), ``promote`` makes it the champion. Then, for each policy
+(vllm-default, the rules, with the champion's length model where they predict lengths, ``learned-prior`` and the
+champion served as ``registry``) and stock vLLM (no ``--scheduler-cls``), the step is replayed in ``--runs`` rounds,
+each policy once a round on a fresh server in an order rotated by round, tool waits scaled by ``--time-scale``.
+``kvpilot calibrate`` fits a preset to vllm-default's own steps and the client's round trip (given the replayed
+workload), and the simulator predicts each policy's makespan on it at the same time scale.
 
 Printed side by side: measured median makespan and spread, the median over rounds of its ratio to vllm-default's
 in the same round (the machine drifts over twenty minutes, less within a round), the prediction and its ratio, the
@@ -101,11 +102,13 @@ def serve_and_replay(tmp: Path, policy: str | None, workload, runs: int, time_sc
 
 def train_champion(out: Path, args: argparse.Namespace) -> Path:
     """The registry loop on the server's own telemetry: the exploring ``logging`` policy served and replayed on
-    training steps (another seed), ``kvpilot train`` on that telemetry, ``promote``. The trained bundle's folder."""
-    import shutil
-
+    training steps (another seed), ``kvpilot calibrate`` on its steps, ``kvpilot train`` on that telemetry with that
+    engine preset, ``promote``. The trained bundle's folder."""
     from data.io import write_workload
+    from simulator.fitted_cost import write_preset_file
     from simulator.workload import load_workload
+    from training.calibrate import CalibrateConfig, calibrate
+    from training.policy_search import SearchConfig
     from training.promote import promote
     from training.train import HeldoutParams, train_and_register
 
@@ -117,9 +120,16 @@ def train_champion(out: Path, args: argparse.Namespace) -> Path:
     print(f"         logging: {logged[0]['requests']} requests served for training (failed {logged[0]['failed']})",
           flush=True)
     logs = out / "logging" / "telemetry"
-    shutil.copy(train_wl, logs / "workload.parquet")  # the predictors and the tier replays read its tools
+    # the workload as served (tool waits at --time-scale): the predictors read its tools, the search replays it
+    write_workload(load_workload(train_wl).time_scaled(args.time_scale).table, logs / "workload.parquet")
+    # the server's engine, for the search to choose the admission order and the width on: a preset fitted to the
+    # logging run's own steps and the client's round trip
+    cal = calibrate([logs], CalibrateConfig(name=f"cpu-{args.model.name}-logging", workload=logs / "workload.parquet"))
+    engine = out / "logging" / "engine.toml"
+    write_preset_file(cal.cost, engine, cal.fit_record())
+    print("         the logging run's engine: " + "; ".join(cal.render().splitlines()[:2]), flush=True)
     trained = train_and_register([logs], out / "train", heldout=HeldoutParams(workload=out / "heldout.parquet"),
-                                 progress=True)
+                                 search=SearchConfig(engine_preset=str(engine)), progress=True)
     gate = promote(trained.version, progress=False)
     print(f"         trained kvpilot version {trained.version}; promoted: {gate.promoted}", flush=True)
     return out / "train" / "policy"

@@ -1,5 +1,6 @@
-"""The learned policy's session admission orders (``returning``, ``progress``) and how `kvpilot train` chooses its
-order: by simulating the logged workloads, keeping another order only where it beats shortest-first by ``min_gain``."""
+"""The learned policy's admission orders (``returning``, ``progress``, vLLM's ``queue``) and how `kvpilot train`
+chooses its order: by simulating the logged workloads, on the logs' own engine (a server's: the preset fitted to
+it), keeping another order only where it beats shortest-first by ``min_gain``."""
 
 from __future__ import annotations
 
@@ -61,6 +62,19 @@ def test_progress_ranks_by_turns_and_tokens_of_the_session_and_survives_a_hot_sw
     assert list(successor.admit(waiting, _state(3, 2.0)).order) == ["r2", "r1", "r0", "r3"]
 
 
+def test_queue_keeps_vllms_order_whatever_the_lengths_with_the_preempted_first() -> None:
+    """``queue``: vLLM's own order (first come first served), for engines where shortest-first runs behind it."""
+    lengths = {"r0": 3000.0, "r1": 50.0, "r2": 400.0, "r3": 60.0}
+    waiting = [_turn(0, "a", 0), _turn(1, "b", 0), _turn(2, "c", 1), _turn(3, "d", 0)]
+    pol = LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="queue")
+    assert list(pol.admit(waiting, _state()).order) == ["r0", "r1", "r2", "r3"]
+    waiting[2].status, waiting[2].num_preemptions = RequestStatus.PREEMPTED, 1
+    pol.on_event(Event(EventKind.PREEMPTED, 1.0, "r2", waiting[2].meta))
+    assert list(pol.admit(waiting, _state(2, 1.0)).order) == ["r2", "r0", "r1", "r3"]
+    with pytest.raises(ValueError, match="admission must be one of"):
+        LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="fifo")
+
+
 def test_session_progress_forgets_the_least_recently_updated_and_ignores_aborts() -> None:
     tracker = SessionProgress(max_sessions=2)
     for sid, tokens in (("a", 10), ("b", 20), ("a", 5), ("c", 30)):  # c evicts b, the least recently updated
@@ -92,9 +106,10 @@ def bundle(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("made, kept", [
-    ({"shortest": 100.0, "returning": 98.0, "progress": 99.0}, "returning"),  # the best of those that beat it
-    ({"shortest": 100.0, "returning": 101.0, "progress": 97.0}, "progress"),
-    ({"shortest": 100.0, "returning": 99.8, "progress": 104.0}, "shortest"),  # 0.2%: under min_gain
+    ({"shortest": 100.0, "returning": 98.0, "progress": 99.0, "queue": 103.0}, "returning"),  # the best that beat it
+    ({"shortest": 100.0, "returning": 101.0, "progress": 97.0, "queue": 99.0}, "progress"),
+    ({"shortest": 100.0, "returning": 99.8, "progress": 104.0, "queue": 100.0}, "shortest"),  # 0.2%: under min_gain
+    ({"shortest": 160.0, "returning": 120.0, "progress": 130.0, "queue": 100.0}, "queue"),  # vLLM's CPU server
 ])
 def test_train_keeps_another_order_only_where_the_logged_workloads_run_it_faster(
         monkeypatch, replayable_log: Path, bundle: Path, made: dict, kept: str) -> None:
@@ -107,19 +122,20 @@ def test_train_keeps_another_order_only_where_the_logged_workloads_run_it_faster
         return made[runtime["admission"]] * (0.5 if runtime.get("offload") is False else 1.0)
 
     monkeypatch.setattr(ps, "_simulate", simulate)
-    found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, orders=("returning", "progress"),
-                                                                          width=False))
-    # no CEM iterations (train's default): the three orders, not the tier turned off
-    assert [r["admission"] for r in ran] == ["shortest", "returning", "progress"]
+    every = ("returning", "progress", "queue")
+    found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, orders=every, width=False))
+    # no CEM iterations (train's default): the four orders, not the tier turned off
+    assert [r["admission"] for r in ran] == ["shortest", *every]
     assert found.levers == {"admission": kept} and found.residual == {}
     assert found.ratio == pytest.approx(made[kept] / made["shortest"])
     assert found.metrics()[f"search.admission.{kept}"] == 1.0
     assert found.runtime() == {"admission": kept, "admission_residual": {}}
-    # train's default tries the returning turns first only
+    # train's default tries the returning turns first and vLLM's queue order
     ran.clear()
     default = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, width=False))
-    assert [r["admission"] for r in ran] == ["shortest", "returning"]
-    assert default.levers == {"admission": "returning" if made["returning"] < 0.995 * made["shortest"] else "shortest"}
+    assert [r["admission"] for r in ran] == ["shortest", "returning", "queue"]
+    best = min(("returning", "queue"), key=made.get)
+    assert default.levers == {"admission": best if made[best] < 0.995 * made["shortest"] else "shortest"}
     # with CEM iterations the levers the bundle trained are tried off too (here the tier, which wins by half)
     ran.clear()
     cem = ps.SearchConfig(jobs=1, iterations=1, population=2, elite=1, width=False)
@@ -148,10 +164,11 @@ def test_train_turns_the_width_on_only_where_the_logged_workloads_run_it_faster_
         return order_made[runtime["admission"]] * (width_factor if runtime.get("width") else 1.0)
 
     monkeypatch.setattr(ps, "_simulate", simulate)
+    order_made = {**order_made, "queue": 105.0}
     found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1))  # train's default
     order = "returning" if order_made["returning"] < 0.995 * order_made["shortest"] else "shortest"
     assert [(r["admission"], r.get("width", False)) for r in ran] == [("shortest", False), ("returning", False),
-                                                                       (order, True)]
+                                                                       ("queue", False), (order, True)]
     assert found.levers == kept
     assert found.ratio == pytest.approx(order_made[order] * (width_factor if kept.get("width") else 1.0) / 100.0)
     assert found.metrics().get("search.lever.width", 0.0) == float(kept.get("width", False))
@@ -159,3 +176,42 @@ def test_train_turns_the_width_on_only_where_the_logged_workloads_run_it_faster_
     ran.clear()
     ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, width=False))
     assert not any(r.get("width") for r in ran)
+
+
+def test_a_servers_logs_are_replayed_on_the_preset_fitted_to_that_server(monkeypatch, tmp_path: Path,
+                                                                          bundle: Path) -> None:
+    """A server's telemetry has no simulator summary: the search replays it on ``--engine-preset`` (a preset
+    ``kvpilot calibrate`` wrote), and says how to give one where it is missing; a bad preset is a named error."""
+    from data.io import write_workload
+    from simulator.fitted_cost import write_preset_file
+    from simulator.simulation import run_simulation
+    from tests.test_calibrate import KNOWN, small_workload
+    from training import policy_search as ps
+
+    log = tmp_path / "server-telemetry"
+    log.mkdir()
+    write_workload(small_workload(), log / "workload.parquet")
+    preset = tmp_path / "server.toml"
+    write_preset_file(KNOWN, preset)
+    with pytest.raises(ps.SearchError, match="--engine-preset"):
+        ps.replays([log])
+    (play,) = ps.replays([log], preset)
+    assert play.options == {"preset": str(preset.resolve()), "decode_stride": 1}
+    # the options run the real simulator on that engine: its KV capacity in tokens, no host tier
+    res = run_simulation(small_workload(), "vllm-default", progress=False, **play.options)
+    assert res.summary.metrics.makespan_s > 0 and res.summary.kv_blocks == KNOWN.max_kv_blocks(16)
+    ran: list[dict] = []
+    monkeypatch.setattr(ps, "_simulate", lambda policy_dir, runtime, workload, options: ran.append(options) or 1.0)
+    ps.search_admission(bundle, [log], ps.SearchConfig(jobs=1, engine_preset=str(preset)))
+    assert ran and all(o["preset"] == str(preset.resolve()) for o in ran)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(preset.read_text().replace("decode_token_s", "decode_tokens_s"))
+    with pytest.raises(ps.SearchError, match=r"bad\.toml.*decode_token_s"):
+        ps.SearchConfig(engine_preset=str(bad))
+    from typer.testing import CliRunner
+
+    from training.cli import app
+
+    res = CliRunner().invoke(app, ["train", "--logs", str(log), "--engine-preset", str(bad), "-o",
+                                   str(tmp_path / "t"), "--no-progress"])
+    assert res.exit_code == 2 and "decode_token_s" in " ".join(res.output.split()), res.output

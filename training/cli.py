@@ -698,11 +698,16 @@ def train(
     admission_orders: Annotated[str, typer.Option(
         "--admission-orders", help="Admission orders tried beside the prior's shortest-first, each simulated on "
         "every logged workload (LOG/workload.parquet), the best kept where it beats shortest-first by 0.5%: "
-        "comma separated among returning, progress; 'none': shortest-first, no simulation.")] = "returning",
+        "comma separated among returning, progress, queue (vLLM's own order); 'none': shortest-first, no "
+        "simulation.")] = "returning,queue",
     width: Annotated[bool, typer.Option(
         "--width/--no-width", help="Then the rollout's width (a younger GRPO group's turns wait while the older "
         "groups' contexts do not fit in GPU KV plus the CPU tier) simulated on every logged workload with the order "
         "kept, and kept where it is 0.5% faster; --no-width: never on.")] = True,
+    engine_preset: Annotated[Optional[Path], typer.Option(
+        "--engine-preset", help="The engine of logs served by a real vLLM server (telemetry with no simulator "
+        "summary.json): the preset `kvpilot calibrate` fitted to that server's steps. The admission order and the "
+        "width are then chosen by simulating it; without it they are not chosen on such logs.")] = None,
     search_iterations: Annotated[int, typer.Option(
         "--search-iterations", min=0, help="Policy search: CEM iterations over the admission residual, each "
         "simulating --search-population samples on every logged workload (LOG/workload.parquet), after the CPU "
@@ -752,7 +757,8 @@ def train(
     with reported(SearchError, prefix="policy search: "):
         search = SearchConfig(iterations=search_iterations, population=search_population,
                               elite=min(SearchConfig.elite, search_population), orders=orders, width=width,
-                              jobs=jobs, backend=backend, address=address)
+                              jobs=jobs, backend=backend, address=address,
+                              engine_preset=str(engine_preset) if engine_preset else None)
     from training.tier_training import TierConfig, TierTrainingError
 
     with reported(TierTrainingError, prefix="tier training: "):

@@ -1,27 +1,29 @@
 """Policy search by simulation: the admission residual's weights that shorten the logged workloads' RL steps.
 
 Off-policy learning from logged decisions has not beaten the prior's shortest-first order: the logs hold too few
-informative admissions. The logs do hold the workloads they came from, though, and the simulator replays them
-on vLLM's real scheduler. So, as Decima trained its scheduler, the policy is improved by simulating it: the
+informative admissions. The logs do hold the workloads they came from, though, and the simulator replays them on
+vLLM's real scheduler. So, as Decima trained its scheduler, the policy is improved by simulating it: the
 cross-entropy method (CEM) samples weights of the learned policy's admission residual (``admission_residual``,
-:mod:`policy.learned.policy`: weights on standardised candidate features and on the scorer's admission head, added to
-the prior's key), simulates each sample on every logged workload on the logs' own engine (preset, KV blocks,
-CPU tier, decode stride), and moves its sampling distribution toward the samples with the shortest makespans
-relative to the zero residual (the prior's order). The best sample is kept only if it beats the zero residual by
-:attr:`SearchConfig.min_gain`; otherwise the residual stays empty and the policy serves its prior's order.
-Before the residual, the admission order and the levers are chosen the same way, from a small action set: the bundle
-as trained (the prior's shortest-first order), each admission order of ``orders`` (by default the trajectories'
-returning turns first; heddle's progress first on request), and with CEM iterations the levers the bundle trained
-turned off (the CPU tier, the preemption head). A choice is kept only if it beats the bundle as trained by
-``min_gain``, the best one where several do. Then, with ``width``, the choice kept is simulated once more with the
-rollout's width on (:class:`policy.group_width.WidthHolds`: a younger GRPO group's turns wait while the older
-groups' contexts do not fit in GPU KV plus the tier), kept where it beats that choice by ``min_gain``: where memory
-binds over a tier every session of a synchronous step in flight at once evicts the others' paused contexts. The
-rules disagree by regime (shortest-first and the width win where memory binds, the returning turns first on short
-search sessions), and the logged workloads say which regime the logs' engine serves. With ``iterations = 0`` only
-this choice runs (``kvpilot train``'s default: a few simulations), and the CEM runs only over the shortest-first
-order, which its residual moves. Samples run in parallel on a process pool (``backend="process"``) or as Ray tasks
-(``backend="ray"``).
+:mod:`policy.learned.policy`: weights on standardised candidate features and on the scorer's admission head, added
+to the prior's key), simulates each sample on every logged workload on the logs' own engine (preset, KV blocks, CPU
+tier, decode stride), and moves its sampling distribution toward the samples with the shortest makespans relative to
+the zero residual (the prior's order). The best sample is kept only if it beats the zero residual by
+:attr:`SearchConfig.min_gain`; otherwise the residual stays empty and the policy serves its prior's order. Before
+the residual, the admission order and the levers are chosen the same way, from a small action set: the bundle as
+trained (the prior's shortest-first order), each admission order of ``orders`` (by default the trajectories'
+returning turns first, and vLLM's own queue order; heddle's progress first on request), and with CEM iterations the
+levers the bundle trained turned off (the CPU tier, the preemption head). A choice is kept only if it beats the
+bundle as trained by ``min_gain``, the best one where several do. Then, with ``width``, the choice kept is simulated
+once more with the rollout's width on (:class:`policy.group_width.WidthHolds`: a younger GRPO group's turns wait
+while the older groups' contexts do not fit in GPU KV plus the tier), kept where it beats that choice by
+``min_gain``: where memory binds over a tier every session of a synchronous step in flight at once evicts the
+others' paused contexts. The rules disagree by regime (shortest-first and the width win where memory binds, the
+returning turns first on short search sessions, vLLM's queue order on its CPU server, whose step's fixed cost
+outweighs what memory saves), and the logged workloads say which regime the logs' engine serves. A server's
+telemetry has no simulator summary to name its engine: the search then simulates the preset ``kvpilot calibrate``
+fitted to that server (:attr:`SearchConfig.engine_preset`). With ``iterations = 0`` only this choice runs (``kvpilot
+train``'s default: a few simulations), and the CEM runs only over the shortest-first order, which its residual
+moves. Samples run in parallel on a process pool (``backend="process"``) or as Ray tasks (``backend="ray"``).
 
 Everything the search does is in :func:`search_admission`, its hyper-parameters in :class:`SearchConfig`.
 """
@@ -43,12 +45,13 @@ import numpy as np
 DEFAULT_INPUTS = ("group_done_frac", "turn", "log_wait_s", "log_pred_final_context", "scorer")
 #: The admission orders the search may try beside the prior's shortest-first (``LearnedPolicy``'s option
 #: ``admission``).
-ORDER_CHOICES = ("returning", "progress")
+ORDER_CHOICES = ("returning", "progress", "queue")
 #: Those it tries by default. Heddle's ``progress`` is left out: on Search-R1 it and ``returning`` simulated within
 #: 0.2% of each other on PolyTrace step 0, and held out on step 1 ``progress`` ran 1.7% slower than shortest-first
 #: where ``returning`` ran 1.1% faster (docs/results/2026-12-07-admission-order-by-simulation.md): one more order is
-#: one more chance to keep a lucky one.
-DEFAULT_ORDERS = ("returning",)
+#: one more chance to keep a lucky one. vLLM's own ``queue`` order is tried: on an engine where shortest-first
+#: loses to vLLM (its CPU server), it is the choice that does not.
+DEFAULT_ORDERS = ("returning", "queue")
 
 
 class SearchError(ValueError):
@@ -72,6 +75,9 @@ class SearchConfig:
     jobs: int = 2
     backend: str = "process"  # or "ray"
     address: str | None = None  # Ray cluster address (backend "ray"); None: a local Ray
+    #: The engine of logs that carry no simulator summary (a server's telemetry): a preset file that
+    #: ``kvpilot calibrate`` fitted to that server. None: such logs cannot be replayed.
+    engine_preset: str | None = None
 
     @property
     def active(self) -> bool:
@@ -97,6 +103,8 @@ class SearchConfig:
             raise SearchError("search init_std and min_std must be > 0, min_gain >= 0 and jobs >= 1")
         if self.backend not in ("process", "ray"):
             raise SearchError(f"search backend must be 'process' or 'ray', got {self.backend!r}")
+        if self.engine_preset is not None:
+            fitted_engine(self.engine_preset)  # a named error now, before anything is fitted
 
 
 @dataclass(frozen=True)
@@ -127,18 +135,23 @@ class SearchResult:
                 **{f"search.admission.{o}": float(o == order) for o in ("shortest", *ORDER_CHOICES)}}
 
 
-def replays(log_dirs: Sequence[Path]) -> list[Replay]:
-    """Each log's workload (``LOG/workload.parquet``) and engine, checked before anything runs."""
+def replays(log_dirs: Sequence[Path], engine_preset: str | Path | None = None) -> list[Replay]:
+    """Each log's workload (``LOG/workload.parquet``) and engine, checked before anything runs: its run's
+    ``summary.json`` (a simulation's), else ``engine_preset`` (a server's telemetry, on a preset fitted to it)."""
     out = []
     for log in map(Path, log_dirs):
         wl, summary = log / "workload.parquet", log / "summary.json"
         if not wl.is_file():
             raise SearchError(f"{log}: no workload.parquet beside the telemetry, so it cannot be replayed (simulate "
                               "writes one; copy the workload a serving log came from there)")
+        if not summary.is_file() and engine_preset is not None:
+            out.append(Replay(wl.resolve(), fitted_engine(engine_preset)))
+            continue
         try:
             s = json.loads(summary.read_text())
         except (OSError, ValueError) as e:
-            raise SearchError(f"{summary}: unreadable ({e}), so the logs' engine is unknown") from None
+            raise SearchError(f"{summary}: unreadable ({e}), so the logs' engine is unknown; for a server's telemetry "
+                              "give the preset `kvpilot calibrate` fitted to that server (--engine-preset)") from None
         if s.get("driver", "sync") != "sync" or int(s.get("replicas", 1) or 1) != 1:
             raise SearchError(f"{log}: the policy search replays one-replica synchronous runs only")
         try:
@@ -149,6 +162,18 @@ def replays(log_dirs: Sequence[Path]) -> list[Replay]:
             raise SearchError(f"{summary}: missing or bad field {e}") from None
         out.append(Replay(wl.resolve(), opts))
     return out
+
+
+def fitted_engine(preset: str | Path) -> dict[str, Any]:
+    """``run_simulation``'s engine options for a server's logs: the preset ``kvpilot calibrate`` fitted to it (its
+    KV capacity and scheduler limits; no host tier), exact decode steps."""
+    from simulator.fitted_cost import PresetFileError, read_preset_file
+
+    try:
+        read_preset_file(preset)
+    except PresetFileError as e:
+        raise SearchError(f"engine preset: {e}") from None
+    return {"preset": str(Path(preset).resolve()), "decode_stride": 1}
 
 
 def _simulate(policy_dir: str, runtime: dict[str, Any], workload: str, options: dict[str, Any]) -> float:
@@ -194,7 +219,7 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
                      progress: Callable[[str], None] | None = None) -> SearchResult:
     """CEM over the admission residual of POLICY_DIR on the logs' workloads (see the module docstring)."""
     cfg = cfg or SearchConfig()
-    plays = replays(log_dirs)
+    plays = replays(log_dirs, cfg.engine_preset)
     say = progress or (lambda _: None)
     run = parallel_runner(cfg)
     rng = np.random.default_rng(cfg.seed)

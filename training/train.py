@@ -390,7 +390,7 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
     search = search or SearchConfig()
     if search.active:  # the logs' workloads must be replayable: checked before anything is fitted
         try:
-            replays(log_dirs)
+            replays(log_dirs, search.engine_preset)
         except SearchError as err:
             if search.iterations:  # asked for: an error; the default order choice: skipped with a note
                 raise TrainError(f"policy search: {err}") from None

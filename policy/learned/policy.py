@@ -145,7 +145,9 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # exploring policy's "shortest" component, deterministic); "returning" (a trajectory's returning turn before
     # any first turn, the queue's order otherwise: a short session back from its tool uses its cached context before
     # it is evicted, and a long first turn is not held back behind shorter ones); "progress" (the trajectory
-    # furthest along first, heddle's progress score, policy.session_progress, the queue's order among equals); or
+    # furthest along first, heddle's progress score, policy.session_progress, the queue's order among equals);
+    # "queue" (vLLM's own order: first come first served, the preempted first; on vLLM's CPU server, where a step's
+    # fixed cost dwarfs what memory saves, shortest-first ran behind it); or
     # "scorer" (the learned MLP's admission head), which shortest-first beat where memory binds
     # (docs/results/2026-12-04-memory-binds-admission.md). `kvpilot train` chooses between "shortest" and
     # "returning" ("progress" on request) by simulating the logged workloads (training/policy_search.py):
@@ -170,7 +172,7 @@ SCORER_INPUT = "scorer"
 #: order (a context never used again, ``inf``, still leaves first).
 AGE_S = 1e6
 #: The admission orders of :data:`RUNTIME_DEFAULTS`'s ``admission``.
-ADMISSION_ORDERS = ("scorer", "shortest", "returning", "progress")
+ADMISSION_ORDERS = ("scorer", "shortest", "returning", "progress", "queue")
 #: The admission orders that rank by how far each trajectory has come (:mod:`policy.session_progress`).
 SESSION_ORDERS = ("returning", "progress")
 #: The reuse predictors of :data:`RUNTIME_DEFAULTS`'s ``reuse_predictor``.
@@ -426,6 +428,12 @@ class LearnedPolicy(Sampler):
             rem, idx = self._remaining(waiting, state)
             keys = self._by_age(idx, -rem) if self.group_age and self.table.aged else \
                 -rem - np.arange(len(waiting)) * 1e-9
+            return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
+        if self.admission == "queue" and self.mode == "serve":  # vLLM's own order, the oldest group first
+            _, idx = self._remaining(waiting, state)
+            keys = -np.arange(len(waiting), dtype=np.float64)
+            if self.group_age and self.table.aged:
+                keys = self._by_age(idx, np.zeros(len(waiting)))
             return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
         if self.progress is not None and self.mode == "serve":  # "progress" or "returning"
             _, idx = self._remaining(waiting, state)
