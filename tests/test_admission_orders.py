@@ -63,14 +63,23 @@ def test_progress_ranks_by_turns_and_tokens_of_the_session_and_survives_a_hot_sw
 
 
 def test_queue_keeps_vllms_order_whatever_the_lengths_with_the_preempted_first() -> None:
-    """``queue``: vLLM's own order (first come first served), for engines where shortest-first runs behind it."""
+    """``queue``: vLLM's own order (first come first served, the preempted first: it leaves the queue as it is),
+    for engines where shortest-first runs behind it; under asynchronous RL the oldest group still goes first."""
     lengths = {"r0": 3000.0, "r1": 50.0, "r2": 400.0, "r3": 60.0}
     waiting = [_turn(0, "a", 0), _turn(1, "b", 0), _turn(2, "c", 1), _turn(3, "d", 0)]
     pol = LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="queue")
-    assert list(pol.admit(waiting, _state()).order) == ["r0", "r1", "r2", "r3"]
-    waiting[2].status, waiting[2].num_preemptions = RequestStatus.PREEMPTED, 1
-    pol.on_event(Event(EventKind.PREEMPTED, 1.0, "r2", waiting[2].meta))
-    assert list(pol.admit(waiting, _state(2, 1.0)).order) == ["r2", "r0", "r1", "r3"]
+    dec = pol.admit(waiting, _state())
+    assert dec is not None and dec.order is None and not dec.hold  # vLLM's order, whatever the lengths
+    shortest = LearnedPolicy(_state_dict(), FixedLengths(lengths))
+    assert list(shortest.admit(waiting, _state()).order) == ["r1", "r3", "r2", "r0"]
+    # weight versions (asynchronous RL): a younger group's requests wait behind the group started first, the queue's
+    # order otherwise
+    aged = [_turn(i, s, 0) for i, s in enumerate(("x", "y", "z"))]
+    for c, (group, version) in zip(aged, (("g-new", 5), ("g-old", 3), ("g-new", 5))):
+        c.meta = dataclasses.replace(c.meta, group_id=group, weight_version=version)
+    pol = LearnedPolicy(_state_dict(), FixedLengths({"r0": 10.0, "r1": 900.0, "r2": 10.0}), admission="queue")
+    assert list(pol.admit(aged[1:2], _state()).order) == ["r1"]  # g-old starts first
+    assert list(pol.admit(aged, _state(2, 1.0)).order) == ["r1", "r0", "r2"]
     with pytest.raises(ValueError, match="admission must be one of"):
         LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="fifo")
 

@@ -138,6 +138,38 @@ def test_a_search_over_logs_without_their_workload_fails_before_fitting(run_dir:
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
+def test_a_servers_logs_choose_their_order_on_the_preset_fitted_to_that_server(run_dir: Path, tmp_path: Path) -> None:
+    """A server's telemetry (its workload beside it, no simulator summary): without ``--engine-preset`` the order is
+    not chosen and the note names the option; with it, the order and the width are simulated on that engine and
+    served as kept, and the tier (which a fitted engine lacks) is skipped with a note."""
+    import ast
+    import shutil
+
+    from simulator.fitted_cost import write_preset_file
+    from tests.test_calibrate import KNOWN
+
+    logs = tmp_path / "served"
+    shutil.copytree(run_dir, logs)
+    (logs / "summary.json").unlink()
+    args = ["train", "--logs", str(logs), "--trees", "5", "--jobs", "1", "--no-progress"]
+    res = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "plain")])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 0 and "admission order and width: not chosen" in out and "--engine-preset" in out, out
+    preset = tmp_path / "server.toml"
+    write_preset_file(KNOWN, preset)
+    res = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "work"), "--engine-preset", str(preset)])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 0, out
+    assert "search: {'admission': 'queue'}:" in out and "search: kept" in out, out
+    assert "tier: skipped (a server's logs replay on its fitted engine, which has no CPU tier)" in out, out
+    runtime = json.loads((tmp_path / "work" / "policy" / "policy.json").read_text())["config"]["runtime"]
+    kept = ast.literal_eval(out.split("search: kept ")[1].split(" (")[0])
+    assert runtime["admission"] == kept["admission"] and runtime.get("width", False) == kept.get("width", False)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_demo_loop_leaves_run_model_and_alias(tmp_path: Path, vllm_engine) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -162,7 +194,7 @@ def test_demo_loop_leaves_run_model_and_alias(tmp_path: Path, vllm_engine) -> No
     assert len(runs) == 1 and runs[0].data.metrics
     # train chose the admission order by simulating the logged workload (one of the three, served as kept)
     m = runs[0].data.metrics
-    chosen = [o for o in ("shortest", "returning", "progress") if m.get(f"search.admission.{o}") == 1.0]
+    chosen = [o for o in ("shortest", "returning", "progress", "queue") if m.get(f"search.admission.{o}") == 1.0]
     runtime = json.loads((tmp_path / "demo" / "train" / "policy" / "policy.json").read_text())["config"]["runtime"]
     assert len(chosen) == 1 and runtime["admission"] == chosen[0], (chosen, runtime["admission"])
     assert runtime.get("width", False) == (m.get("search.lever.width", 0.0) == 1.0)

@@ -443,7 +443,7 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
         if search.active:
             metrics.update(_search(policy_dir, log_dirs, search, console))
         if tier is None or tier.rounds:
-            metrics.update(_tier(policy_dir, log_dirs, tier, console))
+            metrics.update(_tier(policy_dir, log_dirs, tier, console, served=search.engine_preset is not None))
         split["policy"] = read_manifest(policy_dir)["trained_on"]["split"]
         mlflow.log_params({f"{part}.split": how for part, how in split.items()})
         console.print(f"policy: held out by {SPLITS[split['policy']]}", highlight=False)
@@ -486,15 +486,20 @@ def _search(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Conso
     return found.metrics()
 
 
-def _tier(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Console) -> dict[str, float]:
+def _tier(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Console,
+          served: bool = False) -> dict[str, float]:
     """Fit POLICY_DIR's CPU-tier next-use model on replays of the logged workloads (:mod:`training.tier_training`),
-    log its rounds; its metrics. Logs that cannot be replayed (serving logs with no workload beside them) or a
-    bundle with no tier skip it with a note."""
+    log its rounds; its metrics. Logs that cannot be replayed (serving logs with no workload beside them), a
+    server's logs (``served``: their fitted engine has no tier) or a bundle with no tier skip it with a note."""
     import mlflow
 
     from training.tier_training import TierTrainingError, train_tier
 
     _stage(console, f"3c/4 CPU tier: the next-use model on replays of {len(log_dirs)} logged workload(s)")
+    if served and not all((Path(log) / "summary.json").is_file() for log in log_dirs):
+        console.print("tier: skipped (a server's logs replay on its fitted engine, which has no CPU tier); the "
+                      "session-state rule orders the tier", highlight=False)
+        return {}
     try:
         found = train_tier(policy_dir, log_dirs, cfg, progress=lambda m: console.print(m, highlight=False))
     except TierTrainingError as err:

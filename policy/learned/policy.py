@@ -8,8 +8,8 @@ and a preemption score from its :data:`policy.learned.features.FEATURES`.
 ``admission_residual`` where it has one (weights on standardised features and on the admission head, learned by
 simulation: :mod:`training.policy_search`); ``"returning"`` puts the trajectories' returning turns before first
 turns and ``"progress"`` ranks by heddle's progress score (:mod:`policy.session_progress`), both keeping the
-queue's order among equals (``kvpilot train`` chooses the order by simulation); ``"scorer"`` by the
-admission score. ``learned-prior``
+queue's order among equals; ``"queue"`` keeps vLLM's own order (``kvpilot train`` chooses the order by
+simulation); ``"scorer"`` by the admission score. ``learned-prior``
 (:data:`PRIOR`) is the same bundle with no trained network deciding anything. The victim is the one with the highest
 preemption score when ``preempt`` is on (``kvpilot
 train`` turns it on when the logs hold preemption decisions), else vLLM's tail victim. ``mode="log"``: a
@@ -77,7 +77,7 @@ from policy.learned.bundle import (
     write_bundle,
 )
 from policy.learned.features import ENGINE_X, FEATURES, WAIT_X, X
-from policy.learned.sampler import Sampler
+from policy.learned.sampler import Sampler, queue_keys
 from policy.learned.scorer import ADMIT, PREEMPT, NumpyScorer
 from policy.learned.table import engine_raw
 from policy.options import check_positive
@@ -149,8 +149,8 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # "queue" (vLLM's own order: first come first served, the preempted first; on vLLM's CPU server, where a step's
     # fixed cost dwarfs what memory saves, shortest-first ran behind it); or
     # "scorer" (the learned MLP's admission head), which shortest-first beat where memory binds
-    # (docs/results/2026-12-04-memory-binds-admission.md). `kvpilot train` chooses between "shortest" and
-    # "returning" ("progress" on request) by simulating the logged workloads (training/policy_search.py):
+    # (docs/results/2026-12-04-memory-binds-admission.md). `kvpilot train` chooses among "shortest", "returning"
+    # and "queue" ("progress" on request) by simulating the logged workloads (training/policy_search.py):
     # shortest-first wins where memory binds, the returning turns first on Search-R1's short search sessions
     # (docs/results/2026-12-07-admission-order-by-simulation.md). In ``log`` mode
     # the admission order is the scorer's Plackett-Luce sample either way (it explores).
@@ -370,9 +370,10 @@ class LearnedPolicy(Sampler):
         then the queue's order: each candidate's place in that lexicographic order, negated. A request with no weight
         version (rank 0) counts as the oldest."""
         n = len(keys)
-        ranked = np.lexsort((np.arange(n), -keys, self.table.age[idx]))
+        q = queue_keys(n)
+        ranked = np.lexsort((-q, -keys, self.table.age[idx]))
         out = np.empty(n)
-        out[ranked] = -np.arange(n, dtype=np.float64)
+        out[ranked] = q
         return out
 
     def _probs(self, s: np.ndarray) -> np.ndarray:
@@ -427,13 +428,13 @@ class LearnedPolicy(Sampler):
                 return AdmissionDecision(order=[ids[i] for i in top])
             rem, idx = self._remaining(waiting, state)
             keys = self._by_age(idx, -rem) if self.group_age and self.table.aged else \
-                -rem - np.arange(len(waiting)) * 1e-9
+                queue_keys(len(waiting)) * 1e-9 - rem
             return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
-        if self.admission == "queue" and self.mode == "serve":  # vLLM's own order, the oldest group first
-            _, idx = self._remaining(waiting, state)
-            keys = -np.arange(len(waiting), dtype=np.float64)
-            if self.group_age and self.table.aged:
-                keys = self._by_age(idx, np.zeros(len(waiting)))
+        if self.admission == "queue" and self.mode == "serve":  # vLLM's own order; the oldest group first in async
+            _, idx = self._remaining(waiting, state)  # (the table learns each request's group age)
+            if not (self.group_age and self.table.aged):
+                return AdmissionDecision()
+            keys = self._by_age(idx, np.zeros(len(waiting)))
             return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
         if self.progress is not None and self.mode == "serve":  # "progress" or "returning"
             _, idx = self._remaining(waiting, state)
