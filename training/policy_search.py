@@ -18,8 +18,8 @@ once more with the rollout's width on (:class:`policy.group_width.WidthHolds`: a
 while the older groups' contexts do not fit in GPU KV plus the tier), kept where it beats that choice by
 ``min_gain``: where memory binds over a tier every session of a synchronous step in flight at once evicts the
 others' paused contexts. The rules disagree by regime (shortest-first and the width win where memory binds, the
-returning turns first on short search sessions, vLLM's queue order on its CPU server, whose step's fixed cost
-outweighs what memory saves), and the logged workloads say which regime the logs' engine serves. A server's
+returning turns first on short search sessions, vLLM's queue order on short agent turns on vLLM's CPU server as
+the simulator models it), and the logged workloads say which regime the logs' engine serves. A server's
 telemetry has no simulator summary to name its engine: the search then simulates the preset ``kvpilot calibrate``
 fitted to that server (:attr:`SearchConfig.engine_preset`). With ``iterations = 0`` only this choice runs (``kvpilot
 train``'s default: a few simulations), and the CEM runs only over the shortest-first order, which its residual
@@ -49,8 +49,10 @@ ORDER_CHOICES = ("returning", "progress", "queue")
 #: Those it tries by default. Heddle's ``progress`` is left out: on Search-R1 it and ``returning`` simulated within
 #: 0.2% of each other on PolyTrace step 0, and held out on step 1 ``progress`` ran 1.7% slower than shortest-first
 #: where ``returning`` ran 1.1% faster (docs/results/2026-12-07-admission-order-by-simulation.md): one more order is
-#: one more chance to keep a lucky one. vLLM's own ``queue`` order is tried: on an engine where shortest-first
-#: loses to vLLM (its CPU server), it is the choice that does not.
+#: one more chance to keep a lucky one. vLLM's own ``queue`` order is tried: where shortest-first loses to vLLM
+#: (simulated on a preset fitted to vLLM's CPU server, 64-token agent turns: 1.6x), it is the choice that does not.
+#: On two logged steps it was also kept where the next step did not favour it
+#: (docs/results/2026-12-07-real-engine-engine-preset.md): few logged steps make any choice a noisy one.
 DEFAULT_ORDERS = ("returning", "queue")
 
 

@@ -146,8 +146,8 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # any first turn, the queue's order otherwise: a short session back from its tool uses its cached context before
     # it is evicted, and a long first turn is not held back behind shorter ones); "progress" (the trajectory
     # furthest along first, heddle's progress score, policy.session_progress, the queue's order among equals);
-    # "queue" (vLLM's own order: first come first served, the preempted first; on vLLM's CPU server, where a step's
-    # fixed cost dwarfs what memory saves, shortest-first ran behind it); or
+    # "queue" (vLLM's own order: first come first served, the preempted first; simulated on a preset fitted to vLLM's
+    # CPU server, on 64-token agent turns, shortest-first ran 1.6x behind it); or
     # "scorer" (the learned MLP's admission head), which shortest-first beat where memory binds
     # (docs/results/2026-12-04-memory-binds-admission.md). `kvpilot train` chooses among "shortest", "returning"
     # and "queue" ("progress" on request) by simulating the logged workloads (training/policy_search.py):
