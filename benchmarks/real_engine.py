@@ -172,7 +172,9 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=811)
-    ap.add_argument("--train-steps", type=int, default=2, help="RL steps the logging policy serves for training")
+    # 8, not 2: two steps of 32 sessions chose an order the next step did not favour; on eight the calibrated
+    # simulator keeps shortest-first (docs/results/2026-12-07-real-engine-engine-preset.md)
+    ap.add_argument("--train-steps", type=int, default=8, help="RL steps the logging policy serves for training")
     ap.add_argument("--no-stock", action="store_true", help="skip stock vLLM")
     ap.add_argument("--no-champion", action="store_true", help="skip the registry loop (logging, train, promote)")
     ap.add_argument("--analyse-only", action="store_true",
