@@ -13,8 +13,10 @@ workload), and the simulator predicts each policy's makespan on it at the same t
 
 Printed side by side: measured median makespan and spread, the median over rounds of its ratio to vllm-default's
 in the same round (the machine drifts over twenty minutes, less within a round), the prediction and its ratio, the
-hook's share of the engine's step time, the share of engine time spent prefilling again what an unlimited cache
-would have kept (re-prefill), and every request's telemetry row.
+hook's share of the engine's step time, vLLM's own mean inter-token time (its ``/metrics`` histogram: one engine
+step while a request runs, read alike from stock vLLM) and its median ratio to stock vLLM's in the same round, the
+share of engine time spent prefilling again what an unlimited cache would have kept (re-prefill), and every
+request's telemetry row.
 
     python -m benchmarks.real_engine -o /tmp/real-engine [--policies vllm-default,seer] [--runs 3] [--no-champion]
     python -m benchmarks.real_engine -o /tmp/real-engine --analyse-only   # calibrate and simulate again, no serving
@@ -258,12 +260,19 @@ def main() -> None:
     for r in rows:  # the median over rounds of the makespan over vllm-default's in the same round
         r["paired_ratio"] = statistics.median(a["makespan_s"] / b["makespan_s"]
                                               for a, b in zip(measured[r["policy"]], measured["vllm-default"]))
-    print(f"\n{'policy':>16} {'measured':>9} {'spread':>15} {'x default':>9} {'simulated':>9} {'x default':>9} "
-          f"{'sim/meas':>8} {'hook/step':>9} {'re-prefill':>10}")
+        itl = [run.get("engine_inter_token_s") for run in measured[r["policy"]]]
+        r["inter_token_s"] = statistics.median(itl) if None not in itl else None
+        stock = measured.get("stock vLLM")
+        if stock and r["inter_token_s"] and all(run.get("engine_inter_token_s") for run in stock):
+            r["inter_token_x_stock"] = statistics.median(a / b["engine_inter_token_s"] for a, b in zip(itl, stock))
+    print(f"\n{'policy':>16} {'measured':>9} {'spread':>15} {'x default':>9} {'ITL ms':>7} {'x stock':>7} "
+          f"{'simulated':>9} {'x default':>9} {'sim/meas':>8} {'hook/step':>9} {'re-prefill':>10}")
     for r in rows:
         sim = r.get("simulated_s")
+        itl, vs_stock = r["inter_token_s"], r.get("inter_token_x_stock")
         print(f"{r['policy']:>16} {r['median_s']:9.2f} {r['min_s']:7.2f}-{r['max_s']:<7.2f} "
-              f"{r['paired_ratio']:9.3f} "
+              f"{r['paired_ratio']:9.3f} {itl * 1e3 if itl else float('nan'):7.2f} "
+              f"{vs_stock if vs_stock else float('nan'):7.3f} "
               + (f"{sim:9.2f} {sim / base['simulated_s']:9.3f} {sim / r['median_s']:8.3f} {r['hook_share']:9.2%} "
                  f"{r['reprefill_share']:10.2%}  telemetry rows {r['telemetry_rows']}/{r['requests']}" if sim else
                  f"  failures: {r['failures']}" if r["failed"] else ""))

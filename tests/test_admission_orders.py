@@ -132,28 +132,57 @@ def test_train_keeps_another_order_only_where_the_logged_workloads_run_it_faster
 
     monkeypatch.setattr(ps, "_simulate", simulate)
     every = ("returning", "progress", "queue")
-    found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, orders=every, width=False))
-    # no CEM iterations (train's default): the four orders, not the tier turned off
-    assert [r["admission"] for r in ran] == ["shortest", *every]
+    found = ps.search_admission(bundle, [replayable_log],
+                                ps.SearchConfig(jobs=1, orders=every, levers_off=False, width=False))
+    # the four orders, and (--no-levers-off) not the tier turned off
+    assert [r["admission"] for r in ran] == ["shortest", *every] and not any("offload" in r for r in ran)
     assert found.levers == {"admission": kept} and found.residual == {}
     assert found.ratio == pytest.approx(made[kept] / made["shortest"])
     assert found.metrics()[f"search.admission.{kept}"] == 1.0
     assert found.runtime() == {"admission": kept, "admission_residual": {}}
-    # train's default tries the returning turns first and vLLM's queue order
+    # train's default tries the returning turns first and vLLM's queue order, then the lever the bundle trained
+    # (here the tier, which wins by half) off with the order kept
     ran.clear()
     default = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, width=False))
-    assert [r["admission"] for r in ran] == ["shortest", "returning", "queue"]
     best = min(("returning", "queue"), key=made.get)
-    assert default.levers == {"admission": best if made[best] < 0.995 * made["shortest"] else "shortest"}
-    # with CEM iterations the levers the bundle trained are tried off too (here the tier, which wins by half)
-    ran.clear()
-    cem = ps.SearchConfig(jobs=1, iterations=1, population=2, elite=1, width=False)
-    with_cem = ps.search_admission(bundle, [replayable_log], cem)
-    assert {"admission": "shortest", "offload": False} in [{k: r[k] for k in r if k != "admission_residual"}
-                                                            for r in ran]
-    assert with_cem.levers == {"admission": "shortest", "offload": False}
+    order = best if made[best] < 0.995 * made["shortest"] else "shortest"
+    assert [(r["admission"], r.get("offload")) for r in ran] == [("shortest", None), ("returning", None),
+                                                                  ("queue", None), (order, False)]
+    assert default.levers == {"admission": order, "offload": False}
+    assert default.ratio == pytest.approx(0.5 * made[order] / made["shortest"])
+    assert default.metrics()["search.lever.offload"] == 0.0
     with pytest.raises(ps.SearchError, match="admission orders must be among"):
         ps.SearchConfig(orders=("lpt",))
+
+
+@pytest.mark.parametrize("off_factor, kept", [
+    ({"offload": 1.1, "preempt": 0.9}, {"admission": "shortest", "preempt": False}),  # the head loses: off
+    ({"offload": 0.8, "preempt": 0.997}, {"admission": "shortest", "offload": False}),  # 0.3%: the head stays
+    ({"offload": 1.0, "preempt": 1.2}, {"admission": "shortest"}),  # both win: served as trained
+])
+def test_train_turns_a_trained_lever_off_only_where_the_logged_workloads_run_faster_without_it(
+        monkeypatch, replayable_log: Path, tmp_path: Path, off_factor: dict, kept: dict) -> None:
+    """Each lever the bundle trained is simulated off in turn, on the choice so far, and left off only where that
+    is 0.5% faster: the preemption head is served only where the logs' engine runs its victims faster."""
+    from training import policy_search as ps
+
+    bundle = LearnedPolicy(_state_dict(), None, offload=True, preempt=True).save(tmp_path / "both")
+    ran: list[dict] = []
+
+    def simulate(policy_dir, runtime, workload, options):
+        ran.append(runtime)
+        made = {"shortest": 100.0, "returning": 104.0, "queue": 103.0}[runtime["admission"]]
+        for lever, factor in off_factor.items():
+            made *= factor if runtime.get(lever) is False else 1.0
+        return made
+
+    monkeypatch.setattr(ps, "_simulate", simulate)
+    found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, width=False))
+    offload_kept = kept.get("offload", True)
+    assert [{k: r[k] for k in ("offload", "preempt") if k in r} for r in ran[3:]] == [
+        {"offload": False}, {**({} if offload_kept else {"offload": False}), "preempt": False}]
+    assert found.levers == kept and found.runtime() == {**kept, "admission_residual": {}}
+    assert found.metrics().get("search.lever.preempt", 1.0) == float(kept.get("preempt", True))
 
 
 @pytest.mark.parametrize("order_made, width_factor, kept", [
@@ -174,7 +203,8 @@ def test_train_turns_the_width_on_only_where_the_logged_workloads_run_it_faster_
 
     monkeypatch.setattr(ps, "_simulate", simulate)
     order_made = {**order_made, "queue": 105.0}
-    found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1))  # train's default
+    # train's default but the trained levers (the test above)
+    found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, levers_off=False))
     order = "returning" if order_made["returning"] < 0.995 * order_made["shortest"] else "shortest"
     assert [(r["admission"], r.get("width", False)) for r in ran] == [("shortest", False), ("returning", False),
                                                                        ("queue", False), (order, True)]

@@ -22,6 +22,11 @@ vllm:prefix_cache_queries_total{engine="1",model_name="m"} 20.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64.0
 # TYPE vllm:num_preemptions_total counter
 vllm:num_preemptions_total{engine="0",model_name="m"} 3.0
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 30.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 40.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 40.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 0.6
 """
 
 
@@ -38,7 +43,8 @@ def workload():
 
 def test_counters_sum_over_engines_and_find_the_hook():
     counters, hook = parse_counters(METRICS)
-    assert counters == {"prefix_cache_queries": 120.0, "prefix_cache_hits": 64.0, "preemptions": 3.0}
+    assert counters == {"prefix_cache_queries": 120.0, "prefix_cache_hits": 64.0, "preemptions": 3.0,
+                        "inter_token_sum": 0.6, "inter_token_count": 40.0}  # the buckets are not summed in
     assert hook == {"policy": "working-set"}
     assert parse_counters(METRICS.split("# TYPE vllm:prefix")[0].replace("kvpilot", "other"))[1] is None
 
@@ -172,8 +178,16 @@ def test_a_replay_whose_last_probe_failed_keeps_its_measurements():
                                                   "preemptions": 0.0}), None, 3.0)
     assert s["requests"] == 4 and s["makespan_s"] == 2.5 and s["output_tokens"] == 40
     assert s["preemptions"] is None and s["prefix_cache_hits"] is None and s["prefix_hit_rate"] is None
+    assert s["engine_inter_token_s"] is None
     text = render_replay(s)
     assert "hit rate unknown" in text and "preemptions         unknown" in text and "counters after" in text
+    assert "inter-token time unknown" in text
+    # with both probes: the engine's mean inter-token time over the replay alone (the histogram's deltas)
+    before = {"prefix_cache_queries": 1.0, "prefix_cache_hits": 0.0, "preemptions": 0.0, "inter_token_sum": 2.0,
+              "inter_token_count": 100.0}
+    after = {**before, "inter_token_sum": 2.5, "inter_token_count": 120.0}
+    s = _summary(run, ServerInfo("m", 4096, {}, before), after, 3.0)
+    assert s["engine_inter_token_s"] == pytest.approx(0.025) and "inter-token time 25.0 ms" in render_replay(s)
 
 
 def _fake_server(log: list):

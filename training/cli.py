@@ -704,14 +704,18 @@ def train(
         "--width/--no-width", help="Then the rollout's width (a younger GRPO group's turns wait while the older "
         "groups' contexts do not fit in GPU KV plus the CPU tier) simulated on every logged workload with the order "
         "kept, and kept where it is 0.5% faster; --no-width: never on.")] = True,
+    levers_off: Annotated[bool, typer.Option(
+        "--levers-off/--no-levers-off", help="Then each lever the bundle trained (the CPU tier, the preemption "
+        "head) simulated off on every logged workload with the order kept, and left off where that is 0.5% faster; "
+        "--no-levers-off: served as trained.")] = True,
     engine_preset: Annotated[Optional[Path], typer.Option(
         "--engine-preset", help="The engine of logs served by a real vLLM server (telemetry with no simulator "
         "summary.json): the preset `kvpilot calibrate` fitted to that server's steps. The admission order and the "
         "width are then chosen by simulating it; without it they are not chosen on such logs.")] = None,
     search_iterations: Annotated[int, typer.Option(
         "--search-iterations", min=0, help="Policy search: CEM iterations over the admission residual, each "
-        "simulating --search-population samples on every logged workload (LOG/workload.parquet), after the CPU "
-        "tier and preemption head are each tried off; 0: no CEM.")] = 0,
+        "simulating --search-population samples on every logged workload (LOG/workload.parquet), on the order "
+        "and levers kept; 0: no CEM.")] = 0,
     search_population: Annotated[int, typer.Option("--search-population", min=2, help="Samples per search "
                                                    "iteration.")] = 8,
     tier_rounds: Annotated[int, typer.Option(
@@ -756,7 +760,8 @@ def train(
                    f"{', '.join(ORDER_CHOICES)} (comma separated), or none")
     with reported(SearchError, prefix="policy search: "):
         search = SearchConfig(iterations=search_iterations, population=search_population,
-                              elite=min(SearchConfig.elite, search_population), orders=orders, width=width,
+                              elite=min(SearchConfig.elite, search_population), orders=orders,
+                              levers_off=levers_off, width=width,
                               jobs=jobs, backend=backend, address=address,
                               engine_preset=str(engine_preset) if engine_preset else None)
     from training.tier_training import TierConfig, TierTrainingError

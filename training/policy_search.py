@@ -11,13 +11,15 @@ the zero residual (the prior's order). The best sample is kept only if it beats 
 :attr:`SearchConfig.min_gain`; otherwise the residual stays empty and the policy serves its prior's order. Before
 the residual, the admission order and the levers are chosen the same way, from a small action set: the bundle as
 trained (the prior's shortest-first order), each admission order of ``orders`` (by default the trajectories'
-returning turns first, and vLLM's own queue order; heddle's progress first on request), and with CEM iterations the
-levers the bundle trained turned off (the CPU tier, the preemption head). A choice is kept only if it beats the
-bundle as trained by ``min_gain``, the best one where several do. Then, with ``width``, the choice kept is simulated
-once more with the rollout's width on (:class:`policy.group_width.WidthHolds`: a younger GRPO group's turns wait
-while the older groups' contexts do not fit in GPU KV plus the tier), kept where it beats that choice by
-``min_gain``: where memory binds over a tier every session of a synchronous step in flight at once evicts the
-others' paused contexts. The rules disagree by regime (shortest-first and the width win where memory binds, the
+returning turns first, and vLLM's own queue order; heddle's progress first on request). An order is kept only if
+it beats the bundle as trained by ``min_gain``, the best one where several do. Then, with ``levers_off``, each lever
+the bundle trained (the CPU tier, the preemption head) is simulated off with the order kept, and stays off where
+that beats the choice so far by ``min_gain``: a trained lever is served only where the logs' engine runs it faster
+(on vLLM's CPU server the preemption head's victims cost the champion about 9%). Then, with ``width``, the choice
+kept is simulated once more with the rollout's width on (:class:`policy.group_width.WidthHolds`: a younger GRPO
+group's turns wait while the older groups' contexts do not fit in GPU KV plus the tier), kept where it beats that
+choice by ``min_gain``: where memory binds over a tier every session of a synchronous step in flight at once evicts
+the others' paused contexts. The rules disagree by regime (shortest-first and the width win where memory binds, the
 returning turns first on short search sessions, vLLM's queue order on short agent turns on vLLM's CPU server as
 the simulator models it), and the logged workloads say which regime the logs' engine serves. A server's
 telemetry has no simulator summary to name its engine: the search then simulates the preset ``kvpilot calibrate``
@@ -72,7 +74,8 @@ class SearchConfig:
     min_gain: float = 0.005  # keep the best sample only if its mean makespan ratio is below 1 - min_gain
     inputs: tuple[str, ...] = DEFAULT_INPUTS
     orders: tuple[str, ...] = DEFAULT_ORDERS  # admission orders tried beside shortest-first (of ORDER_CHOICES)
-    width: bool = True  # then the width (policy.group_width.WidthHolds) tried on, with the order kept
+    levers_off: bool = True  # then each lever the bundle trained (offload, preempt) tried off, with the order kept
+    width: bool = True  # then the width (policy.group_width.WidthHolds) tried on, with the order and levers kept
     seed: int = 0
     jobs: int = 2
     backend: str = "process"  # or "ray"
@@ -83,8 +86,9 @@ class SearchConfig:
 
     @property
     def active(self) -> bool:
-        """Whether there is anything to simulate: another admission order, the width or CEM iterations."""
-        return bool(self.orders or self.width or self.iterations)
+        """Whether there is anything to simulate: another admission order, a lever off, the width or CEM
+        iterations."""
+        return bool(self.orders or self.levers_off or self.width or self.iterations)
 
     def __post_init__(self) -> None:
         from policy.learned.features import FEATURES
@@ -238,21 +242,28 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
     def ratio(made: list[float], base: list[float]) -> float:
         return float(np.mean([m / b for m, b in zip(made, base)]))
 
-    # the admission order and levers first (a small action set): the bundle as trained, each other order, and with
-    # CEM iterations each lever the bundle trained turned off
+    # the admission order first (a small action set): the bundle as trained, and each other order
     policy_dir = Path(policy_dir).resolve()
-    levers = lever_choices(policy_dir, cfg.orders, with_off=cfg.iterations > 0)
-    got = makespans([{**lv, "admission_residual": {}} for lv in levers])
+    orders = order_choices(cfg.orders)
+    got = makespans([{**o, "admission_residual": {}} for o in orders])
     base = got[0]
     say(f"search: the bundle as trained, shortest first: {', '.join(f'{b:.1f} s' for b in base)} on {len(plays)} "
         f"logged workload(s)")
-    kept = 0  # the index of the levers kept
-    for i, (lv, made) in enumerate(zip(levers[1:], got[1:]), start=1):
+    kept = 0  # the index of the order kept
+    for i, (lv, made) in enumerate(zip(orders[1:], got[1:]), start=1):
         r = ratio(made, base)
         say(f"search: {lv}: {r:.4f}x")
         if r < 1.0 - cfg.min_gain and r < ratio(got[kept], base):
             kept = i
-    lever, base = levers[kept], got[kept]
+    lever, base = orders[kept], got[kept]
+    # then each lever the bundle trained, off, with the order kept
+    for name in trained_levers(policy_dir) if cfg.levers_off else ():
+        off = {**lever, name: False}
+        made = makespans([{**off, "admission_residual": {}}])[0]
+        r = ratio(made, base)
+        say(f"search: {off}: {r:.4f}x")
+        if r < 1.0 - cfg.min_gain:
+            lever, base = off, made
     if cfg.width and not read_runtime(policy_dir).get("width"):
         wide = {**lever, "width": True}
         made = makespans([{**wide, "admission_residual": {}}])[0]
@@ -296,11 +307,14 @@ def read_runtime(policy_dir: Path) -> dict[str, Any]:
     return read_manifest(Path(policy_dir)).get("config", {}).get("runtime", {})
 
 
-def lever_choices(policy_dir: Path, orders: Sequence[str] = DEFAULT_ORDERS,
-                  with_off: bool = True) -> list[dict[str, Any]]:
-    """The runtime options tried: the bundle as trained with the prior's shortest-first order, each admission order
-    of ``orders``, then (``with_off``) each trained lever turned off: the CPU tier (``offload``), the preemption head
-    (``preempt``)."""
+def order_choices(orders: Sequence[str] = DEFAULT_ORDERS) -> list[dict[str, Any]]:
+    """The admission orders tried: the bundle as trained with the prior's shortest-first order, then each of
+    ``orders``."""
+    return [{"admission": "shortest"}, *({"admission": o} for o in orders)]
+
+
+def trained_levers(policy_dir: Path) -> list[str]:
+    """The runtime levers POLICY_DIR was trained to serve that the search may turn off: the CPU tier (``offload``)
+    and the preemption head (``preempt``)."""
     runtime = read_runtime(policy_dir)
-    off = [{"admission": "shortest", k: False} for k in ("offload", "preempt") if with_off and runtime.get(k)]
-    return [{"admission": "shortest"}, *({"admission": o} for o in orders), *off]
+    return [k for k in ("offload", "preempt") if runtime.get(k)]

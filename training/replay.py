@@ -42,6 +42,9 @@ _COUNTERS = {
     "prefix_cache_hits": "vllm:prefix_cache_hits",
     "preemptions": "vllm:num_preemptions",
 }
+#: vLLM's histograms whose sums and counts a replay reads: the engine's time between a request's consecutive tokens
+#: (engine-core timestamps, so one engine step while the request runs), stock vLLM's and the hook's alike.
+_HISTOGRAMS = {"inter_token": "vllm:inter_token_latency_seconds"}
 
 
 class ReplayError(ValueError):
@@ -123,15 +126,23 @@ def base_url(url: str) -> str:
 
 
 def parse_counters(text: str) -> tuple[dict[str, float], Optional[dict[str, str]]]:
-    """The replay's counters (summed over label sets) and the hook's labels, from a /metrics page."""
+    """The replay's counters and histograms' ``_sum`` and ``_count`` (each summed over label sets), and the hook's
+    labels, from a /metrics page."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = dict.fromkeys(_COUNTERS, 0.0)
+    totals = dict.fromkeys([*_COUNTERS, *(f"{k}_{end}" for k in _HISTOGRAMS for end in ("sum", "count"))], 0.0)
     hook = None
     names = {v: k for k, v in _COUNTERS.items()}
+    histograms = {v: k for k, v in _HISTOGRAMS.items()}
     for fam in text_string_to_metric_families(text):
         if fam.name == HOOK_METRIC:
             hook = dict(fam.samples[0].labels) if fam.samples else {}
+        if fam.name in histograms:
+            for s in fam.samples:
+                end = s.name.rsplit("_", 1)[-1]
+                if end in ("sum", "count"):
+                    totals[f"{histograms[fam.name]}_{end}"] += s.value
+            continue
         key = names.get(fam.name)
         if key is None:
             continue
@@ -396,6 +407,8 @@ def _summary(r: _Run, info: ServerInfo, after: Optional[dict[str, float]], wall:
     """The simulator's summary keys that a client measures, plus the server's counters over the replay (None each
     where ``after`` is: the last probe failed)."""
     delta = {k: (int(round(after[k] - info.counters[k])) if after is not None else None) for k in _COUNTERS}
+    tokens = after["inter_token_count"] - info.counters.get("inter_token_count", 0.0) if after is not None else 0
+    engine_itl = (after["inter_token_sum"] - info.counters.get("inter_token_sum", 0.0)) / tokens if tokens else None
     if r.cached_tokens is not None and r.prompt_tokens:
         hit_rate = r.cached_tokens / r.prompt_tokens
     else:
@@ -423,6 +436,7 @@ def _summary(r: _Run, info: ServerInfo, after: Optional[dict[str, float]], wall:
         "ttft_p99_s": _pct(r.ttft, 99),
         "tpot_p50_s": _pct(r.tpot, 50),
         "tpot_p99_s": _pct(r.tpot, 99),
+        "engine_inter_token_s": engine_itl,  # vLLM's own, over the replay: its engine's step while a request runs
         "cache_resets": r.resets,
         "retried": r.retried,
         "model": info.model,
@@ -457,7 +471,9 @@ def render_replay(s: Mapping[str, Any]) -> str:
         + ", ".join(f"{m:.2f}" for m in s["makespan_per_step_s"]),
         f"trajectory p50/p99  {s['trajectory_p50_s']:.2f} / {s['trajectory_p99_s']:.2f} s",
         f"TTFT p50/p99        {s['ttft_p50_s'] * 1e3:.0f} / {s['ttft_p99_s'] * 1e3:.0f} ms",
-        f"TPOT p50/p99        {s['tpot_p50_s'] * 1e3:.1f} / {s['tpot_p99_s'] * 1e3:.1f} ms",
+        f"TPOT p50/p99        {s['tpot_p50_s'] * 1e3:.1f} / {s['tpot_p99_s'] * 1e3:.1f} ms; the engine's mean "
+        f"inter-token time {_known(s['engine_inter_token_s'] and s['engine_inter_token_s'] * 1e3, '.1f')} ms "
+        "(/metrics)",
         f"output tokens       {s['output_tokens']} ({s['tokens_per_s']:.0f}/s)",
         f"prefix cache        hit rate {_known(s['prefix_hit_rate'], '.3f')}; /metrics: "
         f"{_known(s['prefix_cache_hits'])} hits of {_known(s['prefix_cache_queries'])} queried tokens",

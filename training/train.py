@@ -394,9 +394,9 @@ def _train(log_dirs: list[Path], work_dir: Path, experiment: str, predictor_para
         except SearchError as err:
             if search.iterations:  # asked for: an error; the default order choice: skipped with a note
                 raise TrainError(f"policy search: {err}") from None
-            console.print(f"admission order and width: not chosen ({err}); the prior's shortest-first order, no "
-                          "width", highlight=False)
-            search = dataclasses.replace(search, orders=(), width=False)
+            console.print(f"admission order, levers and width: not chosen ({err}); the prior's shortest-first "
+                          "order, the levers as trained, no width", highlight=False)
+            search = dataclasses.replace(search, orders=(), levers_off=False, width=False)
     _stage(console, f"1/4 data: {len(log_dirs)} log folder(s)")
     console.print(f"held-out evaluation on {heldout.engine()}"
                   + (f" ({', '.join(k for k, v in taken.items() if v is not None or k == 'kv_fraction')} as the "
@@ -472,7 +472,8 @@ def _search(policy_dir: Path, log_dirs: Sequence[Path], cfg: Any, console: Conso
     from policy.learned.bundle import update_runtime
     from training.policy_search import search_admission
 
-    parts = ["the admission order", *(["the width"] if cfg.width else []),
+    parts = ["the admission order", *(["the trained levers"] if cfg.levers_off else []),
+             *(["the width"] if cfg.width else []),
              *(["the residual"] if cfg.iterations else [])]
     what = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
     _stage(console, f"3b/4 policy search: {what} by "
