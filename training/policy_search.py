@@ -13,9 +13,10 @@ the residual, the admission order and the levers are chosen the same way, from a
 trained (the prior's shortest-first order), each admission order of ``orders`` (by default the trajectories'
 returning turns first, and vLLM's own queue order; heddle's progress first on request). An order is kept only if
 it beats the bundle as trained by ``min_gain``, the best one where several do. Then, with ``levers_off``, each lever
-the bundle trained (the CPU tier, the preemption head) is simulated off with the order kept, and stays off where
-that beats the choice so far by ``min_gain``: a trained lever is served only where the logs' engine runs it faster
-(on vLLM's CPU server the preemption head's victims cost the champion about 9%). Then, with ``width``, the choice
+the bundle trained (the CPU tier, the preemption head) is simulated off with the order kept, and stays on only where
+it beats off by ``min_gain``: a trained lever is served only where the logs' engine runs it faster (on vLLM's CPU
+server the preemption head's victims simulated level with vLLM's on the logged steps and cost the champion about 9%
+on the next one). Then, with ``width``, the choice
 kept is simulated once more with the rollout's width on (:class:`policy.group_width.WidthHolds`: a younger GRPO
 group's turns wait while the older groups' contexts do not fit in GPU KV plus the tier), kept where it beats that
 choice by ``min_gain``: where memory binds over a tier every session of a synchronous step in flight at once evicts
@@ -74,7 +75,7 @@ class SearchConfig:
     min_gain: float = 0.005  # keep the best sample only if its mean makespan ratio is below 1 - min_gain
     inputs: tuple[str, ...] = DEFAULT_INPUTS
     orders: tuple[str, ...] = DEFAULT_ORDERS  # admission orders tried beside shortest-first (of ORDER_CHOICES)
-    levers_off: bool = True  # then each lever the bundle trained (offload, preempt) tried off, with the order kept
+    levers_off: bool = True  # then each trained lever (offload, preempt) kept on only where it beats off
     width: bool = True  # then the width (policy.group_width.WidthHolds) tried on, with the order and levers kept
     seed: int = 0
     jobs: int = 2
@@ -256,13 +257,14 @@ def search_admission(policy_dir: Path, log_dirs: Sequence[Path], cfg: SearchConf
         if r < 1.0 - cfg.min_gain and r < ratio(got[kept], base):
             kept = i
     lever, base = orders[kept], got[kept]
-    # then each lever the bundle trained, off, with the order kept
+    # then each lever the bundle trained, off, with the order kept: it stays on only where it beats off by min_gain
+    # (a trained lever, like another order or the width, is served only where it wins)
     for name in trained_levers(policy_dir) if cfg.levers_off else ():
         off = {**lever, name: False}
         made = makespans([{**off, "admission_residual": {}}])[0]
-        r = ratio(made, base)
-        say(f"search: {off}: {r:.4f}x")
-        if r < 1.0 - cfg.min_gain:
+        r = ratio(base, made)
+        say(f"search: {lever} with {name} on: {r:.4f}x the same with it off")
+        if r >= 1.0 - cfg.min_gain:
             lever, base = off, made
     if cfg.width and not read_runtime(policy_dir).get("width"):
         wide = {**lever, "width": True}
