@@ -193,6 +193,9 @@ def main() -> None:
     from simulator.workload import load_workload
     from training.calibrate import CalibrateConfig, calibrate
 
+    used = sorted(p.name for p in args.out.iterdir())[:4] if args.out.is_dir() else []
+    if used and not args.analyse_only:  # the servers' telemetry would join the last run's, the registry its versions
+        ap.error(f"{args.out} is not empty ({', '.join(used)}): choose an empty folder, or --analyse-only")
     args.out.mkdir(parents=True, exist_ok=True)
     wl_path = args.out / "heldout.parquet"
     if not args.analyse_only:  # (the runs analysed again are of the workload they replayed)

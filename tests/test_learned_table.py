@@ -196,7 +196,9 @@ def test_shortest_first_orders_as_numpy_does() -> None:
         s[np.isnan(s[:, 0])] = (60.0, 1.2)
         want_since[idx] = s
         top, oldest, got_since = np.empty(take, np.int64), np.empty(2), since.copy()
-        got = kernel(idx, lr, pre, got_since, 60.0, 1.2, max_steps, inf, True, top, np.empty(take), oldest)
+        steps, times = got_since[:, 0].copy(), got_since[:, 1].copy()  # (the table's two 1-d clocks)
+        got = kernel(idx, lr, pre, steps, times, 60.0, 1.2, max_steps, inf, True, top, np.empty(take), oldest)
+        got_since = np.column_stack([steps, times])
         if pre[idx].any():
             assert got == -1
             continue
@@ -208,7 +210,7 @@ def test_shortest_first_orders_as_numpy_does() -> None:
         keys = -np.expm1(lr[idx].astype(np.float32).astype(np.float64)) - np.arange(n) * 1e-9
         assert got == take and top.tolist() == np.argsort(-keys, kind="stable")[:take].tolist()
     lr = np.array([1.0, np.nan])
-    assert kernel(np.array([0, 1]), lr, np.zeros(2, bool), np.zeros((2, 2)), 0.0, 0.0, inf, inf, True,
+    assert kernel(np.array([0, 1]), lr, np.zeros(2, bool), np.zeros(2), np.zeros(2), 0.0, 0.0, inf, inf, True,
                   np.empty(1, np.int64), np.empty(1), np.empty(2)) == -1
 
 

@@ -412,8 +412,9 @@ def test_swap_keeps_the_learned_policys_session_state(store, dirs, vllm_engine, 
     prompt = pause_session(vllm_engine, sched, runner)
     p1 = sched.kvpilot_policy.current
     t1 = p1.table
-    clocks = {r.request_id: tuple(t1.since[t1.rows[r.request_id]]) for r in sched.waiting
-              if r.request_id in t1.rows and not math.isnan(t1.since[t1.rows[r.request_id]][0])}
+    rows = {r.request_id: t1.rows[r.request_id] for r in sched.waiting if r.request_id in t1.rows}
+    clocks = {rid: (t1.since_step[row], t1.since_s[row]) for rid, row in rows.items()
+              if not math.isnan(t1.since_step[row])}
     assert clocks and p1.phase.arrived[0] == 25 and p1.predictor._last_tool == {"a": "search"}
     swap_now(sched, dirs["v2"], name, runner)
     p2 = sched.kvpilot_policy.current
@@ -425,7 +426,7 @@ def test_swap_keeps_the_learned_policys_session_state(store, dirs, vllm_engine, 
     assert still, "every clocked request was admitted in the swap step"
     t2 = p2.table
     for rid in still:  # the clock kept running from the first sight under v1
-        assert tuple(t2.since[t2.rows[rid]]) == clocks[rid]
+        assert (t2.since_step[t2.rows[rid]], t2.since_s[t2.rows[rid]]) == clocks[rid]
     turn1 = prompt + fake_runner.output_tokens("a-t0", 4) + fake_runner.prompt_tokens("a-tool", 16)
     sched.add_request(agent_request(vllm_engine, "a-t1", turn1, 4, session_id="a", turn=1, domain="agentic",
                                     group_id="ga", group_size=1))

@@ -20,6 +20,7 @@ import numpy as np
 from policy.common import LengthCache, admission_limit
 from policy.interface import CandidateRequest, EngineState, Event, EventKind, Policy, PolicyState, StateMismatch
 from policy.learned.features import ENGINE_RAW, RAW, R
+from policy.learned.sorting import descending
 from policy.learned.table import FeatureTable
 from policy.options import check_positive
 
@@ -197,20 +198,12 @@ class Sampler(Policy):
         last = self._last_order
         if not first and last is not None and last[0] is keys and last[1] == k:
             return list(last[2])
-        if first:
-            keys = keys.copy()
-            keys[first] = -np.inf
         take = max(0, min(k, len(waiting)) - len(first))
-        if take >= len(keys):
-            top = np.argsort(-keys, kind="stable")
-        else:
-            part = np.argpartition(-keys, take)[:take] if take else np.empty(0, dtype=int)
-            top = part[np.argsort(-keys[part], kind="stable")]
-        top = top[:take]
+        top = descending(keys, take, first)  # (a sort that keeps the GIL: policy.learned.sorting)
         ids = self.table.request_ids
         if not first:
-            order = [ids[i] for i in top.tolist()]
+            order = [ids[i] for i in top]
             self._last_order = (keys, k, order)
             return list(order)
-        return [ids[i] for i in first] + [ids[i] for i in top[~np.isin(top, first)].tolist()]
+        return [ids[i] for i in first] + [ids[i] for i in top]
 

@@ -27,13 +27,13 @@ except ImportError:  # pragma: no cover
 MAX_TAKE = 32
 
 
-def _shortest_first(idx: np.ndarray, lr: np.ndarray, preempted: np.ndarray, since: np.ndarray, now_step: float,
-                    now_s: float, max_steps: float, max_s: float, check_preempted: bool, top: np.ndarray,
-                    keys: np.ndarray, oldest: np.ndarray) -> int:
+def _shortest_first(idx: np.ndarray, lr: np.ndarray, preempted: np.ndarray, since_step: np.ndarray,
+                    since_s: np.ndarray, now_step: float, now_s: float, max_steps: float, max_s: float,
+                    check_preempted: bool, top: np.ndarray, keys: np.ndarray, oldest: np.ndarray) -> int:
     """Write into ``top`` the places (in ``idx``) of the ``len(top)`` rows with the highest key, highest first, and
     return how many: a row's key is ``-expm1(float32(lr))`` (its predicted remaining output, as the scorer reads it)
     minus its place times 1e-9 (the queue's order breaks ties). On the way, start the starvation clock of the rows
-    without one (``since``: engine step, time) and write the oldest start of each into ``oldest``.
+    without one (``since_step``, ``since_s``: engine step, time) and write the oldest start of each into ``oldest``.
 
     -1: a preempted row (with ``check_preempted``), a starved one (waited ``max_steps`` steps or ``max_s`` seconds),
     or a key that is not a number; the clocks are then partly started (the numpy path starts the rest)."""
@@ -44,13 +44,13 @@ def _shortest_first(idx: np.ndarray, lr: np.ndarray, preempted: np.ndarray, sinc
         r = idx[i]
         if check_preempted and preempted[r]:
             return -1
-        if since[r, 0] != since[r, 0]:
-            since[r, 0] = now_step
-            since[r, 1] = now_s
-        if since[r, 0] < oldest_step:
-            oldest_step = since[r, 0]
-        if since[r, 1] < oldest_s:
-            oldest_s = since[r, 1]
+        if since_step[r] != since_step[r]:
+            since_step[r] = now_step
+            since_s[r] = now_s
+        if since_step[r] < oldest_step:
+            oldest_step = since_step[r]
+        if since_s[r] < oldest_s:
+            oldest_s = since_s[r]
     oldest[0] = oldest_step
     oldest[1] = oldest_s
     if not (now_step - oldest_step < max_steps and now_s - oldest_s < max_s):
@@ -87,8 +87,8 @@ def compiled_shortest_first():
     global _compiled, _warm
     if _compiled is not None and not _warm:
         try:
-            _compiled(np.zeros(1, np.int64), np.zeros(1), np.zeros(1, bool), np.full((1, 2), math.nan), 0.0, 0.0,
-                      math.inf, math.inf, True, np.empty(1, np.int64), np.empty(1), np.empty(2))
+            _compiled(np.zeros(1, np.int64), np.zeros(1), np.zeros(1, bool), np.full(1, math.nan), np.full(1, math.nan),
+                      0.0, 0.0, math.inf, math.inf, True, np.empty(1, np.int64), np.empty(1), np.empty(2))
         except Exception as e:  # never into the policy's construction: the numpy path gives the same order
             logging.getLogger(__name__).warning("kvpilot: the compiled admission order is off (%s: %s)",
                                                 type(e).__name__, e)

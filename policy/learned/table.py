@@ -50,12 +50,15 @@ from policy.learned.features import (
 )
 from policy.learned.group_age import GroupAges
 from policy.learned.shortest_first import MAX_TAKE, compiled_shortest_first
+from policy.learned.sorting import first_come
 
 _WAIT, _RUNNING, _P50, _P90 = R["wait_s"], R["is_running"], R["pred_p50"], R["pred_p90"]
 _PREEMPTIONS = R["preemptions"]
 # (plain names: cheaper)
 _SCHEDULED, _PREEMPTED, _FINISHED = EventKind.SCHEDULED, EventKind.PREEMPTED, EventKind.FINISHED
 _ARRIVED = EventKind.ARRIVED
+#: The per-row arrays that start as NaN (unknown).
+_NAN_COLUMNS = ("p50", "p90", "since_step", "since_s")
 #: Rows beyond which a table that receives no FINISHED events starts afresh.
 MAX_ROWS = 1 << 17
 
@@ -71,7 +74,8 @@ class TableState:
     arrival: np.ndarray
     running: np.ndarray
     step: np.ndarray
-    since: np.ndarray
+    since_step: np.ndarray
+    since_s: np.ndarray
     steps: dict[Optional[int], int]
     tracking: bool
     age: np.ndarray
@@ -126,12 +130,16 @@ class FeatureTable:
         self.arrival = np.zeros(cap)
         self.running = np.zeros(cap, dtype=bool)
         self.preempted = np.zeros(cap, dtype=bool)  # waiting again after a preemption
-        self.preds = np.full((cap, 2), math.nan)  # length p50, p90
+        # Per-row values live in 1-d arrays: numpy gathers and scatters rows of a 2-d array with the GIL released
+        # (policy.learned.sorting says what that costs inside vLLM's engine core), and 1-d ones with it kept.
+        self.p50 = np.full(cap, math.nan)  # length predictions
+        self.p90 = np.full(cap, math.nan)
         self.step = np.zeros(cap, dtype=np.int64)  # index into self.steps
         self.age = np.zeros(cap)  # its group's rank in start order under async RL, else 0 (policy.learned.group_age)
         self.ages: GroupAges = getattr(self, "ages", None) or GroupAges()  # (kept when the table starts afresh)
         self.aged_rows = 0  # rows with a group age: their requests carry weight versions (asynchronous RL)
-        self.since = np.full((cap, 2), math.nan)  # (engine step, time) it (re-)entered the queue
+        self.since_step = np.full(cap, math.nan)  # the engine step and the time it (re-)entered the queue
+        self.since_s = np.full(cap, math.nan)
         self.dirty = np.zeros(cap, dtype=bool)
         self.light = np.zeros(cap, dtype=bool)  # filled by :meth:`remaining`: ``x`` not computed
         self._light = False  # a row may be light since :meth:`features` last looked
@@ -152,9 +160,10 @@ class FeatureTable:
 
     def _grow(self) -> None:
         cap = len(self.x)
-        for name in ("x", "lr", "arrival", "running", "preempted", "preds", "step", "age", "since", "dirty", "light"):
+        for name in ("x", "lr", "arrival", "running", "preempted", "p50", "p90", "step", "age", "since_step", "since_s",
+                     "dirty", "light"):
             a = getattr(self, name)
-            b = np.full((2 * cap,) + a.shape[1:], math.nan) if name in ("preds", "since") else \
+            b = np.full((2 * cap,) + a.shape[1:], math.nan) if name in _NAN_COLUMNS else \
                 np.zeros((2 * cap,) + a.shape[1:], dtype=a.dtype)
             b[:cap] = a
             setattr(self, name, b)
@@ -180,7 +189,7 @@ class FeatureTable:
         elif row is not None:
             self.dirty[row] = True
             if kind is _SCHEDULED:
-                self.since[row] = math.nan
+                self.since_step[row] = self.since_s[row] = math.nan
                 self._clock_idx = None
         gid = event.meta.group_id
         if gid is not None:
@@ -225,7 +234,7 @@ class FeatureTable:
             self.aged_rows += age > 0
             self.dirty[r] = True
             self.light[r] = False
-            self.since[r] = math.nan
+            self.since_step[r] = self.since_s[r] = math.nan
             try:
                 i = idx.index(-1, i + 1)
             except ValueError:
@@ -245,7 +254,8 @@ class FeatureTable:
             lr, running, preempted = light_values(cands, preds)
             self.running[rows] = running
             self.preempted[rows] = preempted
-            self.preds[rows] = preds
+            self.p50[rows] = [p[0] for p in preds]
+            self.p90[rows] = [p[1] for p in preds]
         else:
             raw = self.raw_of(cands, state)
             if light:
@@ -256,7 +266,8 @@ class FeatureTable:
             self.running[rows] = raw[:, _RUNNING] > 0
             # a waiting request with a preemption was preempted in this turn (only a preemption sends one back)
             self.preempted[rows] = (raw[:, _PREEMPTIONS] > 0) & ~self.running[rows]
-            self.preds[rows] = raw[:, [_P50, _P90]]
+            self.p50[rows] = raw[:, _P50]
+            self.p90[rows] = raw[:, _P90]
         self._light |= light
         self.light[rows] = light
         self.lr[rows] = lr
@@ -352,8 +363,9 @@ class FeatureTable:
         if kernel is None or take > MAX_TAKE or (by_age and self.aged):
             return None
         top, oldest = np.empty(take, np.int64), np.empty(2)
-        got = kernel(idx, self.lr, self.preempted, self.since, float(state.engine_step), state.time_s,
-                     self.max_wait_steps, self.max_wait_s, self.resume_preempted, top, np.empty(take), oldest)
+        got = kernel(idx, self.lr, self.preempted, self.since_step, self.since_s, float(state.engine_step),
+                     state.time_s, self.max_wait_steps, self.max_wait_s, self.resume_preempted, top, np.empty(take),
+                     oldest)
         self._rem = self._x_idx = None  # (what remaining() keeps for its next call, and features' cached input)
         if got < 0:
             self._clock_idx = None  # (first() reads every clock again)
@@ -388,22 +400,23 @@ class FeatureTable:
 
     def predictions(self, idx: np.ndarray) -> list[tuple[float, float]]:
         """(p50, p90) of each row."""
-        return [tuple(p) for p in self.preds[idx].tolist()]
+        return list(zip(self.p50[idx].tolist(), self.p90[idx].tolist()))
 
     # ------------------------------------------------------------------ hot swap
     def export_state(self) -> TableState:
         """The event-derived part, for a successor's table (this table is not used afterwards)."""
         return TableState(self.rows, self.members, self.group, self.free, self.arrival, self.running, self.step,
-                          self.since, self.steps, self.tracking, self.age, self.ages)
+                          self.since_step, self.since_s, self.steps, self.tracking, self.age, self.ages)
 
     def import_state(self, st: TableState) -> None:
         """Take a predecessor's rows over; their features are recomputed (this table's predictor) when next offered."""
         if not isinstance(st, TableState):
             raise TypeError(f"expected a TableState, got {type(st).__name__}")
-        cap = len(st.since)
+        cap = len(st.since_step)
         self._alloc(cap)
         self.rows, self.members, self.group, self.free = st.rows, st.members, st.group, st.free
-        self.arrival, self.running, self.step, self.since = st.arrival, st.running, st.step, st.since
+        self.arrival, self.running, self.step = st.arrival, st.running, st.step
+        self.since_step, self.since_s = st.since_step, st.since_s
         self.steps, self.tracking = st.steps, st.tracking
         self.age, self.ages = st.age, st.ages
         self.aged_rows = int(np.count_nonzero(st.age))  # (freed rows' ages are zeroed)
@@ -421,8 +434,8 @@ class FeatureTable:
         pre = self._preempted
         if not pre.size:
             return starved
-        s = self.since[idx[pre]]
-        first = pre[np.lexsort((pre, s[:, 1], s[:, 0]))].tolist()
+        rows = idx[pre]
+        first = first_come(pre, self.since_step[rows], self.since_s[rows])
         if starved:
             taken = set(first)
             first += [p for p in starved if p not in taken]
@@ -437,17 +450,17 @@ class FeatureTable:
         step0, t0 = self._oldest
         if now[0] - step0 < self.max_wait_steps and now[1] - t0 < self.max_wait_s:
             return []
-        s = self.since[idx]
-        old = (now[0] - s[:, 0] >= self.max_wait_steps) | (now[1] - s[:, 1] >= self.max_wait_s)
-        pos = np.flatnonzero(old)
-        return pos[np.lexsort((pos, s[pos, 1], s[pos, 0]))].tolist()
+        steps, times = self.since_step[idx], self.since_s[idx]
+        pos = np.flatnonzero((now[0] - steps >= self.max_wait_steps) | (now[1] - times >= self.max_wait_s))
+        return first_come(pos, steps[pos], times[pos])
 
     def _start_clocks(self, idx: np.ndarray, now: tuple[int, float]) -> None:
         """Start the clock of the rows that have none; cache the oldest start of ``idx``."""
-        s = self.since[idx]
-        unset = np.isnan(s[:, 0])
+        steps, times = self.since_step[idx], self.since_s[idx]
+        unset = np.isnan(steps)
         if unset.any():
-            s[unset] = now
-            self.since[idx[unset]] = s[unset]
-        self._oldest = (s[:, 0].min(initial=math.inf), s[:, 1].min(initial=math.inf))
+            steps[unset], times[unset] = now
+            rows = idx[unset]
+            self.since_step[rows], self.since_s[rows] = now
+        self._oldest = (steps.min(initial=math.inf), times.min(initial=math.inf))
         self._clock_idx = idx
