@@ -39,8 +39,8 @@ def test_train_group_keeps_its_subcommands(tmp_path: Path) -> None:
         assert not (tmp_path / "w").exists()
 
 
-def test_demo_champion_uses_the_preemption_head() -> None:
-    """The demo trains with ``preempt=True`` (its champion beat vLLM default's makespan only with the head); the
+def test_demo_trains_the_preemption_head() -> None:
+    """The demo trains with ``preempt=True`` (``train``'s search then serves the head only where it wins); the
     library default learns the head where the logs hold preemption decisions (``None``: every lever found)."""
     import dataclasses
 
