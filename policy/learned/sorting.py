@@ -9,7 +9,6 @@ microseconds, which keeps the GIL; longer ones take numpy.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,11 +30,8 @@ def descending(keys: np.ndarray, take: int, skip: Sequence[int] = ()) -> list[in
         return [i for i in top.tolist() if i not in left][:take]
     values = keys.tolist()
     if any(v != v for v in values):  # NaN: after every number, as numpy sorts it
-        values = [-math.inf if v != v else v for v in values]
-        nan = {i for i, v in enumerate(keys.tolist()) if v != v}
-        rank = sorted(range(n), key=lambda i: (i not in nan, values[i]), reverse=True)
-    else:
-        rank = sorted(range(n), key=values.__getitem__, reverse=True)  # stable: ties keep their positions
+        values = [(True, v) if v == v else (False, 0.0) for v in values]
+    rank = sorted(range(n), key=values.__getitem__, reverse=True)  # stable: ties keep their positions
     if len(skip):
         left = set(skip)
         rank = [i for i in rank if i not in left]
