@@ -15,11 +15,11 @@ returning turns first, and vLLM's own queue order; heddle's progress first on re
 it beats the bundle as trained by ``min_gain``, the best one where several do. Then, with ``levers_off``, each lever
 the bundle trained (the CPU tier, the preemption head) is simulated off with the order kept, and stays on only where
 it beats off by ``min_gain``: a trained lever is served only where the logs' engine runs it faster (on vLLM's CPU
-server the preemption head's victims simulated level with vLLM's on the logged steps and cost the champion about 9%
-on the next one). Then, with ``width``, the choice
-kept is simulated once more with the rollout's width on (:class:`policy.group_width.WidthHolds`: a younger GRPO
-group's turns wait while the older groups' contexts do not fit in GPU KV plus the tier), kept where it beats that
-choice by ``min_gain``: where memory binds over a tier every session of a synchronous step in flight at once evicts
+server the preemption head's victims simulated level with (0.999x) or behind (1.030x) vLLM's on two logging runs'
+steps, and cost the champion about 9% on the next step). Then, with ``width``, the choice kept is simulated
+once more with the rollout's width on (:class:`policy.group_width.WidthHolds`: a younger GRPO group's turns wait
+while the older groups' contexts do not fit in GPU KV plus the tier), kept where it beats that choice by
+``min_gain``: where memory binds over a tier every session of a synchronous step in flight at once evicts
 the others' paused contexts. The rules disagree by regime (shortest-first and the width win where memory binds, the
 returning turns first on short search sessions, vLLM's queue order on short agent turns on vLLM's CPU server as
 the simulator models it), and the logged workloads say which regime the logs' engine serves. A server's
