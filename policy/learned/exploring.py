@@ -18,6 +18,7 @@ from policy.interface import AdmissionDecision, CandidateRequest, EngineState, P
 from policy.learned.bundle import read_predictor
 from policy.learned.policy import RUNTIME_DEFAULTS
 from policy.learned.sampler import Sampler
+from policy.learned.sorting import queue_keys
 from policy.options import check_positive
 
 __all__ = ["LOGGING_ADMIT", "LOGGING_PREEMPT", "LoggingPolicy"]
@@ -102,12 +103,12 @@ class LoggingPolicy(Sampler):
         first = self.table.first(idx, state)
         n = len(waiting)
         kind = self._pick(self.admit_w)
-        if kind == "fcfs":
-            keys = -np.arange(n, dtype=np.float64)
+        if kind == "fcfs":  # (queue_keys: no np.arange, which releases the GIL, policy.learned.sorting)
+            keys = queue_keys(n)
         elif kind == "shortest":
-            keys = -rem - np.arange(n) * 1e-9
+            keys = queue_keys(n) * 1e-9 - rem
         elif kind == "longest":
-            keys = rem - np.arange(n) * 1e-9
+            keys = queue_keys(n) * 1e-9 + rem
         else:
             keys = self.np_rng.random(n)
         order = self._order(first, keys, waiting, state)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import numpy as np
 
 from policy.common import remaining_tokens
+from policy.learned.sorting import ascending, queue_keys
 
 #: Raw per-candidate values (NaN where unknown), in order.
 RAW: tuple[str, ...] = (
@@ -181,7 +182,7 @@ def set_features(x: np.ndarray, lr: np.ndarray, offsets: Optional[np.ndarray] = 
     if offsets is None:
         x[:, _REL] = lr - lr.max()
         rank = np.empty(n)
-        rank[np.argsort(lr, kind="stable")] = np.arange(n) / max(n - 1, 1)
+        rank[ascending(lr)] = queue_keys(n) / -max(n - 1, 1)  # (the GIL kept: policy.learned.sorting)
         x[:, _RANK] = rank
         return
     sizes = np.diff(offsets)

@@ -77,8 +77,9 @@ from policy.learned.bundle import (
     write_bundle,
 )
 from policy.learned.features import ENGINE_X, FEATURES, WAIT_X, X
-from policy.learned.sampler import Sampler, queue_keys
+from policy.learned.sampler import Sampler
 from policy.learned.scorer import ADMIT, PREEMPT, NumpyScorer
+from policy.learned.sorting import oldest_first, queue_keys
 from policy.learned.table import engine_raw
 from policy.options import check_positive
 from policy.predictors import OnlineNextUse
@@ -370,10 +371,8 @@ class LearnedPolicy(Sampler):
         then the queue's order: each candidate's place in that lexicographic order, negated. A request with no weight
         version (rank 0) counts as the oldest."""
         n = len(keys)
-        q = queue_keys(n)
-        ranked = np.lexsort((-q, -keys, self.table.age[idx]))
         out = np.empty(n)
-        out[ranked] = q
+        out[oldest_first(self.table.age[idx], keys)] = queue_keys(n)
         return out
 
     def _probs(self, s: np.ndarray) -> np.ndarray:

@@ -20,25 +20,9 @@ import numpy as np
 from policy.common import LengthCache, admission_limit
 from policy.interface import CandidateRequest, EngineState, Event, EventKind, Policy, PolicyState, StateMismatch
 from policy.learned.features import ENGINE_RAW, RAW, R
-from policy.learned.sorting import descending
+from policy.learned.sorting import descending, queue_keys
 from policy.learned.table import FeatureTable
 from policy.options import check_positive
-
-#: 0, -1, -2, ...: admission keys (higher first) that keep the queue's order, read as slices by :func:`queue_keys`.
-_QUEUE_KEYS = -np.arange(4096, dtype=np.float64)
-_QUEUE_KEYS.flags.writeable = False
-
-
-def queue_keys(n: int) -> np.ndarray:
-    """Keys that keep the queue's order for ``n`` candidates (a read-only view). ``np.arange`` fills its array with
-    the GIL released, and inside vLLM's engine core a GIL released for a microsecond goes to vLLM's socket threads
-    for up to a millisecond (docs/results/2026-12-07-real-engine-engine-preset.md), so the hot path slices this."""
-    global _QUEUE_KEYS
-    if n > len(_QUEUE_KEYS):
-        keys = -np.arange(1 << (n - 1).bit_length(), dtype=np.float64)
-        keys.flags.writeable = False
-        _QUEUE_KEYS = keys
-    return _QUEUE_KEYS[:n]
 
 __all__ = ["StepPhase", "candidate_raw", "Sampler", "STATE_KIND", "STATE_VERSION"]
 

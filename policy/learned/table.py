@@ -59,6 +59,8 @@ _SCHEDULED, _PREEMPTED, _FINISHED = EventKind.SCHEDULED, EventKind.PREEMPTED, Ev
 _ARRIVED = EventKind.ARRIVED
 #: The per-row arrays that start as NaN (unknown).
 _NAN_COLUMNS = ("p50", "p90", "since_step", "since_s")
+#: Column offsets of one row of ``FeatureTable.x`` in its flat view.
+_COLUMNS = np.arange(len(FEATURES))
 #: Rows beyond which a table that receives no FINISHED events starts afresh.
 MAX_ROWS = 1 << 17
 
@@ -262,7 +264,8 @@ class FeatureTable:
                 lr = log_remaining(raw)
             else:
                 x, lr = row_features(raw)
-                self.x[rows] = x
+                # one 1-d scatter: numpy scatters rows of a 2-d array with the GIL released (policy.learned.sorting)
+                self.x.reshape(-1)[(np.asarray(rows)[:, None] * len(FEATURES) + _COLUMNS).ravel()] = x.ravel()
             self.running[rows] = raw[:, _RUNNING] > 0
             # a waiting request with a preemption was preempted in this turn (only a preemption sends one back)
             self.preempted[rows] = (raw[:, _PREEMPTIONS] > 0) & ~self.running[rows]
