@@ -134,3 +134,11 @@ def test_cli_prints_the_bound_per_step_and_refuses_a_cache_too_small(tmp_path) -
     assert text.exit_code == 0 and "binding" in text.output and "total" in text.output
     bad = CliRunner().invoke(app, ["bound", "-w", str(path), "--kv-blocks", "2"])
     assert bad.exit_code == 2 and "smaller than the largest request" in bad.output
+    # --time-scale as replay and simulate take it: shorter tool waits never lengthen a step's bound
+    waits = json.loads(CliRunner().invoke(app, ["bound", "-w", str(path), "--json"]).output)["steps"]
+    none = json.loads(CliRunner().invoke(app, ["bound", "-w", str(path), "--time-scale", "0", "--json"]).output)
+    none = none["steps"]
+    assert all(a["bound_s"] <= b["bound_s"] for a, b in zip(none, waits))
+    assert any(a["chain_s"] < b["chain_s"] for a, b in zip(none, waits))
+    neg = CliRunner().invoke(app, ["bound", "-w", str(path), "--time-scale", "-1"])
+    assert neg.exit_code == 2 and "--time-scale must be a number >= 0" in neg.output

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -359,6 +360,7 @@ def bound(
     decode_stride: Annotated[
         int, typer.Option("--decode-stride", help="The simulator's decode stride the bound is for (1: exact).")
     ] = 1,
+    time_scale: TimeScale = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the bound as one JSON object.")] = False,
 ) -> None:
     """A lower bound of each RL step's makespan that no schedule beats under the same cost model."""
@@ -366,7 +368,9 @@ def bound(
     from simulator.workload import load_workload
 
     with reported(*_INPUT_ERRORS):
-        table = load_workload(workload)
+        if not (math.isfinite(time_scale) and time_scale >= 0):
+            raise ValueError(f"--time-scale must be a number >= 0, got {time_scale}")
+        table = load_workload(workload).time_scaled(time_scale)
         result = workload_bound(table, preset=preset, kv_blocks=kv_blocks, kv_fraction=kv_fraction,
                                 replicas=replicas, decode_stride=decode_stride)
     typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_bound(result))

@@ -20,7 +20,7 @@ import numpy as np
 from policy.common import LengthCache, admission_limit
 from policy.interface import CandidateRequest, EngineState, Event, EventKind, Policy, PolicyState, StateMismatch
 from policy.learned.features import ENGINE_RAW, RAW, R
-from policy.learned.sorting import descending, queue_keys
+from policy.learned.sorting import descending
 from policy.learned.table import FeatureTable
 from policy.options import check_positive
 
