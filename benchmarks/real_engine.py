@@ -15,8 +15,9 @@ Printed side by side: measured median makespan and spread, the median over round
 in the same round (the machine drifts over twenty minutes, less within a round), the prediction and its ratio, the
 hook's share of the engine's step time, vLLM's own mean inter-token time (its ``/metrics`` histogram: one engine
 step while a request runs, read alike from stock vLLM) and its median ratio to stock vLLM's in the same round, the
-share of engine time spent prefilling again what an unlimited cache would have kept (re-prefill), and every
-request's telemetry row.
+share of engine time spent prefilling again what an unlimited cache would have kept (re-prefill: the steps' prefill
+tokens and attention pairs priced by the calibrated model, less vllm-default's simulated with a cache that holds the
+step), every request's telemetry row, and each round's ratio to vllm-default.
 
     python -m benchmarks.real_engine -o /tmp/real-engine [--policies vllm-default,seer] [--runs 3] [--no-champion]
     python -m benchmarks.real_engine -o /tmp/real-engine --analyse-only   # calibrate and simulate again, no serving
@@ -162,6 +163,32 @@ def measure(served: dict[str, Served], workload, args: argparse.Namespace) -> di
     return measured
 
 
+def prefill_s(steps, cost) -> float:
+    """Engine time the calibrated cost model gives the prefill in ``steps`` (a steps telemetry table): its tokens
+    and the context pairs their attention reads."""
+    import pyarrow.compute as pc
+
+    return (pc.sum(steps.column("prefill_tokens")).as_py() * cost.prefill_token_s
+            + (pc.sum(steps.column("prefill_context_tokens")).as_py() or 0) * cost.prefill_pair_s)
+
+
+def unavoidable_prefill_s(workload, preset: Path, args: argparse.Namespace) -> float:
+    """The prefill time no schedule avoids: :func:`prefill_s` of vllm-default simulated on ``preset`` with a cache
+    that holds the whole step (nothing computed twice), at the benchmark's time scale."""
+    import tempfile
+
+    from data.io import read_telemetry
+    from simulator.fitted_cost import read_preset_file
+    from simulator.simulation import run_simulation
+
+    tokens = sum(workload.prompt_tokens) + sum(workload.output_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_simulation(workload, "vllm-default", preset=str(preset), kv_blocks=tokens // 16 + workload.num_rows + 2,
+                       out_dir=tmp, progress=False, time_scale=args.time_scale)
+        steps = read_telemetry(Path(tmp) / "telemetry", "steps", ["prefill_tokens", "prefill_context_tokens"])
+        return prefill_s(steps, read_preset_file(preset))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-o", "--out", type=Path, required=True)
@@ -187,7 +214,6 @@ def main() -> None:
     import pyarrow.compute as pc
 
     from data.io import read_telemetry, write_workload
-    from data.stats import workload_stats
     from simulator.fitted_cost import write_preset_file
     from simulator.simulation import run_simulation
     from simulator.workload import load_workload
@@ -234,9 +260,7 @@ def main() -> None:
     write_preset_file(cal.cost, preset, cal.fit_record())
     print(cal.render(), flush=True)
 
-    # prefill no schedule avoids: every prompt token but what an unlimited cache hits within the step
-    least_prefill = sum(workload.prompt_tokens) * (1 - workload_stats(workload.table)[
-        "unlimited_cache_hit_fraction_within_steps"])
+    least_prefill_s = unavoidable_prefill_s(workload, preset, args)
     rows = []
     for name, runs in measured.items():
         spans = [r["makespan_s"] for r in runs]
@@ -246,11 +270,11 @@ def main() -> None:
         how = served[name]
         if how.policy is not None:
             tel = args.out / name / "telemetry"
-            steps = read_telemetry(tel, "steps", ["duration_s", "hook_s", "prefill_tokens"])
+            steps = read_telemetry(tel, "steps", ["duration_s", "hook_s", "prefill_tokens", "prefill_context_tokens"])
             busy = pc.sum(steps.column("duration_s")).as_py()
             row["hook_share"] = pc.sum(steps.column("hook_s")).as_py() / busy
-            again = pc.sum(steps.column("prefill_tokens")).as_py() - len(runs) * least_prefill
-            row["reprefill_share"] = max(0.0, again) * cal.cost.prefill_token_s / busy
+            again = prefill_s(steps, cal.cost) - len(runs) * least_prefill_s
+            row["reprefill_share"] = max(0.0, again) / busy
             row["telemetry_rows"] = read_telemetry(tel, "requests", ["request_id"]).num_rows
             row["requests"] = sum(r["requests"] for r in runs)
             # as many simulated runs as measured ones, each its own draws of the client's round trips
@@ -261,8 +285,9 @@ def main() -> None:
         rows.append(row)
     base = next(r for r in rows if r["policy"] == "vllm-default")
     for r in rows:  # the median over rounds of the makespan over vllm-default's in the same round
-        r["paired_ratio"] = statistics.median(a["makespan_s"] / b["makespan_s"]
-                                              for a, b in zip(measured[r["policy"]], measured["vllm-default"]))
+        r["paired_ratios"] = [a["makespan_s"] / b["makespan_s"]
+                              for a, b in zip(measured[r["policy"]], measured["vllm-default"])]
+        r["paired_ratio"] = statistics.median(r["paired_ratios"])
         itl = [run.get("engine_inter_token_s") for run in measured[r["policy"]]]
         r["inter_token_s"] = statistics.median(itl) if None not in itl else None
         stock = measured.get("stock vLLM")
@@ -279,6 +304,8 @@ def main() -> None:
               + (f"{sim:9.2f} {sim / base['simulated_s']:9.3f} {sim / r['median_s']:8.3f} {r['hook_share']:9.2%} "
                  f"{r['reprefill_share']:10.2%}  telemetry rows {r['telemetry_rows']}/{r['requests']}" if sim else
                  f"  failures: {r['failures']}" if r["failed"] else ""))
+    print("per round, x vllm-default (the same round): " + "; ".join(
+        f"{r['policy']} {', '.join(f'{x:.3f}' for x in r['paired_ratios'])}" for r in rows if r is not base))
     (args.out / "real_engine.json").write_text(json.dumps({"rows": rows, "calibration": cal.to_dict()}, indent=2))
 
 
