@@ -129,7 +129,7 @@ def test_replay_async_runs_every_weight_update_mode_on_the_server(hook_server, w
 def test_identity_with_stock_vllm(hook_server, stock_server, workload_file):
     """Same replay, same generated ids and the same /metrics counters, with and without the hook."""
     from simulator.workload import load_workload
-    from training.replay import ReplayConfig, replay
+    from training.replay import ReplayConfig, render_replay, replay
 
     prepared = load_workload(workload_file)
     runs = {}
@@ -146,6 +146,12 @@ def test_identity_with_stock_vllm(hook_server, stock_server, workload_file):
     assert hook["hook"] == {"policy": "vllm-default"} and stock["hook"] is None
     # vLLM's own step clock (its inter-token histogram) is read from both: what the benchmark compares
     assert 0 < hook["engine_inter_token_s"] < 10 and 0 < stock["engine_inter_token_s"] < 10
+    # one JSON answer per request (--no-stream, as the benchmark replays): the same ids and counters
+    cfg = ReplayConfig(hook_server.url, concurrency=1, time_scale=0.0, progress=False, stream=False)
+    plain = replay(prepared, cfg, outputs=True)
+    assert plain["failed"] == 0 and plain["outputs"] == hook["outputs"] and not plain["streamed"]
+    assert plain["prefix_cache_queries"] == hook["prefix_cache_queries"] and plain["ttft_p50_s"] is None
+    assert "not measured (--no-stream" in render_replay(plain)
 
 
 def test_replay_refuses_an_unreachable_server(workload_file, tmp_path):

@@ -91,6 +91,10 @@ def test_prompts_carry_what_the_stream_generated(workload):
     assert body["max_tokens"] == body["min_tokens"] == w.output_tokens[later] and body["ignore_eos"] is True
     assert body["vllm_xargs"]["kvpilot_session_id"] == w.session_id[later]
     assert all(v is not None for v in body["vllm_xargs"].values())
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    plain = Replayer(w, ReplayConfig("http://x", stream=False), None, ServerInfo("m", 4096, None, {}), None)
+    body = plain.body(later)
+    assert body["stream"] is False and "stream_options" not in body  # one JSON answer, its usage in it
 
 
 def test_requests_a_failure_leaves_unsent_are_counted(workload):
@@ -133,6 +137,9 @@ def test_cli_exits_2_on_a_missing_workload(tmp_path):
                                       "--no-progress"])
     assert result.exit_code == 2
     assert "none.parquet" in result.output
+    both = CliRunner().invoke(app, ["replay", "--url", "http://127.0.0.1:9", "-w", str(tmp_path / "none.parquet"),
+                                    "--driver", "async", "--no-stream"])
+    assert both.exit_code == 2 and "--driver async streams its answers" in both.output
 
 
 def _server(metrics: str):

@@ -826,6 +826,10 @@ def replay_cmd(
         "--keep-cache-across-steps", help="Do not reset the server's prefix cache between RL steps (default: "
         "reset it, as RL frameworks do at weight sync; needs VLLM_SERVER_DEV_MODE=1 on the server).")] = False,
     timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds one request may take.")] = 600.0,
+    stream: Annotated[bool, typer.Option(
+        "--stream/--no-stream", help="Stream each answer, token by token, to measure TTFT and TPOT; --no-stream: one "
+        "answer per request, as RL rollout clients ask, with no per-token work in the server's API process "
+        "(synchronous driver).")] = True,
     driver: DriverOpt = "sync",
     staleness: Annotated[int, typer.Option("--staleness", help="--driver async: the staleness bound eta.")] = 2,
     weight_sync: Annotated[str, typer.Option(
@@ -847,8 +851,10 @@ def replay_cmd(
     trainer_spec = _trainer_spec(driver, trainer, train_batch, trainer_preset)
     if driver != "async" and (staleness != 2 or weight_sync != "keep"):
         raise fail("--staleness and --weight-sync need --driver async")
+    if driver == "async" and not stream:
+        raise fail("--driver async streams its answers (a weight update cuts them off): drop --no-stream")
     with reported(*_INPUT_ERRORS, SimulationError):  # ReplayError is a ValueError
-        cfg = ReplayConfig(url, concurrency, time_scale, timeout_s, require_hook, not keep_cache, progress)
+        cfg = ReplayConfig(url, concurrency, time_scale, timeout_s, require_hook, not keep_cache, progress, stream)
         rl = AsyncReplay(driver, trainer_spec, staleness, weight_sync)
         prepared = load_workload(workload)
     bar = None

@@ -64,6 +64,10 @@ class ReplayConfig:
     #: default; needs the server's ``/reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``), else a warning.
     reset_between_steps: bool = True
     progress: bool = True
+    #: Stream each answer (server-sent events, one per token): the client measures TTFT and TPOT. Off: one JSON
+    #: answer per request, as RL frameworks' rollout clients ask, and no per-token work in the API server or client
+    #: beside the engine (``--no-stream``; the synchronous driver only: the async one resumes aborted streams).
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -225,8 +229,8 @@ class Replayer:
             "min_tokens": out,
             "ignore_eos": True,
             "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream": self.cfg.stream,
+            **({"stream_options": {"include_usage": True}} if self.cfg.stream else {}),
             "return_token_ids": True,
             # the output's length is forced through max_tokens; the hook reads the rollout's own from here
             "vllm_xargs": {**w.xargs(row), "kvpilot_max_tokens": w.max_tokens[row]},
@@ -247,6 +251,16 @@ class Replayer:
             return await self._stream(body, headers, got)
 
     async def _stream(self, body: Mapping[str, Any], headers: Mapping[str, str], got: Streamed) -> Streamed:
+        if not body.get("stream"):
+            resp = await self.client.post(self.url, json=body, headers=headers)
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:500]}")
+            answer = resp.json()
+            for choice in answer.get("choices") or ():
+                got.ids.extend(choice.get("token_ids") or ())
+                got.finish_reason = choice.get("finish_reason") or got.finish_reason
+            got.usage = answer.get("usage") or got.usage
+            return got
         async with self.client.stream("POST", self.url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:500]
@@ -397,7 +411,9 @@ async def _replay(workload: PreparedWorkload, cfg: ReplayConfig, bar_factory: An
         except ReplayError as e:  # the run is measured: keep it, without the server's counters
             after = None
             rep.run.warnings.append(f"the server's counters after the replay are unknown: {e}")
-    summary = {**_summary(rep.run, info, after, wall), **rep.extra_summary(wall)}
+    summary = {**_summary(rep.run, info, after, wall), "streamed": cfg.stream, **rep.extra_summary(wall)}
+    if not cfg.stream:  # one answer per request: no first token seen apart from the last
+        summary.update(dict.fromkeys(("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")))
     if outputs:
         summary["outputs"] = rep.outputs
     return summary
@@ -463,6 +479,7 @@ def _known(v: Any, fmt: str = "") -> str:
 
 def render_replay(s: Mapping[str, Any]) -> str:
     """The summary as a short table."""
+    streamed = s.get("streamed", True)
     lines = [
         f"requests            {s['requests']} ({s['failed']} failed"
         + (f", {s['not_sent']} never sent: the rest of the trajectories they lost" if s["not_sent"] else "")
@@ -470,10 +487,12 @@ def render_replay(s: Mapping[str, Any]) -> str:
         f"makespan            {s['makespan_s']:.2f} s mean over {len(s['makespan_per_step_s'])} step(s): "
         + ", ".join(f"{m:.2f}" for m in s["makespan_per_step_s"]),
         f"trajectory p50/p99  {s['trajectory_p50_s']:.2f} / {s['trajectory_p99_s']:.2f} s",
-        f"TTFT p50/p99        {s['ttft_p50_s'] * 1e3:.0f} / {s['ttft_p99_s'] * 1e3:.0f} ms",
-        f"TPOT p50/p99        {s['tpot_p50_s'] * 1e3:.1f} / {s['tpot_p99_s'] * 1e3:.1f} ms; the engine's mean "
-        f"inter-token time {_known(s['engine_inter_token_s'] and s['engine_inter_token_s'] * 1e3, '.1f')} ms "
-        "(/metrics)",
+        (f"TTFT p50/p99        {s['ttft_p50_s'] * 1e3:.0f} / {s['ttft_p99_s'] * 1e3:.0f} ms" if streamed else
+         "TTFT, TPOT          not measured (--no-stream: one answer per request)"),
+        (f"TPOT p50/p99        {s['tpot_p50_s'] * 1e3:.1f} / {s['tpot_p99_s'] * 1e3:.1f} ms; " if streamed else
+         "inter-token time    ")
+        + f"the engine's mean inter-token time "
+        f"{_known(s['engine_inter_token_s'] and s['engine_inter_token_s'] * 1e3, '.1f')} ms (/metrics)",
         f"output tokens       {s['output_tokens']} ({s['tokens_per_s']:.0f}/s)",
         f"prefix cache        hit rate {_known(s['prefix_hit_rate'], '.3f')}; /metrics: "
         f"{_known(s['prefix_cache_hits'])} hits of {_known(s['prefix_cache_queries'])} queried tokens",

@@ -85,6 +85,8 @@ class TrainedReplayer(Replayer):
 
     def __init__(self, *args: Any, spec: AsyncReplay) -> None:
         super().__init__(*args)
+        if spec.driver == "async" and not self.cfg.stream:
+            raise ReplayError("the async driver streams its answers (a weight update cuts them off): stream=True")
         self.spec = spec
         self.cost = spec.cost()
         w = self.w
