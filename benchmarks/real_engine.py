@@ -175,19 +175,18 @@ def prefill_s(steps, cost) -> float:
             + (pc.sum(steps.column("prefill_context_tokens")).as_py() or 0) * cost.prefill_pair_s)
 
 
-def unavoidable_prefill_s(workload, preset: Path, args: argparse.Namespace) -> float:
+def unavoidable_prefill_s(workload, preset: Path, time_scale: float) -> float:
     """The prefill time no schedule avoids: :func:`prefill_s` of vllm-default simulated on ``preset`` with a cache
-    that holds the whole step (nothing computed twice), at the benchmark's time scale."""
+    that holds the whole step (``kv_fraction`` 1: nothing computed twice), at ``time_scale``."""
     import tempfile
 
     from data.io import read_telemetry
     from simulator.fitted_cost import read_preset_file
     from simulator.simulation import run_simulation
 
-    tokens = sum(workload.prompt_tokens) + sum(workload.output_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        run_simulation(workload, "vllm-default", preset=str(preset), kv_blocks=tokens // 16 + workload.num_rows + 2,
-                       out_dir=tmp, progress=False, time_scale=args.time_scale)
+        run_simulation(workload, "vllm-default", preset=str(preset), kv_fraction=1.0, out_dir=tmp, progress=False,
+                       time_scale=time_scale)
         steps = read_telemetry(Path(tmp) / "telemetry", "steps", ["prefill_tokens", "prefill_context_tokens"])
         return prefill_s(steps, read_preset_file(preset))
 
@@ -263,7 +262,7 @@ def main() -> None:
     write_preset_file(cal.cost, preset, cal.fit_record())
     print(cal.render(), flush=True)
 
-    least_prefill_s = unavoidable_prefill_s(workload, preset, args)
+    least_prefill_s = unavoidable_prefill_s(workload, preset, args.time_scale)
     rows = []
     for name, runs in measured.items():
         spans = [r["makespan_s"] for r in runs]
