@@ -1,6 +1,6 @@
-"""The learned policy's admission orders (``returning``, ``progress``, vLLM's ``queue``) and how `kvpilot train`
-chooses its order: by simulating the logged workloads, on the logs' own engine (a server's: the preset fitted to
-it), keeping another order only where it beats shortest-first by ``min_gain``."""
+"""The learned policy's admission orders (``siblings``, ``returning``, ``progress``, vLLM's ``queue``) and how
+`kvpilot train` chooses its order: by simulating the logged workloads, on the logs' own engine (a server's: the
+preset fitted to it), keeping another order only where it beats shortest-first by ``min_gain``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,32 @@ def test_returning_turns_go_before_first_turns_and_the_queue_order_holds_among_e
     waiting[1].status, waiting[1].num_preemptions = RequestStatus.PREEMPTED, 1
     pol.on_event(Event(EventKind.PREEMPTED, 2.0, "r1", waiting[1].meta))
     assert list(pol.admit(waiting, _state(3, 2.0)).order)[0] == "r1"
+
+
+def test_siblings_admits_a_request_whose_group_is_running_first_and_follows_the_group_as_it_changes() -> None:
+    """``siblings``: a request whose GRPO group has a request running (their shared prompt is in KV: it adds only
+    its own blocks) before the others, whatever the predicted lengths; the queue's order among equals; it follows
+    the hook's events (a sibling scheduled, then finished), and the preempted still go first."""
+    lengths = {"r0": 50.0, "r1": 3000.0, "r2": 400.0, "r3": 60.0}
+    waiting = [_turn(i, s, 1) for i, s in enumerate("abcd")]
+    for c, group in zip(waiting, ("g1", "g2", "g2", "g3")):
+        c.meta = dataclasses.replace(c.meta, group_id=group)
+    pol = LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="siblings")
+    assert list(pol.admit(waiting, _state()).order) == ["r0", "r1", "r2", "r3"]  # no group running: the queue
+    # a request of g2 is scheduled: its two waiting siblings go first, the long one too, in the queue's order
+    sib = _turn(9, "e", 1)
+    sib.meta = dataclasses.replace(sib.meta, group_id="g2")
+    pol.on_event(Event(EventKind.SCHEDULED, 1.0, sib.request_id, sib.meta))
+    waiting[1].group_running = waiting[2].group_running = 1
+    assert list(pol.admit(waiting, _state(2, 1.0)).order) == ["r1", "r2", "r0", "r3"]
+    # it finishes: the queue's order again
+    _finish(pol, sib, 10)
+    waiting[1].group_running = waiting[2].group_running = 0
+    assert list(pol.admit(waiting, _state(3, 2.0)).order) == ["r0", "r1", "r2", "r3"]
+    # a preempted request goes back first (vLLM's precedence)
+    waiting[3].status, waiting[3].num_preemptions = RequestStatus.PREEMPTED, 1
+    pol.on_event(Event(EventKind.PREEMPTED, 3.0, "r3", waiting[3].meta))
+    assert list(pol.admit(waiting, _state(4, 3.0)).order)[0] == "r3"
 
 
 def test_progress_ranks_by_turns_and_tokens_of_the_session_and_survives_a_hot_swap() -> None:
@@ -115,10 +141,11 @@ def bundle(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("made, kept", [
-    ({"shortest": 100.0, "returning": 98.0, "progress": 99.0, "queue": 103.0}, "returning"),  # the best that beat it
-    ({"shortest": 100.0, "returning": 101.0, "progress": 97.0, "queue": 99.0}, "progress"),
-    ({"shortest": 100.0, "returning": 99.8, "progress": 104.0, "queue": 100.0}, "shortest"),  # 0.2%: under min_gain
-    ({"shortest": 160.0, "returning": 120.0, "progress": 130.0, "queue": 100.0}, "queue"),  # vLLM's CPU server
+    ({"shortest": 100.0, "siblings": 99.0, "returning": 98.0, "progress": 99.0, "queue": 103.0}, "returning"),
+    ({"shortest": 100.0, "siblings": 101.0, "returning": 101.0, "progress": 97.0, "queue": 99.0}, "progress"),
+    ({"shortest": 100.0, "siblings": 99.7, "returning": 99.8, "progress": 104.0, "queue": 100.0}, "shortest"),  # 0.3%
+    ({"shortest": 160.0, "siblings": 130.0, "returning": 120.0, "progress": 130.0, "queue": 100.0}, "queue"),
+    ({"shortest": 100.0, "siblings": 80.0, "returning": 98.0, "progress": 99.0, "queue": 103.0}, "siblings"),
 ])
 def test_train_keeps_another_order_only_where_the_logged_workloads_run_it_faster(
         monkeypatch, replayable_log: Path, bundle: Path, made: dict, kept: str) -> None:
@@ -131,23 +158,24 @@ def test_train_keeps_another_order_only_where_the_logged_workloads_run_it_faster
         return made[runtime["admission"]] * (0.5 if runtime.get("offload") is False else 1.0)
 
     monkeypatch.setattr(ps, "_simulate", simulate)
-    every = ("returning", "progress", "queue")
+    every = ("siblings", "returning", "progress", "queue")
     found = ps.search_admission(bundle, [replayable_log],
                                 ps.SearchConfig(jobs=1, orders=every, levers_off=False, width=False))
-    # the four orders, and (--no-levers-off) not the tier turned off
+    # the five orders, and (--no-levers-off) not the tier turned off
     assert [r["admission"] for r in ran] == ["shortest", *every] and not any("offload" in r for r in ran)
     assert found.levers == {"admission": kept} and found.residual == {}
     assert found.ratio == pytest.approx(made[kept] / made["shortest"])
     assert found.metrics()[f"search.admission.{kept}"] == 1.0
     assert found.runtime() == {"admission": kept, "admission_residual": {}}
-    # train's default tries the returning turns first and vLLM's queue order, then the lever the bundle trained
-    # (here the tier, which wins by half) off with the order kept
+    # train's default tries the running groups' requests first, the returning turns first and vLLM's queue order,
+    # then the lever the bundle trained (here the tier, which wins by half) off with the order kept
     ran.clear()
     default = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, width=False))
-    best = min(("returning", "queue"), key=made.get)
+    best = min(("siblings", "returning", "queue"), key=made.get)
     order = best if made[best] < 0.995 * made["shortest"] else "shortest"
-    assert [(r["admission"], r.get("offload")) for r in ran] == [("shortest", None), ("returning", None),
-                                                                  ("queue", None), (order, False)]
+    assert [(r["admission"], r.get("offload")) for r in ran] == [("shortest", None), ("siblings", None),
+                                                                  ("returning", None), ("queue", None),
+                                                                  (order, False)]
     assert default.levers == {"admission": order, "offload": False}
     assert default.ratio == pytest.approx(0.5 * made[order] / made["shortest"])
     assert default.metrics()["search.lever.offload"] == 0.0
@@ -171,7 +199,7 @@ def test_train_serves_a_trained_lever_only_where_the_logged_workloads_run_faster
 
     def simulate(policy_dir, runtime, workload, options):
         ran.append(runtime)
-        made = {"shortest": 100.0, "returning": 104.0, "queue": 103.0}[runtime["admission"]]
+        made = {"shortest": 100.0, "siblings": 102.0, "returning": 104.0, "queue": 103.0}[runtime["admission"]]
         for lever, factor in off_factor.items():
             made *= factor if runtime.get(lever) is False else 1.0
         return made
@@ -179,7 +207,7 @@ def test_train_serves_a_trained_lever_only_where_the_logged_workloads_run_faster
     monkeypatch.setattr(ps, "_simulate", simulate)
     found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, width=False))
     offload_kept = kept.get("offload", True)
-    assert [{k: r[k] for k in ("offload", "preempt") if k in r} for r in ran[3:]] == [
+    assert [{k: r[k] for k in ("offload", "preempt") if k in r} for r in ran[4:]] == [
         {"offload": False}, {**({} if offload_kept else {"offload": False}), "preempt": False}]
     assert found.levers == kept and found.runtime() == {**kept, "admission_residual": {}}
     assert found.metrics().get("search.lever.preempt", 1.0) == float(kept.get("preempt", True))
@@ -202,12 +230,13 @@ def test_train_turns_the_width_on_only_where_the_logged_workloads_run_it_faster_
         return order_made[runtime["admission"]] * (width_factor if runtime.get("width") else 1.0)
 
     monkeypatch.setattr(ps, "_simulate", simulate)
-    order_made = {**order_made, "queue": 105.0}
+    order_made = {**order_made, "siblings": 106.0, "queue": 105.0}
     # train's default but the trained levers (the test above)
     found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, levers_off=False))
     order = "returning" if order_made["returning"] < 0.995 * order_made["shortest"] else "shortest"
-    assert [(r["admission"], r.get("width", False)) for r in ran] == [("shortest", False), ("returning", False),
-                                                                       ("queue", False), (order, True)]
+    assert [(r["admission"], r.get("width", False)) for r in ran] == [("shortest", False), ("siblings", False),
+                                                                       ("returning", False), ("queue", False),
+                                                                       (order, True)]
     assert found.levers == kept
     assert found.ratio == pytest.approx(order_made[order] * (width_factor if kept.get("width") else 1.0) / 100.0)
     assert found.metrics().get("search.lever.width", 0.0) == float(kept.get("width", False))

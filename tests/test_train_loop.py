@@ -194,9 +194,10 @@ def test_demo_loop_leaves_run_model_and_alias(tmp_path: Path, vllm_engine) -> No
     exp = client.get_experiment_by_name("demo-test")
     runs = client.search_runs([exp.experiment_id])
     assert len(runs) == 1 and runs[0].data.metrics
-    # train chose the admission order by simulating the logged workload (one of the three, served as kept)
+    # train chose the admission order by simulating the logged workload (one of those tried, served as kept)
     m = runs[0].data.metrics
-    chosen = [o for o in ("shortest", "returning", "progress", "queue") if m.get(f"search.admission.{o}") == 1.0]
+    orders = ("shortest", "siblings", "returning", "progress", "queue")
+    chosen = [o for o in orders if m.get(f"search.admission.{o}") == 1.0]
     runtime = json.loads((tmp_path / "demo" / "train" / "policy" / "policy.json").read_text())["config"]["runtime"]
     assert len(chosen) == 1 and runtime["admission"] == chosen[0], (chosen, runtime["admission"])
     assert runtime.get("width", False) == (m.get("search.lever.width", 0.0) == 1.0)

@@ -10,8 +10,9 @@ tier, decode stride), and moves its sampling distribution toward the samples wit
 the zero residual (the prior's order). The best sample is kept only if it beats the zero residual by
 :attr:`SearchConfig.min_gain`; otherwise the residual stays empty and the policy serves its prior's order. Before
 the residual, the admission order and the levers are chosen the same way, from a small action set: the bundle as
-trained (the prior's shortest-first order), each admission order of ``orders`` (by default the trajectories'
-returning turns first, and vLLM's own queue order; heddle's progress first on request). An order is kept only if
+trained (the prior's shortest-first order), each admission order of ``orders`` (by default a request whose GRPO
+group has a request running first, the trajectories' returning turns first, and vLLM's own queue order; heddle's
+progress first on request). An order is kept only if
 it beats the bundle as trained by ``min_gain``, the best one where several do. Then, with ``levers_off``, each lever
 the bundle trained (the CPU tier, the preemption head) is simulated off with the order kept, and stays on only where
 it beats off by ``min_gain``: a trained lever is served only where the logs' engine runs it faster (on vLLM's CPU
@@ -48,7 +49,10 @@ import numpy as np
 DEFAULT_INPUTS = ("group_done_frac", "turn", "log_wait_s", "log_pred_final_context", "scorer")
 #: The admission orders the search may try beside the prior's shortest-first (``LearnedPolicy``'s option
 #: ``admission``).
-ORDER_CHOICES = ("returning", "progress", "queue")
+#: ``siblings`` (a request whose GRPO group has a request running first: their shared prompt is in KV) is tried:
+#: on vLLM's CPU server's calibrated preset, memory binding, agentic steps of five seeds simulated it at
+#: 0.79-0.91x vllm-default where shortest-first ran 0.93-1.07x (docs/results/2026-12-08-siblings-first.md).
+ORDER_CHOICES = ("siblings", "returning", "progress", "queue")
 #: Those it tries by default. Heddle's ``progress`` is left out: on Search-R1 it and ``returning`` simulated within
 #: 0.2% of each other on PolyTrace step 0, and held out on step 1 ``progress`` ran 1.7% slower than shortest-first
 #: where ``returning`` ran 1.1% faster (docs/results/2026-12-07-admission-order-by-simulation.md): one more order is
@@ -56,7 +60,7 @@ ORDER_CHOICES = ("returning", "progress", "queue")
 #: (simulated on a preset fitted to vLLM's CPU server, 64-token agent turns: 1.6x), it is the choice that does not.
 #: On two logged steps it was also kept where the next step did not favour it
 #: (docs/results/2026-12-07-real-engine-engine-preset.md): few logged steps make any choice a noisy one.
-DEFAULT_ORDERS = ("returning", "queue")
+DEFAULT_ORDERS = ("siblings", "returning", "queue")
 
 
 class SearchError(ValueError):

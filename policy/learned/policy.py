@@ -90,6 +90,7 @@ __all__ = ["RUNTIME_DEFAULTS", "PRIOR", "LearnedPolicy", "create_learned", "crea
 
 #: The scorer input's column of the prior's key (log1p of the predicted remaining output).
 LOG_REMAINING = X["log_pred_remaining"]
+GROUP_RUNNING = X["group_running_frac"]
 #: Runtime options and their defaults (stored in the manifest's ``config["runtime"]``).
 RUNTIME_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
@@ -143,15 +144,17 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # cost more engine time than the recomputation they saved (docs/results).
     "width": False,
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
-    # exploring policy's "shortest" component, deterministic); "returning" (a trajectory's returning turn before
+    # exploring policy's "shortest" component, deterministic); "siblings" (a request whose GRPO group has a request
+    # running first, the queue's order otherwise: their shared prompt is in KV, so where memory binds more requests
+    # run at once); "returning" (a trajectory's returning turn before
     # any first turn, the queue's order otherwise: a short session back from its tool uses its cached context before
     # it is evicted, and a long first turn is not held back behind shorter ones); "progress" (the trajectory
     # furthest along first, heddle's progress score, policy.session_progress, the queue's order among equals);
     # "queue" (vLLM's own order: first come first served, the preempted first; simulated on a preset fitted to vLLM's
     # CPU server, on 64-token agent turns, shortest-first ran 1.6x behind it); or
     # "scorer" (the learned MLP's admission head), which shortest-first beat where memory binds
-    # (docs/results/2026-12-04-memory-binds-admission.md). `kvpilot train` chooses among "shortest", "returning"
-    # and "queue" ("progress" on request) by simulating the logged workloads (training/policy_search.py):
+    # (docs/results/2026-12-04-memory-binds-admission.md). `kvpilot train` chooses among "shortest", "siblings",
+    # "returning" and "queue" ("progress" on request) by simulating the logged workloads (training/policy_search.py):
     # shortest-first wins where memory binds, the returning turns first on Search-R1's short search sessions
     # (docs/results/2026-12-07-admission-order-by-simulation.md). In ``log`` mode
     # the admission order is the scorer's Plackett-Luce sample either way (it explores).
@@ -173,7 +176,7 @@ SCORER_INPUT = "scorer"
 #: order (a context never used again, ``inf``, still leaves first).
 AGE_S = 1e6
 #: The admission orders of :data:`RUNTIME_DEFAULTS`'s ``admission``.
-ADMISSION_ORDERS = ("scorer", "shortest", "returning", "progress", "queue")
+ADMISSION_ORDERS = ("scorer", "shortest", "siblings", "returning", "progress", "queue")
 #: The admission orders that rank by how far each trajectory has come (:mod:`policy.session_progress`).
 SESSION_ORDERS = ("returning", "progress")
 #: The reuse predictors of :data:`RUNTIME_DEFAULTS`'s ``reuse_predictor``.
@@ -435,6 +438,12 @@ class LearnedPolicy(Sampler):
                 return AdmissionDecision()
             keys = self._by_age(idx, np.zeros(len(waiting)))
             return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
+        if self.admission == "siblings" and self.mode == "serve":
+            x, idx = self.table.features(waiting, state)
+            keys = self._sibling_keys(x)
+            if self.group_age and self.table.aged:
+                keys = self._by_age(idx, keys)
+            return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
         if self.progress is not None and self.mode == "serve":  # "progress" or "returning"
             _, idx = self._remaining(waiting, state)
             keys = self._progress_keys(waiting)
@@ -458,6 +467,12 @@ class LearnedPolicy(Sampler):
         order = self._order([], keys, waiting, state)
         head = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
         return AdmissionDecision(order=order, propensity=float(self._probs(s)[head]), predictions=predictions)
+
+    @staticmethod
+    def _sibling_keys(x: np.ndarray) -> np.ndarray:
+        """``siblings`` admission keys (higher first): a request whose group has a request running (their shared
+        prompt is in KV, so it adds only its own blocks) before the others, the queue's order among equals."""
+        return (x[:, GROUP_RUNNING] > 0.0).astype(np.float64)
 
     def _progress_keys(self, waiting: Sequence[CandidateRequest]) -> np.ndarray:
         """Each waiting request's key in a SESSION_ORDERS order (higher first): its progress score, or for
