@@ -51,7 +51,8 @@ DEFAULT_INPUTS = ("group_done_frac", "turn", "log_wait_s", "log_pred_final_conte
 #: ``admission``).
 #: ``siblings`` (a request whose GRPO group has a request running first: their shared prompt is in KV) is tried:
 #: on vLLM's CPU server's calibrated preset, memory binding, agentic steps of five seeds simulated it at
-#: 0.79-0.91x vllm-default where shortest-first ran 0.93-1.07x (docs/results/2026-12-07-siblings-first.md).
+#: 0.79-0.95x vllm-default where shortest-first ran 0.93-1.08x; on the server it ran 0.83x on one held-out step and
+#: 1.04x on another (docs/results/2026-12-07-siblings-first.md).
 ORDER_CHOICES = ("siblings", "returning", "progress", "queue")
 #: Those it tries by default. Heddle's ``progress`` is left out: on Search-R1 it and ``returning`` simulated within
 #: 0.2% of each other on PolyTrace step 0, and held out on step 1 ``progress`` ran 1.7% slower than shortest-first

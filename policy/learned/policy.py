@@ -471,7 +471,8 @@ class LearnedPolicy(Sampler):
     @staticmethod
     def _sibling_keys(x: np.ndarray) -> np.ndarray:
         """``siblings`` admission keys (higher first): a request whose group has a request running (their shared
-        prompt is in KV, so it adds only its own blocks) before the others, the queue's order among equals."""
+        prompt is in KV, so it adds only its own blocks) before the others, the queue's order among equals. A request
+        without its group's size (``kvpilot_group_size``) has no running fraction: it ranks with the others."""
         return (x[:, GROUP_RUNNING] > 0.0).astype(np.float64)
 
     def _progress_keys(self, waiting: Sequence[CandidateRequest]) -> np.ndarray:
