@@ -9,9 +9,8 @@ exactly the workload's sharing; its metadata reaches the hook as ``kvpilot_*``
 Drivers
 -------
 * **Synchronous RL steps** (every ``arrival_s`` null): step s is released when
-  step s-1 ends, all its turn-0 requests at once (stamped :data:`SEND_GAP_S`
-  apart in the workload's order, as a client sends them); it ends when every
-  trajectory of it and its verification are done.
+  step s-1 ends, all its turn-0 requests at once; it ends when every trajectory
+  of it and its verification are done.
 * **Multi-turn sessions**: a turn that is not its session's last returns, after
   the client's round trip (:mod:`simulator.round_trip`; 0 unless set) and its
   ``tool_latency_s``, as the next turn (a new request whose prompt extends
@@ -49,11 +48,6 @@ from simulator.runner import ScriptedRunner
 from simulator.workload import PreparedWorkload
 
 __all__ = ["StepDriver", "StepState", "Trajectory"]
-
-#: Seconds between the engine's arrival stamps of the first turns a step (or round) launches at once: a client
-#: sends them one after another, so vLLM stamps each later than the one before, and a policy that orders by arrival
-#: (continuum's program order) sees the send order, as on a real server, not a tie.
-SEND_GAP_S = 1e-6
 
 
 class Trajectory:
@@ -180,9 +174,8 @@ class StepDriver:
         """The row of a submitted request id."""
         return self.workload.row_of[request_id]
 
-    def submit(self, row: int, t: float, arrival_time: float | None = None) -> None:
-        """Request ``row`` arrives at time ``t``: build it and hand it to the fleet. ``arrival_time``: the engine's
-        stamp, when it is not ``t`` (:meth:`launch`)."""
+    def submit(self, row: int, t: float) -> None:
+        """Request ``row`` arrives at time ``t``: build it and hand it to the fleet."""
         if self._stale_arrivals.get(row):  # the next turn of an aborted trajectory
             self._stale_arrivals[row] -= 1
             return
@@ -195,8 +188,7 @@ class StepDriver:
             traj.waiting_row = None
         extra = self._extra_args(row)
         self.runner.script(rid, row)
-        req = engine.make_request(rid, w.tokens.prompt_ids(row).tolist(), w.max_tokens[row],
-                                  arrival_time=t if arrival_time is None else arrival_time,
+        req = engine.make_request(rid, w.tokens.prompt_ids(row).tolist(), w.max_tokens[row], arrival_time=t,
                                   extra_args=extra, stop_token_ids=(engine.EOS_TOKEN_ID,),
                                   cache_salt=self.cache_salt(traj))
         traj.live.add(rid)
@@ -340,11 +332,11 @@ class StepDriver:
         if self._launched and self.reset_at_weight_sync:
             self.fleet.reset_prefix_caches()
         self._launched = True
-        for k, traj in enumerate(trajs):
+        for traj in trajs:
             traj.start = t
             traj.version = self.version
             traj.next_turn = 1
-            self.submit(traj.turns[0], t, t + k * SEND_GAP_S)
+            self.submit(traj.turns[0], t)
 
     def check_finished(self) -> None:
         """After the run: every request submitted finished and every step closed, unless aborts were planned."""

@@ -426,30 +426,6 @@ def test_a_policy_that_holds_everything_stalls_with_a_clear_error(vllm_engine: A
         run_simulation(workload, HoldAll, kv_fraction=1.0, progress=False, stall_steps=50)
 
 
-@pytest.mark.vllm
-def test_a_steps_first_turns_reach_the_engine_one_after_another(vllm_engine: Any) -> None:
-    """vLLM stamps a released step's first turns apart, in the order sent, as a client's requests reach a server:
-    a policy that orders by arrival (continuum's program order) sees the send order, not a tie."""
-    from policy.interface import Policy
-
-    seen: list[tuple[str, float]] = []
-
-    class Record(Policy):
-        name = "test-record-arrivals"
-        uses_admission = True
-
-        def admit(self, waiting, state):
-            if not seen:
-                seen.extend((c.request_id, c.arrival_s) for c in waiting)
-
-    workload = generate(small_config(3, prompts=3, group=2, steps=1))
-    run_simulation(workload, Record, kv_fraction=1.0, progress=False)
-    first = {r for r, k, t in zip(_col(workload, "request_id"), _col(workload, "kind"), _col(workload, "turn"))
-             if k == "rollout" and not t}
-    times = [t for _, t in seen]
-    assert {r for r, _ in seen} == first and len(seen) == len(first) > 2
-    assert all(b > a for a, b in zip(times, times[1:])) and times[-1] - times[0] < 1e-3
-
 def test_vllm_env_reads_are_cached_only_during_a_run() -> None:
     """vLLM's env variables are cached while the loop runs (as EngineCore does) and uncached afterwards."""
     import vllm.envs as envs
