@@ -90,6 +90,7 @@ __all__ = ["RUNTIME_DEFAULTS", "PRIOR", "LearnedPolicy", "create_learned", "crea
 
 #: The scorer input's column of the prior's key (log1p of the predicted remaining output).
 LOG_REMAINING = X["log_pred_remaining"]
+#: Its column of the share of a candidate's GRPO group running (the ``siblings`` order's key).
 GROUP_RUNNING = X["group_running_frac"]
 #: Runtime options and their defaults (stored in the manifest's ``config["runtime"]``).
 RUNTIME_DEFAULTS: dict[str, Any] = {
@@ -440,16 +441,10 @@ class LearnedPolicy(Sampler):
             return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
         if self.admission == "siblings" and self.mode == "serve":
             x, idx = self.table.features(waiting, state)
-            keys = self._sibling_keys(x)
-            if self.group_age and self.table.aged:
-                keys = self._by_age(idx, keys)
-            return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
+            return AdmissionDecision(order=self._aged_order(idx, self._sibling_keys(x), waiting, state))
         if self.progress is not None and self.mode == "serve":  # "progress" or "returning"
             _, idx = self._remaining(waiting, state)
-            keys = self._progress_keys(waiting)
-            if self.group_age and self.table.aged:
-                keys = self._by_age(idx, keys)
-            return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
+            return AdmissionDecision(order=self._aged_order(idx, self._progress_keys(waiting), waiting, state))
         s, idx = self.scores(waiting, state, ADMIT)
         first = self.table.first(idx, state)
         if self.mode == "serve":
@@ -507,6 +502,12 @@ class LearnedPolicy(Sampler):
             sd = float(s.std())
             if sd > 0.0:
                 keys += (w_scorer / sd) * (s - s.mean())
+        return self._aged_order(idx, keys, waiting, state)
+
+    def _aged_order(self, idx: np.ndarray, keys: np.ndarray, waiting: Sequence[CandidateRequest],
+                    state: EngineState) -> list[str]:
+        """Request ids by descending ``keys`` (table rows ``idx``): the preempted and starved first, the oldest group
+        first under asynchronous RL."""
         if self.group_age and self.table.aged:
             keys = self._by_age(idx, keys)
         return self._order(self.table.first(idx, state), keys, waiting, state)
