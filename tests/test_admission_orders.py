@@ -1,6 +1,6 @@
-"""The learned policy's admission orders (``siblings``, ``returning``, ``progress``, vLLM's ``queue``) and how
-`kvpilot train` chooses its order: by simulating the logged workloads, on the logs' own engine (a server's: the
-preset fitted to it), keeping another order only where it beats shortest-first by ``min_gain``."""
+"""The learned policy's admission orders (``siblings``, ``sessions``, ``returning``, ``progress``, vLLM's
+``queue``) and how `kvpilot train` chooses its order: by simulating the logged workloads, on the logs' own engine
+(a server's: the preset fitted to it), keeping another order only where it beats shortest-first by ``min_gain``."""
 
 from __future__ import annotations
 
@@ -72,6 +72,27 @@ def test_siblings_admits_a_request_whose_group_is_running_first_and_follows_the_
     assert list(pol.admit(waiting, _state(4, 3.0)).order)[0] == "r3"
 
 
+def test_sessions_serves_in_program_order_a_returning_turn_keeping_its_place_across_a_hot_swap() -> None:
+    """``sessions``: continuum's program order (policy.session_order): by the session's first arrival, sessions
+    stamped at one instant in the order first seen, a returning turn in its session's place whatever the lengths;
+    the preempted still go first, and the sessions' arrivals move to a successor at a hot swap."""
+    lengths = {f"r{i}": 100.0 * (5 - i) for i in range(5)}  # shortest-first would serve them backwards
+    waiting = [_turn(i, s, 0) for i, s in enumerate("abc")]  # one step's first turns, released at one instant
+    pol = LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="sessions")
+    assert list(pol.admit(waiting, _state()).order) == ["r0", "r1", "r2"]
+    # c's first turn still waits when a's and b's second turns arrive (later): a and b keep their places before c
+    later = [waiting[2], dataclasses.replace(_turn(3, "b", 1), arrival_s=3.0),
+             dataclasses.replace(_turn(4, "a", 1), arrival_s=4.0)]
+    assert list(pol.admit(later, _state(2, 4.0)).order) == ["r4", "r3", "r2"]
+    successor = LearnedPolicy(_state_dict(), FixedLengths(lengths), admission="sessions")
+    successor.import_state(pol.export_state())
+    assert list(successor.admit(later, _state(3, 5.0)).order) == ["r4", "r3", "r2"]
+    # a preempted request goes back first (vLLM's precedence)
+    later[0].status, later[0].num_preemptions = RequestStatus.PREEMPTED, 1
+    successor.on_event(Event(EventKind.PREEMPTED, 6.0, "r2", later[0].meta))
+    assert list(successor.admit(later, _state(4, 6.0)).order) == ["r2", "r4", "r3"]
+
+
 def test_progress_ranks_by_turns_and_tokens_of_the_session_and_survives_a_hot_swap() -> None:
     """``progress``: heddle's score, turns x 512 + the session's output tokens so far; the tracker's state moves to
     a successor policy at a hot swap."""
@@ -140,16 +161,19 @@ def bundle(tmp_path: Path) -> Path:
     return LearnedPolicy(_state_dict(), None, offload=True).save(tmp_path / "policy")
 
 
-@pytest.mark.parametrize("made, kept", [
-    ({"shortest": 100.0, "siblings": 99.0, "returning": 98.0, "progress": 99.0, "queue": 103.0}, "returning"),
-    ({"shortest": 100.0, "siblings": 101.0, "returning": 101.0, "progress": 97.0, "queue": 99.0}, "progress"),
-    ({"shortest": 100.0, "siblings": 99.7, "returning": 99.8, "progress": 104.0, "queue": 100.0}, "shortest"),  # 0.3%
-    ({"shortest": 160.0, "siblings": 130.0, "returning": 120.0, "progress": 130.0, "queue": 100.0}, "queue"),
-    ({"shortest": 100.0, "siblings": 80.0, "returning": 98.0, "progress": 99.0, "queue": 103.0}, "siblings"),
+@pytest.mark.parametrize("times, kept", [  # shortest, siblings, sessions, returning, progress, queue
+    ((100.0, 99.0, 98.5, 98.0, 99.0, 103.0), "returning"),
+    ((100.0, 101.0, 98.0, 101.0, 97.0, 99.0), "progress"),
+    ((100.0, 99.7, 99.9, 99.8, 104.0, 100.0), "shortest"),  # 0.3%
+    ((160.0, 130.0, 110.0, 120.0, 130.0, 100.0), "queue"),
+    ((100.0, 80.0, 85.0, 98.0, 99.0, 103.0), "siblings"),
+    ((100.0, 90.0, 85.0, 98.0, 99.0, 103.0), "sessions"),
 ])
 def test_train_keeps_another_order_only_where_the_logged_workloads_run_it_faster(
-        monkeypatch, replayable_log: Path, bundle: Path, made: dict, kept: str) -> None:
+        monkeypatch, replayable_log: Path, bundle: Path, times: tuple, kept: str) -> None:
     from training import policy_search as ps
+
+    made = dict(zip(("shortest", "siblings", "sessions", "returning", "progress", "queue"), times))
 
     ran: list[dict] = []
 
@@ -158,24 +182,25 @@ def test_train_keeps_another_order_only_where_the_logged_workloads_run_it_faster
         return made[runtime["admission"]] * (0.5 if runtime.get("offload") is False else 1.0)
 
     monkeypatch.setattr(ps, "_simulate", simulate)
-    every = ("siblings", "returning", "progress", "queue")
+    every = ("siblings", "sessions", "returning", "progress", "queue")
     found = ps.search_admission(bundle, [replayable_log],
                                 ps.SearchConfig(jobs=1, orders=every, levers_off=False, width=False))
-    # the five orders, and (--no-levers-off) not the tier turned off
+    # the six orders, and (--no-levers-off) not the tier turned off
     assert [r["admission"] for r in ran] == ["shortest", *every] and not any("offload" in r for r in ran)
     assert found.levers == {"admission": kept} and found.residual == {}
     assert found.ratio == pytest.approx(made[kept] / made["shortest"])
     assert found.metrics()[f"search.admission.{kept}"] == 1.0
     assert found.runtime() == {"admission": kept, "admission_residual": {}}
-    # train's default tries the running groups' requests first, the returning turns first and vLLM's queue order,
+    # train's default tries the running groups' requests first, program order, the returning turns first and vLLM's
+    # queue order,
     # then the lever the bundle trained (here the tier, which wins by half) off with the order kept
     ran.clear()
     default = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, width=False))
-    best = min(("siblings", "returning", "queue"), key=made.get)
+    best = min(("siblings", "sessions", "returning", "queue"), key=made.get)
     order = best if made[best] < 0.995 * made["shortest"] else "shortest"
     assert [(r["admission"], r.get("offload")) for r in ran] == [("shortest", None), ("siblings", None),
-                                                                  ("returning", None), ("queue", None),
-                                                                  (order, False)]
+                                                                  ("sessions", None), ("returning", None),
+                                                                  ("queue", None), (order, False)]
     assert default.levers == {"admission": order, "offload": False}
     assert default.ratio == pytest.approx(0.5 * made[order] / made["shortest"])
     assert default.metrics()["search.lever.offload"] == 0.0
@@ -199,7 +224,8 @@ def test_train_serves_a_trained_lever_only_where_the_logged_workloads_run_faster
 
     def simulate(policy_dir, runtime, workload, options):
         ran.append(runtime)
-        made = {"shortest": 100.0, "siblings": 102.0, "returning": 104.0, "queue": 103.0}[runtime["admission"]]
+        made = {"shortest": 100.0, "siblings": 102.0, "sessions": 101.0, "returning": 104.0,
+                "queue": 103.0}[runtime["admission"]]
         for lever, factor in off_factor.items():
             made *= factor if runtime.get(lever) is False else 1.0
         return made
@@ -207,7 +233,7 @@ def test_train_serves_a_trained_lever_only_where_the_logged_workloads_run_faster
     monkeypatch.setattr(ps, "_simulate", simulate)
     found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, width=False))
     offload_kept = kept.get("offload", True)
-    assert [{k: r[k] for k in ("offload", "preempt") if k in r} for r in ran[4:]] == [
+    assert [{k: r[k] for k in ("offload", "preempt") if k in r} for r in ran[5:]] == [
         {"offload": False}, {**({} if offload_kept else {"offload": False}), "preempt": False}]
     assert found.levers == kept and found.runtime() == {**kept, "admission_residual": {}}
     assert found.metrics().get("search.lever.preempt", 1.0) == float(kept.get("preempt", True))
@@ -230,13 +256,13 @@ def test_train_turns_the_width_on_only_where_the_logged_workloads_run_it_faster_
         return order_made[runtime["admission"]] * (width_factor if runtime.get("width") else 1.0)
 
     monkeypatch.setattr(ps, "_simulate", simulate)
-    order_made = {**order_made, "siblings": 106.0, "queue": 105.0}
+    order_made = {**order_made, "siblings": 106.0, "sessions": 107.0, "queue": 105.0}
     # train's default but the trained levers (the test above)
     found = ps.search_admission(bundle, [replayable_log], ps.SearchConfig(jobs=1, levers_off=False))
     order = "returning" if order_made["returning"] < 0.995 * order_made["shortest"] else "shortest"
     assert [(r["admission"], r.get("width", False)) for r in ran] == [("shortest", False), ("siblings", False),
-                                                                       ("returning", False), ("queue", False),
-                                                                       (order, True)]
+                                                                       ("sessions", False), ("returning", False),
+                                                                       ("queue", False), (order, True)]
     assert found.levers == kept
     assert found.ratio == pytest.approx(order_made[order] * (width_factor if kept.get("width") else 1.0) / 100.0)
     assert found.metrics().get("search.lever.width", 0.0) == float(kept.get("width", False))

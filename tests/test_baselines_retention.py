@@ -306,6 +306,17 @@ def test_continuum_returning_turn_keeps_program_arrival_order():
     assert list(c.admit(later, engine_state()).order) == ["A1", "C0", "X"]
 
 
+def test_continuum_sessions_with_one_arrival_stamp_keep_the_order_first_seen():
+    """A step's first turns released at one instant tie on arrival: the order is still session by session (as on a
+    server, where the client's sends are stamped apart), not first come first served."""
+    c = ToolPauseTTLPolicy()
+    first = [cand(f"{s}0", s, 0, arrival=0.0) for s in "ABC"]
+    assert list(c.admit(first, engine_state()).order) == ["A0", "B0", "C0"]
+    # B's and A's returning turns arrive after C0 still waits: each keeps its session's place, A before B before C
+    later = [cand("C0", "C", 0, arrival=0.0), cand("B1", "B", 1, arrival=3.0), cand("A1", "A", 1, arrival=4.0)]
+    assert list(c.admit(later, engine_state()).order) == ["A1", "B1", "C0"]
+
+
 def test_oracle_chain_admission_serves_the_longest_remaining_session_first():
     """``chain``: this turn's remaining output plus the session's later turns (critical path first), where
     ``lpt`` sees only this turn."""

@@ -702,8 +702,9 @@ def train(
     admission_orders: Annotated[str, typer.Option(
         "--admission-orders", help="Admission orders tried beside the prior's shortest-first, each simulated on "
         "every logged workload (LOG/workload.parquet), the best kept where it beats shortest-first by 0.5%: "
-        "comma separated among siblings (a request whose GRPO group is running first), returning, progress, queue "
-        "(vLLM's own order); 'none': shortest-first, no simulation.")] = "siblings,returning,queue",
+        "comma separated among siblings (a request whose GRPO group is running first), sessions (by the session's "
+        "first arrival, as continuum admits), returning, progress, queue (vLLM's own order); 'none': "
+        "shortest-first, no simulation.")] = "siblings,sessions,returning,queue",
     width: Annotated[bool, typer.Option(
         "--width/--no-width", help="Then the rollout's width (a younger GRPO group's turns wait while the older "
         "groups' contexts do not fit in GPU KV plus the CPU tier) simulated on every logged workload with the order "

@@ -40,7 +40,9 @@ call). Reported JCT more than 8x better on SWE-bench / BFCL agents.
   releases pins under pressure before any preemption.
 * *Admission* (``admission=True``): waiting requests are ordered by their
   session's first arrival (a request without a session by its own), then by
-  their own arrival: a returning turn keeps its program's place.
+  their own arrival: a returning turn keeps its program's place
+  (:mod:`policy.session_order`; sessions whose first turns carry one arrival
+  stamp keep the order they were first seen in).
 
 **Simplified.** Continuum's TTL comes from a cost model of the tool-duration
 distribution fitted per tool; here an empirical quantile plus the explicit
@@ -68,7 +70,8 @@ from policy.interface import (
     RetentionDecision,
 )
 from policy.options import check_number
-from policy.tool_latency import MAX_SESSIONS, ToolLatencies
+from policy.session_order import SessionArrivals
+from policy.tool_latency import ToolLatencies
 
 
 class ToolPauseTTLPolicy(PauseEventsMixin, Policy):
@@ -83,7 +86,7 @@ class ToolPauseTTLPolicy(PauseEventsMixin, Policy):
     uses_retention = True
     uses_events = True
     uses_admission = True
-    session_fields = ("_first_arrival",)  # carried over at a hot swap (PauseEventsMixin)
+    session_fields = ("_sessions",)  # carried over at a hot swap (PauseEventsMixin)
 
     def __init__(
         self,
@@ -99,7 +102,7 @@ class ToolPauseTTLPolicy(PauseEventsMixin, Policy):
             raise ValueError(f"option admission must be true or false, got {admission!r}")
         self.uses_admission = admission
         self.pins = SessionPins()
-        self._first_arrival: dict[str, float] = {}
+        self._sessions = SessionArrivals()  # the program order of admission
 
     def ttl_stats(self, tool: Optional[str]) -> tuple[float, float, float]:
         """``(ttl_s, p_return, expected_hold_s)`` for a pause on ``tool``."""
@@ -130,18 +133,4 @@ class ToolPauseTTLPolicy(PauseEventsMixin, Policy):
         return RetentionDecision(actions=actions, release=release)
 
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
-        first = self._first_arrival
-        keys = []
-        for i, c in enumerate(waiting):
-            sid = c.meta.session_id
-            if sid is None:
-                t = c.arrival_s
-            else:
-                t = first.get(sid)
-                if t is None or c.arrival_s < t:
-                    if len(first) >= MAX_SESSIONS:
-                        del first[next(iter(first))]
-                    first[sid] = t = c.arrival_s
-            keys.append((t, c.arrival_s, i))
-        keys.sort()
-        return AdmissionDecision(order=[waiting[i].request_id for _, _, i in keys])
+        return AdmissionDecision(order=[waiting[i].request_id for i in self._sessions.order(waiting)])

@@ -6,8 +6,10 @@ and a preemption score from its :data:`policy.learned.features.FEATURES`.
 **Acting.** ``mode="serve"``: admission in the runtime option ``admission``'s order: ``"shortest"``
 (default) ranks by the length model's predicted remaining output, shortest first, moved by the trained
 ``admission_residual`` where it has one (weights on standardised features and on the admission head, learned by
-simulation: :mod:`training.policy_search`); ``"returning"`` puts the trajectories' returning turns before first
-turns and ``"progress"`` ranks by heddle's progress score (:mod:`policy.session_progress`), both keeping the
+simulation: :mod:`training.policy_search`); ``"siblings"`` puts a request whose GRPO group has a request running
+first; ``"sessions"`` serves in program order, by the session's first arrival (:mod:`policy.session_order`, as
+continuum admits); ``"returning"`` puts the trajectories' returning turns before first
+turns and ``"progress"`` ranks by heddle's progress score (:mod:`policy.session_progress`), those three keeping the
 queue's order among equals; ``"queue"`` keeps vLLM's own order (``kvpilot train`` chooses the order by
 simulation); ``"scorer"`` by the admission score. ``learned-prior``
 (:data:`PRIOR`) is the same bundle with no trained network deciding anything. The victim is the one with the highest
@@ -83,6 +85,7 @@ from policy.learned.sorting import oldest_first, queue_keys
 from policy.learned.table import engine_raw
 from policy.options import check_positive
 from policy.predictors import OnlineNextUse
+from policy.session_order import SessionArrivals
 from policy.session_progress import SessionProgress
 from policy.session_reuse import SessionStateNextUse, TrainedNextUse
 
@@ -90,8 +93,6 @@ __all__ = ["RUNTIME_DEFAULTS", "PRIOR", "LearnedPolicy", "create_learned", "crea
 
 #: The scorer input's column of the prior's key (log1p of the predicted remaining output).
 LOG_REMAINING = X["log_pred_remaining"]
-#: Its column of the share of a candidate's GRPO group running (the ``siblings`` order's key).
-GROUP_RUNNING = X["group_running_frac"]
 #: Runtime options and their defaults (stored in the manifest's ``config["runtime"]``).
 RUNTIME_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
@@ -147,7 +148,8 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     # The admission order: "shortest" (the length model's predicted remaining output, shortest first: the
     # exploring policy's "shortest" component, deterministic); "siblings" (a request whose GRPO group has a request
     # running first, the queue's order otherwise: their shared prompt is in KV, so where memory binds more requests
-    # run at once); "returning" (a trajectory's returning turn before
+    # run at once); "sessions" (program order: by the session's first arrival, a returning turn keeping its
+    # session's place, as continuum admits; policy.session_order); "returning" (a trajectory's returning turn before
     # any first turn, the queue's order otherwise: a short session back from its tool uses its cached context before
     # it is evicted, and a long first turn is not held back behind shorter ones); "progress" (the trajectory
     # furthest along first, heddle's progress score, policy.session_progress, the queue's order among equals);
@@ -177,7 +179,7 @@ SCORER_INPUT = "scorer"
 #: order (a context never used again, ``inf``, still leaves first).
 AGE_S = 1e6
 #: The admission orders of :data:`RUNTIME_DEFAULTS`'s ``admission``.
-ADMISSION_ORDERS = ("scorer", "shortest", "siblings", "returning", "progress", "queue")
+ADMISSION_ORDERS = ("scorer", "shortest", "siblings", "sessions", "returning", "progress", "queue")
 #: The admission orders that rank by how far each trajectory has come (:mod:`policy.session_progress`).
 SESSION_ORDERS = ("returning", "progress")
 #: The reuse predictors of :data:`RUNTIME_DEFAULTS`'s ``reuse_predictor``.
@@ -264,6 +266,8 @@ class LearnedPolicy(Sampler):
         #: the sessions' progress (the key of the SESSION_ORDERS), None in any other order
         self.progress = SessionProgress() if admission in SESSION_ORDERS else None
         self._keys: dict[str, float] = {}  # request id -> its key in that order (see _progress_keys)
+        #: the sessions' first arrivals (the ``sessions`` order's key), None in any other order
+        self.sessions = SessionArrivals() if admission == "sessions" else None
         self.gpu_async = gpu_eviction == "async"  # GPU eviction ordered only under asynchronous RL
         self.group_age = bool(group_age)
         #: the async rollout's width (None: off); it holds only where requests carry weight versions
@@ -397,6 +401,7 @@ class LearnedPolicy(Sampler):
         st = super().export_state()
         st.data["width"] = self.width
         st.data["progress"] = self.progress
+        st.data["sessions"] = self.sessions
         return st
 
     def import_state(self, state: PolicyState) -> None:
@@ -408,6 +413,9 @@ class LearnedPolicy(Sampler):
         progress = state.data.get("progress")
         if self.progress is not None and isinstance(progress, SessionProgress):
             self.progress = progress
+        sessions = state.data.get("sessions")
+        if self.sessions is not None and isinstance(sessions, SessionArrivals):
+            self.sessions = sessions
 
     def admit(self, waiting: Sequence[CandidateRequest], state: EngineState) -> Optional[AdmissionDecision]:
         dec = self._admit(waiting, state)
@@ -440,8 +448,14 @@ class LearnedPolicy(Sampler):
             keys = self._by_age(idx, np.zeros(len(waiting)))
             return AdmissionDecision(order=self._order(self.table.first(idx, state), keys, waiting, state))
         if self.admission == "siblings" and self.mode == "serve":
-            x, idx = self.table.features(waiting, state)
-            return AdmissionDecision(order=self._aged_order(idx, self._sibling_keys(x), waiting, state))
+            _, idx = self._remaining(waiting, state)  # (rows refreshed light: the sibling column, no features)
+            return AdmissionDecision(order=self._aged_order(idx, self.table.sibling[idx].astype(np.float64), waiting,
+                                                            state))
+        if self.sessions is not None and self.mode == "serve":
+            _, idx = self._remaining(waiting, state)
+            keys = np.empty(len(waiting))
+            keys[self.sessions.order(waiting)] = queue_keys(len(waiting))
+            return AdmissionDecision(order=self._aged_order(idx, keys, waiting, state))
         if self.progress is not None and self.mode == "serve":  # "progress" or "returning"
             _, idx = self._remaining(waiting, state)
             return AdmissionDecision(order=self._aged_order(idx, self._progress_keys(waiting), waiting, state))
@@ -462,13 +476,6 @@ class LearnedPolicy(Sampler):
         order = self._order([], keys, waiting, state)
         head = next(i for i, c in enumerate(waiting) if c.request_id == order[0])
         return AdmissionDecision(order=order, propensity=float(self._probs(s)[head]), predictions=predictions)
-
-    @staticmethod
-    def _sibling_keys(x: np.ndarray) -> np.ndarray:
-        """``siblings`` admission keys (higher first): a request whose group has a request running (their shared
-        prompt is in KV, so it adds only its own blocks) before the others, the queue's order among equals. A request
-        without its group's size (``kvpilot_group_size``) has no running fraction: it ranks with the others."""
-        return (x[:, GROUP_RUNNING] > 0.0).astype(np.float64)
 
     def _progress_keys(self, waiting: Sequence[CandidateRequest]) -> np.ndarray:
         """Each waiting request's key in a SESSION_ORDERS order (higher first): its progress score, or for

@@ -132,6 +132,7 @@ class FeatureTable:
         self.arrival = np.zeros(cap)
         self.running = np.zeros(cap, dtype=bool)
         self.preempted = np.zeros(cap, dtype=bool)  # waiting again after a preemption
+        self.sibling = np.zeros(cap, dtype=bool)  # a request of its GRPO group runs (group_running_frac > 0)
         # Per-row values live in 1-d arrays: numpy gathers and scatters rows of a 2-d array with the GIL released
         # (policy.learned.sorting says what that costs inside vLLM's engine core), and 1-d ones with it kept.
         self.p50 = np.full(cap, math.nan)  # length predictions
@@ -162,8 +163,8 @@ class FeatureTable:
 
     def _grow(self) -> None:
         cap = len(self.x)
-        for name in ("x", "lr", "arrival", "running", "preempted", "p50", "p90", "step", "age", "since_step", "since_s",
-                     "dirty", "light"):
+        for name in ("x", "lr", "arrival", "running", "preempted", "sibling", "p50", "p90", "step", "age", "since_step",
+                     "since_s", "dirty", "light"):
             a = getattr(self, name)
             b = np.full((2 * cap,) + a.shape[1:], math.nan) if name in _NAN_COLUMNS else \
                 np.zeros((2 * cap,) + a.shape[1:], dtype=a.dtype)
@@ -271,6 +272,7 @@ class FeatureTable:
             self.preempted[rows] = (raw[:, _PREEMPTIONS] > 0) & ~self.running[rows]
             self.p50[rows] = raw[:, _P50]
             self.p90[rows] = raw[:, _P90]
+        self.sibling[rows] = [c.group_running > 0 and (c.meta.group_size or 0) > 0 for c in cands]
         self._light |= light
         self.light[rows] = light
         self.lr[rows] = lr
