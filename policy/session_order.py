@@ -25,23 +25,24 @@ class SessionArrivals:
         self.first: dict[str, tuple[float, int]] = {}
         self.seen = 0
 
-    def order(self, waiting: Sequence[CandidateRequest]) -> list[int]:
-        """Positions of ``waiting`` in program order (the module docstring)."""
+    def key(self, c: CandidateRequest) -> tuple[float, int, float]:
+        """``c``'s place in program order (ascending): its session's (first arrival, order first seen), its own
+        arrival. A request without a session ranks by its own arrival."""
+        sid = c.meta.session_id
+        if sid is None:
+            return c.arrival_s, -1, c.arrival_s
         first = self.first
-        keys = []
-        for i, c in enumerate(waiting):
-            sid = c.meta.session_id
-            if sid is None:
-                keys.append((c.arrival_s, -1, c.arrival_s, i))
-                continue
-            got = first.get(sid)
-            if got is None:
-                if len(first) >= self.max_sessions:
-                    del first[next(iter(first))]
-                first[sid] = got = (c.arrival_s, self.seen)
-                self.seen += 1
-            elif c.arrival_s < got[0]:  # an earlier turn seen late: the session's arrival moves back
-                first[sid] = got = (c.arrival_s, got[1])
-            keys.append((got[0], got[1], c.arrival_s, i))
-        keys.sort()
-        return [k[3] for k in keys]
+        got = first.get(sid)
+        if got is None:
+            if len(first) >= self.max_sessions:
+                del first[next(iter(first))]
+            first[sid] = got = (c.arrival_s, self.seen)
+            self.seen += 1
+        elif c.arrival_s < got[0]:  # an earlier turn seen late: the session's arrival moves back
+            first[sid] = got = (c.arrival_s, got[1])
+        return got[0], got[1], c.arrival_s
+
+    def order(self, waiting: Sequence[CandidateRequest]) -> list[int]:
+        """Positions of ``waiting`` in program order (the module docstring), ties in position order."""
+        keys = [self.key(c) for c in waiting]
+        return sorted(range(len(keys)), key=keys.__getitem__)

@@ -48,7 +48,7 @@ The exploring behaviour policy that logs for it is :class:`policy.learned.explor
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -265,7 +265,7 @@ class LearnedPolicy(Sampler):
         self.admission = admission
         #: the sessions' progress (the key of the SESSION_ORDERS), None in any other order
         self.progress = SessionProgress() if admission in SESSION_ORDERS else None
-        self._keys: dict[str, float] = {}  # request id -> its key in that order (see _progress_keys)
+        self._keys: dict[str, Any] = {}  # request id -> its key in that order (see _cached_keys)
         #: the sessions' first arrivals (the ``sessions`` order's key), None in any other order
         self.sessions = SessionArrivals() if admission == "sessions" else None
         self.gpu_async = gpu_eviction == "async"  # GPU eviction ordered only under asynchronous RL
@@ -391,8 +391,9 @@ class LearnedPolicy(Sampler):
         super().on_event(event)
         if self.progress is not None:
             self.progress.observe(event)
-            if event.kind is EventKind.FINISHED or event.kind is EventKind.PREEMPTED:
-                self._keys.pop(event.request_id, None)
+        if (self.progress is not None or self.sessions is not None) and \
+                (event.kind is EventKind.FINISHED or event.kind is EventKind.PREEMPTED):
+            self._keys.pop(event.request_id, None)
         if self.width is not None:
             self.width.on_event(event)
 
@@ -453,8 +454,10 @@ class LearnedPolicy(Sampler):
                                                             state))
         if self.sessions is not None and self.mode == "serve":
             _, idx = self._remaining(waiting, state)
+            place = self._cached_keys(waiting, lambda cands: [self.sessions.key(c) for c in cands])
             keys = np.empty(len(waiting))
-            keys[self.sessions.order(waiting)] = queue_keys(len(waiting))
+            # program order's positions get the queue's keys (a stable sort: ties keep the queue's order)
+            keys[sorted(range(len(place)), key=place.__getitem__)] = queue_keys(len(waiting))
             return AdmissionDecision(order=self._aged_order(idx, keys, waiting, state))
         if self.progress is not None and self.mode == "serve":  # "progress" or "returning"
             _, idx = self._remaining(waiting, state)
@@ -479,20 +482,28 @@ class LearnedPolicy(Sampler):
 
     def _progress_keys(self, waiting: Sequence[CandidateRequest]) -> np.ndarray:
         """Each waiting request's key in a SESSION_ORDERS order (higher first): its progress score, or for
-        ``returning`` whether it has any. A request's key is computed when it is first seen waiting and kept until
-        it is preempted or finishes: its session's earlier turns ended before it arrived, so only its own output
-        moves the score, and only a preemption sends a request with output back to the queue. So a step reads no
+        ``returning`` whether it has any (see :meth:`_cached_keys`: its session's earlier turns ended before it
+        arrived, so only its own output moves the score, and only a preemption sends a request with output back)."""
+        if self.admission == "returning":
+            got = self._cached_keys(waiting, lambda cands: [1.0 if k > 0.0 else 0.0
+                                                            for k in self.progress.scores(cands)])
+        else:
+            got = self._cached_keys(waiting, self.progress.scores)
+        return np.fromiter(got, dtype=np.float64, count=len(got))
+
+    def _cached_keys(self, waiting: Sequence[CandidateRequest], compute: Callable[[Sequence[CandidateRequest]], list]
+                     ) -> list:
+        """Each waiting request's key in the ``progress``, ``returning`` or ``sessions`` order, ``compute``d when it
+        is first seen waiting and kept until it is preempted or finishes (:meth:`on_event`). So a step reads no
         candidate it has seen (the view builds only the new ones)."""
         cache = self._keys
         ids = waiting.request_ids if isinstance(waiting, CandidateView) else [c.request_id for c in waiting]
         new = [i for i, r in enumerate(ids) if r not in cache]
         if new:
-            got = self.progress.scores(waiting.take(new) if isinstance(waiting, CandidateView) else
-                                       [waiting[i] for i in new])
-            returning = self.admission == "returning"
+            got = compute(waiting.take(new) if isinstance(waiting, CandidateView) else [waiting[i] for i in new])
             for i, k in zip(new, got):
-                cache[ids[i]] = (1.0 if k > 0.0 else 0.0) if returning else k
-        return np.fromiter((cache[r] for r in ids), dtype=np.float64, count=len(ids))
+                cache[ids[i]] = k
+        return [cache[r] for r in ids]
 
     def _residual_order(self, waiting: Sequence[CandidateRequest], state: EngineState) -> list[str]:
         """The prior's order moved by the trained residual: keys ``-log1p(predicted remaining)`` plus the residual's
